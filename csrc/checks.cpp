@@ -1,0 +1,305 @@
+// Argument checks shared by all backends. Shapes are compared as SymInts so
+// the same code serves the Meta kernels under symbolic shapes.
+#include "kda.h"
+
+#include <c10/util/Exception.h>
+
+#include <cmath>
+#include <cstdlib>
+#include <sstream>
+
+namespace kda {
+namespace {
+
+std::string shape_str(const at::Tensor& t) {
+  std::ostringstream os;
+  os << t.sym_sizes();
+  return os.str();
+}
+
+void check_defined(const char* op, const char* name, const at::Tensor& t) {
+  TORCH_CHECK(t.defined(), op, ": ", name, " must be a tensor, got an undefined tensor");
+}
+
+void check_rank(const char* op, const char* name, const at::Tensor& t, int64_t rank, const char* layout) {
+  TORCH_CHECK(
+      t.dim() == rank,
+      op, ": ", name, " must be a ", rank, "-D tensor ", layout, ", got a ", t.dim(), "-D tensor of shape ",
+      shape_str(t));
+}
+
+void check_same_device(const char* op, const char* name, const at::Tensor& t, const at::Tensor& q) {
+  TORCH_CHECK(
+      t.device() == q.device(),
+      op, ": ", name, " must be on the same device as q (", q.device(), "), got ", name, " on ", t.device());
+}
+
+void check_dtype_is(const char* op, const char* name, const at::Tensor& t, at::ScalarType expected, const char* why) {
+  TORCH_CHECK(
+      t.scalar_type() == expected,
+      op, ": ", name, " must have dtype ", expected, " (", why, "), got ", t.scalar_type());
+}
+
+void check_size(const char* op, const char* name, const at::Tensor& t, int64_t dim, const c10::SymInt& expected,
+                const char* what, const char* layout) {
+  TORCH_CHECK(
+      t.sym_size(dim) == expected,
+      op, ": ", name, " must have shape ", layout, " with ", what, " = ", expected, " at dim ", dim, ", got shape ",
+      shape_str(t));
+}
+
+bool is_float_dtype(at::ScalarType s) {
+  return s == at::kBFloat16 || s == at::kHalf || s == at::kFloat || s == at::kDouble;
+}
+
+bool is_state_dtype(at::ScalarType s) {
+  return s == at::kBFloat16 || s == at::kFloat || s == at::kDouble;
+}
+
+}  // namespace
+
+bool debug_checks_enabled() {
+  const char* env = std::getenv("TORCH_KDA_CHECK");
+  return env != nullptr && std::string(env) == "1";
+}
+
+double resolved_scale(const Problem& p) {
+  if (p.scale.has_value()) {
+    return *p.scale;
+  }
+  return 1.0 / std::sqrt(static_cast<double>(concrete(p.K)));
+}
+
+Problem check_forward_args(
+    const char* op,
+    const at::Tensor& q,
+    const at::Tensor& k,
+    const at::Tensor& v,
+    const at::Tensor& g,
+    const at::Tensor& beta,
+    const at::Tensor& A_log,
+    const at::Tensor& dt_bias,
+    std::optional<double> scale,
+    std::optional<double> lower_bound,
+    const std::optional<at::Tensor>& initial_state,
+    const std::optional<at::Tensor>& cu_seqlens) {
+  check_defined(op, "q", q);
+  check_defined(op, "k", k);
+  check_defined(op, "v", v);
+  check_defined(op, "g", g);
+  check_defined(op, "beta", beta);
+  check_defined(op, "A_log", A_log);
+  check_defined(op, "dt_bias", dt_bias);
+
+  // Devices first: a mismatch there explains every later surprise.
+  TORCH_CHECK(
+      q.device().is_cpu() || q.device().is_cuda() || q.device().is_meta(),
+      op, ": q must be on a CPU or CUDA device, got q on ", q.device());
+  check_same_device(op, "k", k, q);
+  check_same_device(op, "v", v, q);
+  check_same_device(op, "g", g, q);
+  check_same_device(op, "beta", beta, q);
+  check_same_device(op, "A_log", A_log, q);
+  check_same_device(op, "dt_bias", dt_bias, q);
+  if (initial_state.has_value()) {
+    check_same_device(op, "initial_state", *initial_state, q);
+  }
+  if (cu_seqlens.has_value()) {
+    check_same_device(op, "cu_seqlens", *cu_seqlens, q);
+  }
+
+  // Dtypes.
+  TORCH_CHECK(
+      is_float_dtype(q.scalar_type()),
+      op, ": q must have dtype bfloat16, float16, float32 or float64, got ", q.scalar_type());
+  check_dtype_is(op, "k", k, q.scalar_type(), "the dtype of q");
+  check_dtype_is(op, "v", v, q.scalar_type(), "the dtype of q");
+  check_dtype_is(op, "g", g, q.scalar_type(), "the dtype of q");
+  check_dtype_is(op, "beta", beta, q.scalar_type(), "the dtype of q");
+  TORCH_CHECK(
+      A_log.scalar_type() == at::kFloat || A_log.scalar_type() == at::kDouble,
+      op, ": A_log must have dtype float32 (or float64), got ", A_log.scalar_type());
+  TORCH_CHECK(
+      dt_bias.scalar_type() == at::kFloat || dt_bias.scalar_type() == at::kDouble,
+      op, ": dt_bias must have dtype float32 (or float64), got ", dt_bias.scalar_type());
+  if (initial_state.has_value()) {
+    TORCH_CHECK(
+        is_state_dtype(initial_state->scalar_type()),
+        op, ": initial_state must have dtype bfloat16, float32 or float64, got ", initial_state->scalar_type());
+  }
+  if (cu_seqlens.has_value()) {
+    TORCH_CHECK(
+        cu_seqlens->scalar_type() == at::kLong || cu_seqlens->scalar_type() == at::kInt,
+        op, ": cu_seqlens must have dtype int64 or int32, got ", cu_seqlens->scalar_type());
+  }
+
+  // Ranks and shapes.
+  check_rank(op, "q", q, 4, "[B, T, H, K]");
+  check_rank(op, "k", k, 4, "[B, T, H, K]");
+  check_rank(op, "v", v, 4, "[B, T, H, V]");
+  check_rank(op, "g", g, 4, "[B, T, H, K]");
+  check_rank(op, "beta", beta, 3, "[B, T, H]");
+  check_rank(op, "A_log", A_log, 1, "[H]");
+  check_rank(op, "dt_bias", dt_bias, 2, "[H, K]");
+
+  Problem p;
+  p.B = q.sym_size(0);
+  p.T = q.sym_size(1);
+  p.H = q.sym_size(2);
+  p.K = q.sym_size(3);
+  p.V = v.sym_size(3);
+  TORCH_CHECK(p.K > 0, op, ": q must have a positive head size K (dim 3), got shape ", shape_str(q));
+  TORCH_CHECK(p.V > 0, op, ": v must have a positive head size V (dim 3), got shape ", shape_str(v));
+  TORCH_CHECK(p.H > 0, op, ": q must have at least one head (dim 2), got shape ", shape_str(q));
+
+  TORCH_CHECK(
+      k.sym_sizes() == q.sym_sizes(),
+      op, ": k must have the shape of q ", shape_str(q), ", got ", shape_str(k));
+  TORCH_CHECK(
+      g.sym_sizes() == q.sym_sizes(),
+      op, ": g must have the shape of q ", shape_str(q), ", got ", shape_str(g));
+  for (int64_t d = 0; d < 3; ++d) {
+    check_size(op, "v", v, d, q.sym_size(d), d == 0 ? "B" : (d == 1 ? "T" : "H"), "[B, T, H, V]");
+    check_size(op, "beta", beta, d, q.sym_size(d), d == 0 ? "B" : (d == 1 ? "T" : "H"), "[B, T, H]");
+  }
+  check_size(op, "A_log", A_log, 0, p.H, "H", "[H]");
+  check_size(op, "dt_bias", dt_bias, 0, p.H, "H", "[H, K]");
+  check_size(op, "dt_bias", dt_bias, 1, p.K, "K", "[H, K]");
+
+  if (cu_seqlens.has_value()) {
+    p.varlen = true;
+    TORCH_CHECK(
+        cu_seqlens->dim() == 1,
+        op, ": cu_seqlens must be a 1-D tensor [N + 1], got a ", cu_seqlens->dim(), "-D tensor of shape ",
+        shape_str(*cu_seqlens));
+    TORCH_CHECK(
+        cu_seqlens->sym_size(0) >= 1,
+        op, ": cu_seqlens must hold at least one offset (N + 1 >= 1), got shape ", shape_str(*cu_seqlens));
+    TORCH_CHECK(
+        p.B == 1,
+        op, ": q must have batch size B = 1 when cu_seqlens is given (sequences are packed along T), got shape ",
+        shape_str(q));
+    p.N = cu_seqlens->sym_size(0) - 1;
+  } else {
+    p.N = p.B;
+  }
+
+  if (initial_state.has_value()) {
+    p.has_initial_state = true;
+    check_rank(op, "initial_state", *initial_state, 4, "[N, H, V, K]");
+    check_size(op, "initial_state", *initial_state, 0, p.N, "N", "[N, H, V, K]");
+    check_size(op, "initial_state", *initial_state, 1, p.H, "H", "[N, H, V, K]");
+    check_size(op, "initial_state", *initial_state, 2, p.V, "V", "[N, H, V, K]");
+    check_size(op, "initial_state", *initial_state, 3, p.K, "K", "[N, H, V, K]");
+  }
+
+  // Scalars.
+  if (scale.has_value()) {
+    TORCH_CHECK(std::isfinite(*scale), op, ": scale must be a finite number, got ", *scale);
+  }
+  p.scale = scale;
+  if (lower_bound.has_value()) {
+    TORCH_CHECK(
+        std::isfinite(*lower_bound) && *lower_bound < 0.0,
+        op, ": lower_bound must be a finite negative number (or None for the softplus gate), got ", *lower_bound);
+    p.gate = Gate::kBounded;
+    p.lower_bound = *lower_bound;
+  } else {
+    p.gate = Gate::kSoftplus;
+  }
+
+  p.input_dtype = q.scalar_type();
+  if (initial_state.has_value()) {
+    p.state_dtype = initial_state->scalar_type();
+  } else {
+    p.state_dtype = q.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+  }
+  return p;
+}
+
+void check_inplace_buffers(
+    const char* op,
+    const Problem& p,
+    const at::Tensor& q,
+    const at::Tensor& out,
+    const std::optional<at::Tensor>& final_state,
+    const std::optional<at::Tensor>& initial_state) {
+  check_defined(op, "out", out);
+  check_same_device(op, "out", out, q);
+  check_dtype_is(op, "out", out, q.scalar_type(), "the dtype of q");
+  check_rank(op, "out", out, 4, "[B, T, H, V]");
+  check_size(op, "out", out, 0, p.B, "B", "[B, T, H, V]");
+  check_size(op, "out", out, 1, p.T, "T", "[B, T, H, V]");
+  check_size(op, "out", out, 2, p.H, "H", "[B, T, H, V]");
+  check_size(op, "out", out, 3, p.V, "V", "[B, T, H, V]");
+  if (final_state.has_value()) {
+    const at::Tensor& fs = *final_state;
+    check_defined(op, "final_state", fs);
+    check_same_device(op, "final_state", fs, q);
+    TORCH_CHECK(
+        is_state_dtype(fs.scalar_type()),
+        op, ": final_state must have dtype bfloat16, float32 or float64, got ", fs.scalar_type());
+    if (initial_state.has_value()) {
+      TORCH_CHECK(
+          fs.scalar_type() == initial_state->scalar_type(),
+          op, ": final_state must have the dtype of initial_state (", initial_state->scalar_type(), "), got ",
+          fs.scalar_type());
+    }
+    check_rank(op, "final_state", fs, 4, "[N, H, V, K]");
+    check_size(op, "final_state", fs, 0, p.N, "N", "[N, H, V, K]");
+    check_size(op, "final_state", fs, 1, p.H, "H", "[N, H, V, K]");
+    check_size(op, "final_state", fs, 2, p.V, "V", "[N, H, V, K]");
+    check_size(op, "final_state", fs, 3, p.K, "K", "[N, H, V, K]");
+  }
+}
+
+void check_backward_grads(
+    const char* op,
+    const Problem& p,
+    const at::Tensor& q,
+    const at::Tensor& grad_out,
+    const std::optional<at::Tensor>& grad_final_state) {
+  check_defined(op, "grad_out", grad_out);
+  check_same_device(op, "grad_out", grad_out, q);
+  TORCH_CHECK(
+      is_float_dtype(grad_out.scalar_type()),
+      op, ": grad_out must have a floating dtype, got ", grad_out.scalar_type());
+  check_rank(op, "grad_out", grad_out, 4, "[B, T, H, V]");
+  check_size(op, "grad_out", grad_out, 0, p.B, "B", "[B, T, H, V]");
+  check_size(op, "grad_out", grad_out, 1, p.T, "T", "[B, T, H, V]");
+  check_size(op, "grad_out", grad_out, 2, p.H, "H", "[B, T, H, V]");
+  check_size(op, "grad_out", grad_out, 3, p.V, "V", "[B, T, H, V]");
+  if (grad_final_state.has_value()) {
+    const at::Tensor& gs = *grad_final_state;
+    check_same_device(op, "grad_final_state", gs, q);
+    TORCH_CHECK(
+        is_float_dtype(gs.scalar_type()),
+        op, ": grad_final_state must have a floating dtype, got ", gs.scalar_type());
+    check_rank(op, "grad_final_state", gs, 4, "[N, H, V, K]");
+    check_size(op, "grad_final_state", gs, 0, p.N, "N", "[N, H, V, K]");
+    check_size(op, "grad_final_state", gs, 1, p.H, "H", "[N, H, V, K]");
+    check_size(op, "grad_final_state", gs, 2, p.V, "V", "[N, H, V, K]");
+    check_size(op, "grad_final_state", gs, 3, p.K, "K", "[N, H, V, K]");
+  }
+}
+
+std::vector<int64_t> read_and_check_cu_seqlens(const char* op, const at::Tensor& cu_seqlens, int64_t total_tokens) {
+  at::Tensor host = cu_seqlens.to(at::kCPU, at::kLong).contiguous();
+  const int64_t* ptr = host.data_ptr<int64_t>();
+  std::vector<int64_t> offsets(ptr, ptr + host.numel());
+  TORCH_CHECK(!offsets.empty(), op, ": cu_seqlens must hold at least one offset");
+  TORCH_CHECK(offsets.front() == 0, op, ": cu_seqlens must start at 0, got cu_seqlens[0] = ", offsets.front());
+  for (size_t i = 1; i < offsets.size(); ++i) {
+    TORCH_CHECK(
+        offsets[i] >= offsets[i - 1],
+        op, ": cu_seqlens must be non-decreasing, got cu_seqlens[", i, "] = ", offsets[i], " < cu_seqlens[", i - 1,
+        "] = ", offsets[i - 1]);
+  }
+  TORCH_CHECK(
+      offsets.back() == total_tokens,
+      op, ": cu_seqlens must end at the number of tokens T = ", total_tokens, ", got cu_seqlens[-1] = ",
+      offsets.back());
+  return offsets;
+}
+
+}  // namespace kda

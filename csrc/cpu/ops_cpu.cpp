@@ -1,0 +1,151 @@
+// CPU kernels of kda::fwd, kda::fwd_ and kda::bwd. They compute in float64
+// for float64 inputs (so gradcheck works) and in float32 otherwise.
+#include <torch/library.h>
+
+#include "cpu/activations.h"
+#include "cpu/recurrence.h"
+#include "kda.h"
+
+namespace kda::cpu {
+namespace {
+
+using at::Tensor;
+using std::optional;
+
+at::ScalarType accumulation_dtype(const Problem& p) {
+  return p.input_dtype == at::kDouble ? at::kDouble : at::kFloat;
+}
+
+std::vector<int64_t> sequence_offsets(const char* op, const Problem& p, const optional<Tensor>& cu_seqlens) {
+  const int64_t B = concrete(p.B), T = concrete(p.T);
+  if (cu_seqlens.has_value()) {
+    return read_and_check_cu_seqlens(op, *cu_seqlens, T);
+  }
+  std::vector<int64_t> offsets(B + 1);
+  for (int64_t b = 0; b <= B; ++b) {
+    offsets[b] = b * T;
+  }
+  return offsets;
+}
+
+template <typename T>
+RecurrenceArgs<T> recurrence_args(const Problem& p, const Activations& a, std::vector<int64_t> offsets,
+                                  const Tensor& initial_state) {
+  RecurrenceArgs<T> r;
+  r.H = concrete(p.H);
+  r.K = concrete(p.K);
+  r.V = concrete(p.V);
+  r.offsets = std::move(offsets);
+  r.scale = static_cast<T>(resolved_scale(p));
+  r.qn = a.qn.data_ptr<T>();
+  r.kn = a.kn.data_ptr<T>();
+  r.v = a.v.data_ptr<T>();
+  r.alpha = a.alpha.data_ptr<T>();
+  r.beta = a.beta.data_ptr<T>();
+  r.initial_state = initial_state.defined() ? initial_state.data_ptr<T>() : nullptr;
+  return r;
+}
+
+Tensor to_acc(const optional<Tensor>& t, at::ScalarType acc) {
+  return t.has_value() ? t->to(acc).contiguous() : Tensor();
+}
+
+// Computes the forward and writes it into `out` and, if given, `final_state`.
+// Results go through temporaries, so the destinations may be any strided
+// tensors and may even overlap the inputs.
+void forward_into(const char* op, const Problem& p, const Tensor& q, const Tensor& k, const Tensor& v,
+                  const Tensor& g, const Tensor& beta, const Tensor& A_log, const Tensor& dt_bias,
+                  const optional<Tensor>& initial_state, const optional<Tensor>& cu_seqlens, const Tensor& out,
+                  const optional<Tensor>& final_state) {
+  std::vector<int64_t> offsets = sequence_offsets(op, p, cu_seqlens);
+  const at::ScalarType acc = accumulation_dtype(p);
+  Activations a = compute_activations(p, acc, q, k, v, g, beta, A_log, dt_bias);
+  Tensor init = to_acc(initial_state, acc);
+  Tensor out_acc = at::empty(out.sizes(), a.v.options());
+  Tensor final_acc;
+  if (final_state.has_value()) {
+    final_acc = at::empty(final_state->sizes(), a.v.options());
+  }
+  AT_DISPATCH_FLOATING_TYPES(acc, "kda_cpu_forward", [&] {
+    recurrence_forward<scalar_t>(recurrence_args<scalar_t>(p, a, std::move(offsets), init), out_acc.data_ptr<scalar_t>(),
+                                 final_acc.defined() ? final_acc.data_ptr<scalar_t>() : nullptr);
+  });
+  out.copy_(out_acc);
+  if (final_state.has_value()) {
+    final_state->copy_(final_acc);
+  }
+}
+
+std::tuple<Tensor, Tensor> fwd(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g, const Tensor& beta,
+                               const Tensor& A_log, const Tensor& dt_bias, optional<double> scale,
+                               optional<double> lower_bound, const optional<Tensor>& initial_state,
+                               bool output_final_state, const optional<Tensor>& cu_seqlens) {
+  const char* op = "kda.fwd";
+  Problem p = check_forward_args(op, q, k, v, g, beta, A_log, dt_bias, scale, lower_bound, initial_state, cu_seqlens);
+  ForwardOutputs o = allocate_forward_outputs(p, q, output_final_state);
+  forward_into(op, p, q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, o.out,
+               output_final_state ? optional<Tensor>(o.final_state) : std::nullopt);
+  return {o.out, o.final_state};
+}
+
+void fwd_inplace(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g, const Tensor& beta,
+                 const Tensor& A_log, const Tensor& dt_bias, at::Tensor& out, const optional<Tensor>& final_state,
+                 optional<double> scale, optional<double> lower_bound, const optional<Tensor>& initial_state,
+                 const optional<Tensor>& cu_seqlens) {
+  const char* op = "kda.fwd_";
+  Problem p = check_forward_args(op, q, k, v, g, beta, A_log, dt_bias, scale, lower_bound, initial_state, cu_seqlens);
+  check_inplace_buffers(op, p, q, out, final_state, initial_state);
+  forward_into(op, p, q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, out, final_state);
+}
+
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> bwd(
+    const Tensor& grad_out, const optional<Tensor>& grad_final_state, const Tensor& q, const Tensor& k,
+    const Tensor& v, const Tensor& g, const Tensor& beta, const Tensor& A_log, const Tensor& dt_bias,
+    optional<double> scale, optional<double> lower_bound, const optional<Tensor>& initial_state,
+    const optional<Tensor>& cu_seqlens) {
+  const char* op = "kda.bwd";
+  Problem p = check_forward_args(op, q, k, v, g, beta, A_log, dt_bias, scale, lower_bound, initial_state, cu_seqlens);
+  check_backward_grads(op, p, q, grad_out, grad_final_state);
+  BackwardOutputs o = allocate_backward_outputs(p, q, k, v, g, beta, A_log, dt_bias, initial_state);
+
+  std::vector<int64_t> offsets = sequence_offsets(op, p, cu_seqlens);
+  const at::ScalarType acc = accumulation_dtype(p);
+  Activations a = compute_activations(p, acc, q, k, v, g, beta, A_log, dt_bias);
+  Tensor init = to_acc(initial_state, acc);
+  Tensor gout = grad_out.to(acc).contiguous();
+  Tensor gfinal = to_acc(grad_final_state, acc);
+  ActivationGrads d;
+  d.dqn = at::empty_like(a.qn);
+  d.dkn = at::empty_like(a.kn);
+  d.dv = at::empty_like(a.v);
+  d.dalpha = at::empty_like(a.alpha);
+  d.dbeta = at::empty_like(a.beta);
+  Tensor dinit = init.defined() ? at::empty_like(init) : Tensor();
+  AT_DISPATCH_FLOATING_TYPES(acc, "kda_cpu_backward", [&] {
+    RecurrenceGrads<scalar_t> r;
+    r.grad_out = gout.data_ptr<scalar_t>();
+    r.grad_final_state = gfinal.defined() ? gfinal.data_ptr<scalar_t>() : nullptr;
+    r.dqn = d.dqn.data_ptr<scalar_t>();
+    r.dkn = d.dkn.data_ptr<scalar_t>();
+    r.dv = d.dv.data_ptr<scalar_t>();
+    r.dalpha = d.dalpha.data_ptr<scalar_t>();
+    r.dbeta = d.dbeta.data_ptr<scalar_t>();
+    r.dinitial_state = dinit.defined() ? dinit.data_ptr<scalar_t>() : nullptr;
+    recurrence_backward<scalar_t>(recurrence_args<scalar_t>(p, a, std::move(offsets), init), r);
+  });
+  backprop_activations(p, a, d, A_log, o);
+  if (dinit.defined()) {
+    o.dinitial_state.copy_(dinit);
+  }
+  return {o.dq, o.dk, o.dv, o.dg, o.dbeta, o.dA_log, o.ddt_bias, o.dinitial_state};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(kda, CPU, m) {
+  m.impl("fwd", &fwd);
+  m.impl("fwd_", &fwd_inplace);
+  m.impl("bwd", &bwd);
+}
+
+}  // namespace kda::cpu

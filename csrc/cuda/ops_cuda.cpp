@@ -1,0 +1,152 @@
+// CUDA registrations of kda::fwd, kda::fwd_ and kda::bwd: the shared argument
+// checks, the limits of the CUDA kernels, then the launch on the current
+// stream of the tensors' device. No host synchronisation happens here unless
+// TORCH_KDA_CHECK=1 asks for the contents of cu_seqlens to be checked.
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <torch/library.h>
+
+#include "cuda/launch.h"
+#include "kda.h"
+
+namespace kda::cuda {
+namespace {
+
+using at::Tensor;
+using std::optional;
+
+void check_cuda_limits(const char* op, const Problem& p, const Tensor& A_log, const Tensor& dt_bias) {
+  TORCH_CHECK(
+      p.input_dtype == at::kBFloat16,
+      op, ": on CUDA, q, k, v, g and beta must have dtype bfloat16, got ", p.input_dtype);
+  TORCH_CHECK(
+      concrete(p.K) == kHeadDim,
+      op, ": on CUDA, the key head size K must be ", kHeadDim, ", got K = ", concrete(p.K),
+      " (other sizes run on the CPU)");
+  TORCH_CHECK(
+      concrete(p.V) == kHeadDim,
+      op, ": on CUDA, the value head size V must be ", kHeadDim, ", got V = ", concrete(p.V),
+      " (other sizes run on the CPU)");
+  TORCH_CHECK(A_log.scalar_type() == at::kFloat, op, ": on CUDA, A_log must have dtype float32, got ",
+              A_log.scalar_type());
+  TORCH_CHECK(dt_bias.scalar_type() == at::kFloat, op, ": on CUDA, dt_bias must have dtype float32, got ",
+              dt_bias.scalar_type());
+  TORCH_CHECK(
+      p.gate == Gate::kBounded,
+      op, ": on CUDA, lower_bound must be given (the bounded gate); the softplus gate (lower_bound=None) runs on the "
+      "CPU only for now");
+  TORCH_CHECK(
+      p.lower_bound >= -5.0,
+      op, ": on CUDA, lower_bound must be in [-5, 0), got ", p.lower_bound);
+  TORCH_CHECK(
+      p.state_dtype == at::kBFloat16 || p.state_dtype == at::kFloat,
+      op, ": on CUDA, states must have dtype bfloat16 or float32, got ", p.state_dtype);
+}
+
+Problem check_all(const char* op, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g,
+                  const Tensor& beta, const Tensor& A_log, const Tensor& dt_bias, optional<double> scale,
+                  optional<double> lower_bound, const optional<Tensor>& initial_state,
+                  const optional<Tensor>& cu_seqlens) {
+  Problem p = check_forward_args(op, q, k, v, g, beta, A_log, dt_bias, scale, lower_bound, initial_state, cu_seqlens);
+  check_cuda_limits(op, p, A_log, dt_bias);
+  if (cu_seqlens.has_value() && debug_checks_enabled()) {
+    read_and_check_cu_seqlens(op, *cu_seqlens, concrete(p.T));
+  }
+  return p;
+}
+
+// Runs the forward into `out` / `final_state`. Inputs are made contiguous
+// (copies only where the caller's tensors are not); outputs that are not
+// contiguous get a contiguous staging tensor that is copied back afterwards.
+void forward_into(const Problem& p, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g,
+                  const Tensor& beta, const Tensor& A_log, const Tensor& dt_bias,
+                  const optional<Tensor>& initial_state, const optional<Tensor>& cu_seqlens, const Tensor& out,
+                  const optional<Tensor>& final_state) {
+  Tensor qc = q.contiguous(), kc = k.contiguous(), vc = v.contiguous(), gc = g.contiguous();
+  Tensor bc = beta.contiguous(), ac = A_log.contiguous(), dc = dt_bias.contiguous();
+  Tensor init = initial_state.has_value() ? initial_state->contiguous() : Tensor();
+  Tensor cu = cu_seqlens.has_value() ? cu_seqlens->contiguous() : Tensor();
+  Tensor out_c = out.is_contiguous() ? out : at::empty_like(out, at::MemoryFormat::Contiguous);
+  Tensor final_c;
+  if (final_state.has_value()) {
+    final_c = final_state->is_contiguous() ? *final_state : at::empty_like(*final_state, at::MemoryFormat::Contiguous);
+  }
+
+  FwdParams params;
+  params.B = concrete(p.B);
+  params.T = concrete(p.T);
+  params.H = concrete(p.H);
+  params.N = concrete(p.N);
+  params.total_tokens = params.B * params.T;
+  params.q = qc.data_ptr();
+  params.k = kc.data_ptr();
+  params.v = vc.data_ptr();
+  params.g = gc.data_ptr();
+  params.beta = bc.data_ptr();
+  params.A_log = ac.data_ptr<float>();
+  params.dt_bias = dc.data_ptr<float>();
+  params.cu_seqlens = cu.defined() ? cu.data_ptr() : nullptr;
+  params.cu_seqlens_int64 = cu.defined() ? cu.scalar_type() == at::kLong : true;
+  params.initial_state = init.defined() ? init.data_ptr() : nullptr;
+  params.final_state = final_c.defined() ? final_c.data_ptr() : nullptr;
+  params.state_fp32 = p.state_dtype == at::kFloat;
+  params.out = out_c.data_ptr();
+  params.scale = static_cast<float>(resolved_scale(p));
+  params.lower_bound = static_cast<float>(p.lower_bound);
+
+  launch_forward(params, c10::cuda::getCurrentCUDAStream(q.device().index()).stream());
+
+  if (!out_c.is_same(out)) {
+    out.copy_(out_c);
+  }
+  if (final_state.has_value() && !final_c.is_same(*final_state)) {
+    final_state->copy_(final_c);
+  }
+}
+
+std::tuple<Tensor, Tensor> fwd(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g, const Tensor& beta,
+                               const Tensor& A_log, const Tensor& dt_bias, optional<double> scale,
+                               optional<double> lower_bound, const optional<Tensor>& initial_state,
+                               bool output_final_state, const optional<Tensor>& cu_seqlens) {
+  c10::cuda::CUDAGuard guard(q.device());
+  Problem p = check_all("kda.fwd", q, k, v, g, beta, A_log, dt_bias, scale, lower_bound, initial_state, cu_seqlens);
+  ForwardOutputs o = allocate_forward_outputs(p, q, output_final_state);
+  forward_into(p, q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, o.out,
+               output_final_state ? optional<Tensor>(o.final_state) : std::nullopt);
+  return {o.out, o.final_state};
+}
+
+void fwd_inplace(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g, const Tensor& beta,
+                 const Tensor& A_log, const Tensor& dt_bias, at::Tensor& out, const optional<Tensor>& final_state,
+                 optional<double> scale, optional<double> lower_bound, const optional<Tensor>& initial_state,
+                 const optional<Tensor>& cu_seqlens) {
+  c10::cuda::CUDAGuard guard(q.device());
+  Problem p = check_all("kda.fwd_", q, k, v, g, beta, A_log, dt_bias, scale, lower_bound, initial_state, cu_seqlens);
+  check_inplace_buffers("kda.fwd_", p, q, out, final_state, initial_state);
+  forward_into(p, q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, out, final_state);
+}
+
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> bwd(
+    const Tensor& grad_out, const optional<Tensor>& grad_final_state, const Tensor& q, const Tensor& k,
+    const Tensor& v, const Tensor& g, const Tensor& beta, const Tensor& A_log, const Tensor& dt_bias,
+    optional<double> scale, optional<double> lower_bound, const optional<Tensor>& initial_state,
+    const optional<Tensor>& cu_seqlens) {
+  c10::cuda::CUDAGuard guard(q.device());
+  Problem p = check_all("kda.bwd", q, k, v, g, beta, A_log, dt_bias, scale, lower_bound, initial_state, cu_seqlens);
+  check_backward_grads("kda.bwd", p, q, grad_out, grad_final_state);
+  TORCH_CHECK_NOT_IMPLEMENTED(
+      false,
+      "kda.bwd: the CUDA backward kernels are not implemented yet in this version of torch_kda; "
+      "train with CPU tensors for now");
+  return {};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(kda, CUDA, m) {
+  m.impl("fwd", &fwd);
+  m.impl("fwd_", &fwd_inplace);
+  m.impl("bwd", &bwd);
+}
+
+}  // namespace kda::cuda

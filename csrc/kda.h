@@ -1,0 +1,105 @@
+// The validated description of one KDA call, shared by every backend
+// (CPU, CUDA, Meta). Argument checks live in checks.cpp and nowhere else, so
+// that torch.ops.kda.* callers and Python callers see the same errors.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <optional>
+
+namespace kda {
+
+// Epsilon inside the L2 norm: x / sqrt(sum(x^2) + kNormEps).
+constexpr double kNormEps = 1e-6;
+
+enum class Gate { kBounded, kSoftplus };
+
+// Shapes are SymInts so that the Meta kernels serve symbolic shapes; real
+// kernels read them with as_int_unchecked() through the concrete() helpers.
+struct Problem {
+  c10::SymInt B, T, H, K, V;
+  c10::SymInt N;  // number of sequences: B, or len(cu_seqlens) - 1
+  bool varlen = false;
+  bool has_initial_state = false;
+  Gate gate = Gate::kBounded;
+  double lower_bound = 0.0;  // only meaningful for Gate::kBounded
+  std::optional<double> scale;
+  at::ScalarType input_dtype = at::kBFloat16;
+  at::ScalarType state_dtype = at::kFloat;  // dtype of the state the op returns
+};
+
+// Checks every argument of a forward call; raises with a message that names
+// the argument. `op` is the name used in messages (e.g. "kda.fwd").
+Problem check_forward_args(
+    const char* op,
+    const at::Tensor& q,
+    const at::Tensor& k,
+    const at::Tensor& v,
+    const at::Tensor& g,
+    const at::Tensor& beta,
+    const at::Tensor& A_log,
+    const at::Tensor& dt_bias,
+    std::optional<double> scale,
+    std::optional<double> lower_bound,
+    const std::optional<at::Tensor>& initial_state,
+    const std::optional<at::Tensor>& cu_seqlens);
+
+// The caller-provided buffers of the in-place forward.
+void check_inplace_buffers(
+    const char* op,
+    const Problem& p,
+    const at::Tensor& q,
+    const at::Tensor& out,
+    const std::optional<at::Tensor>& final_state,
+    const std::optional<at::Tensor>& initial_state);
+
+// The incoming gradients of the backward.
+void check_backward_grads(
+    const char* op,
+    const Problem& p,
+    const at::Tensor& q,
+    const at::Tensor& grad_out,
+    const std::optional<at::Tensor>& grad_final_state);
+
+// Reads cu_seqlens (host copy; syncs on CUDA) and checks its contents: starts
+// at 0, non-decreasing, ends at total_tokens. Returns the boundaries.
+std::vector<int64_t> read_and_check_cu_seqlens(const char* op, const at::Tensor& cu_seqlens, int64_t total_tokens);
+
+// True when TORCH_KDA_CHECK=1: checks that need a device sync run on CUDA too.
+bool debug_checks_enabled();
+
+// K^-0.5 unless the caller gave a scale.
+double resolved_scale(const Problem& p);
+
+inline int64_t concrete(const c10::SymInt& s) {
+  return s.expect_int();
+}
+
+}  // namespace kda
+
+namespace kda {
+
+// Outputs are allocated in one place for the real and the Meta kernels, so
+// their shapes, dtypes and strides agree (opcheck compares them).
+struct ForwardOutputs {
+  at::Tensor out;          // [B, T, H, V], dtype of q
+  at::Tensor final_state;  // [N, H, V, K] in p.state_dtype, or [0] when not requested
+};
+ForwardOutputs allocate_forward_outputs(const Problem& p, const at::Tensor& q, bool output_final_state);
+
+struct BackwardOutputs {
+  at::Tensor dq, dk, dv, dg, dbeta, dA_log, ddt_bias;
+  at::Tensor dinitial_state;  // [N, H, V, K], or [0] without initial_state
+};
+BackwardOutputs allocate_backward_outputs(
+    const Problem& p,
+    const at::Tensor& q,
+    const at::Tensor& k,
+    const at::Tensor& v,
+    const at::Tensor& g,
+    const at::Tensor& beta,
+    const at::Tensor& A_log,
+    const at::Tensor& dt_bias,
+    const std::optional<at::Tensor>& initial_state);
+
+}  // namespace kda

@@ -1,0 +1,38 @@
+// The operator schemas of torch.ops.kda (stable API: change them deliberately;
+// tests/test_schemas.py snapshots them) and the Python module stub that lets
+// `import torch_kda._C` load this library.
+#include <Python.h>
+#include <torch/library.h>
+
+extern "C" {
+PyObject* PyInit__C(void) {
+  static struct PyModuleDef module_def = {
+      PyModuleDef_HEAD_INIT,
+      "_C",  // name
+      "torch_kda native library: registers torch.ops.kda.*",
+      -1,
+      nullptr,
+  };
+  return PyModule_Create(&module_def);
+}
+}
+
+TORCH_LIBRARY(kda, m) {
+  // Functional forward: returns new tensors. final_state is an empty tensor
+  // when output_final_state is False (schemas cannot return optionals).
+  m.def(
+      "fwd(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor A_log, Tensor dt_bias, "
+      "float? scale=None, float? lower_bound=None, Tensor? initial_state=None, "
+      "bool output_final_state=False, Tensor? cu_seqlens=None) -> (Tensor out, Tensor final_state)");
+  // In-place forward for serving and CUDA graphs: writes the caller's buffers.
+  m.def(
+      "fwd_(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor A_log, Tensor dt_bias, "
+      "Tensor(a!) out, Tensor(b!)? final_state=None, float? scale=None, float? lower_bound=None, "
+      "Tensor? initial_state=None, Tensor? cu_seqlens=None) -> ()");
+  // Backward of fwd. dinitial_state is empty when there is no initial_state.
+  m.def(
+      "bwd(Tensor grad_out, Tensor? grad_final_state, Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, "
+      "Tensor A_log, Tensor dt_bias, float? scale=None, float? lower_bound=None, Tensor? initial_state=None, "
+      "Tensor? cu_seqlens=None) -> (Tensor dq, Tensor dk, Tensor dv, Tensor dg, Tensor dbeta, Tensor dA_log, "
+      "Tensor ddt_bias, Tensor dinitial_state)");
+}

@@ -1,0 +1,54 @@
+// Shape-only kernels for the Meta key: they serve FakeTensor, torch.compile
+// (dynamic shapes included) and torch.export. They run the same argument
+// checks as the real kernels, on SymInt shapes, and allocate outputs through
+// the same functions, so shapes, dtypes and strides agree by construction.
+#include <torch/library.h>
+
+#include "kda.h"
+
+namespace kda::meta {
+namespace {
+
+using at::Tensor;
+using std::optional;
+
+std::tuple<Tensor, Tensor> fwd(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g, const Tensor& beta,
+                               const Tensor& A_log, const Tensor& dt_bias, optional<double> scale,
+                               optional<double> lower_bound, const optional<Tensor>& initial_state,
+                               bool output_final_state, const optional<Tensor>& cu_seqlens) {
+  Problem p = check_forward_args("kda.fwd", q, k, v, g, beta, A_log, dt_bias, scale, lower_bound, initial_state,
+                                 cu_seqlens);
+  ForwardOutputs o = allocate_forward_outputs(p, q, output_final_state);
+  return {o.out, o.final_state};
+}
+
+void fwd_inplace(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g, const Tensor& beta,
+                 const Tensor& A_log, const Tensor& dt_bias, at::Tensor& out, const optional<Tensor>& final_state,
+                 optional<double> scale, optional<double> lower_bound, const optional<Tensor>& initial_state,
+                 const optional<Tensor>& cu_seqlens) {
+  Problem p = check_forward_args("kda.fwd_", q, k, v, g, beta, A_log, dt_bias, scale, lower_bound, initial_state,
+                                 cu_seqlens);
+  check_inplace_buffers("kda.fwd_", p, q, out, final_state, initial_state);
+}
+
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> bwd(
+    const Tensor& grad_out, const optional<Tensor>& grad_final_state, const Tensor& q, const Tensor& k,
+    const Tensor& v, const Tensor& g, const Tensor& beta, const Tensor& A_log, const Tensor& dt_bias,
+    optional<double> scale, optional<double> lower_bound, const optional<Tensor>& initial_state,
+    const optional<Tensor>& cu_seqlens) {
+  Problem p = check_forward_args("kda.bwd", q, k, v, g, beta, A_log, dt_bias, scale, lower_bound, initial_state,
+                                 cu_seqlens);
+  check_backward_grads("kda.bwd", p, q, grad_out, grad_final_state);
+  BackwardOutputs o = allocate_backward_outputs(p, q, k, v, g, beta, A_log, dt_bias, initial_state);
+  return {o.dq, o.dk, o.dv, o.dg, o.dbeta, o.dA_log, o.ddt_bias, o.dinitial_state};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(kda, Meta, m) {
+  m.impl("fwd", &fwd);
+  m.impl("fwd_", &fwd_inplace);
+  m.impl("bwd", &bwd);
+}
+
+}  // namespace kda::meta

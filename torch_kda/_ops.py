@@ -1,0 +1,144 @@
+"""Thin Python wrappers over torch.ops.kda.* and the autograd registration.
+
+Argument checks live in C++ (csrc/checks.cpp) so that direct callers of the
+operators get the same errors; this file only maps Python conveniences
+(None for "no final state") onto the schemas.
+"""
+import math
+import numbers
+
+import torch
+
+import torch_kda._C  # noqa: F401  (loads the library: registers torch.ops.kda.*)
+
+
+def _check_scalar(name, value):
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"torch_kda: {name} must be a real number or None, got {type(value).__name__}")
+    if not math.isfinite(value):
+        raise ValueError(f"torch_kda: {name} must be finite, got {value}")
+    return float(value)
+
+
+def kda(
+    q,
+    k,
+    v,
+    g,
+    beta,
+    A_log,
+    dt_bias,
+    *,
+    scale=None,
+    lower_bound=None,
+    initial_state=None,
+    output_final_state=False,
+    cu_seqlens=None,
+):
+    """Kimi Delta Attention, differentiable.
+
+    Shapes: q, k, g [B, T, H, K]; v [B, T, H, V]; beta [B, T, H] (logits);
+    A_log [H]; dt_bias [H, K]; initial_state [N, H, V, K] (V-first);
+    cu_seqlens [N + 1] packs N sequences along T when B == 1.
+    lower_bound < 0 selects the bounded gate, None the softplus gate;
+    scale defaults to K ** -0.5.
+
+    Returns (out [B, T, H, V] in q's dtype, final_state [N, H, V, K] or None).
+    final_state has initial_state's dtype, else float32 (float64 for float64 inputs).
+    """
+    if not isinstance(output_final_state, bool):
+        raise TypeError(f"torch_kda.kda: output_final_state must be a bool, got {type(output_final_state).__name__}")
+    out, final_state = torch.ops.kda.fwd(
+        q,
+        k,
+        v,
+        g,
+        beta,
+        A_log,
+        dt_bias,
+        _check_scalar("scale", scale),
+        _check_scalar("lower_bound", lower_bound),
+        initial_state,
+        output_final_state,
+        cu_seqlens,
+    )
+    return out, (final_state if output_final_state else None)
+
+
+def fwd(
+    q,
+    k,
+    v,
+    g,
+    beta,
+    scale,
+    out,
+    A_log,
+    dt_bias,
+    lower_bound,
+    initial_state=None,
+    final_state=None,
+    cu_seqlens=None,
+):
+    """Drop-in for flash_kda.fwd: writes `out` (and `final_state` if given) in place, returns None."""
+    torch.ops.kda.fwd_(
+        q,
+        k,
+        v,
+        g,
+        beta,
+        A_log,
+        dt_bias,
+        out,
+        final_state,
+        _check_scalar("scale", scale),
+        _check_scalar("lower_bound", lower_bound),
+        initial_state,
+        cu_seqlens,
+    )
+
+
+def get_workspace_size(T_total, H, N=1):
+    """Kept for source compatibility with flash_kda: the operators allocate their
+    own scratch through PyTorch's caching allocator, so no workspace is needed."""
+    return 0
+
+
+def _setup_context(ctx, inputs, output):
+    (q, k, v, g, beta, A_log, dt_bias, scale, lower_bound, initial_state, _output_final_state, cu_seqlens) = inputs
+    ctx.save_for_backward(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens)
+    ctx.scale = scale
+    ctx.lower_bound = lower_bound
+    ctx.has_initial_state = initial_state is not None
+
+
+def _backward(ctx, grad_out, grad_final_state):
+    q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens = ctx.saved_tensors
+    if grad_out is None:
+        grad_out = torch.zeros(*q.shape[:3], v.shape[3], dtype=q.dtype, device=q.device)
+    if grad_final_state is not None and grad_final_state.numel() == 0:
+        # final_state was not asked for: the op returned an empty placeholder.
+        grad_final_state = None
+    dq, dk, dv, dg, dbeta, dA_log, ddt_bias, dinitial_state = torch.ops.kda.bwd(
+        grad_out,
+        grad_final_state,
+        q,
+        k,
+        v,
+        g,
+        beta,
+        A_log,
+        dt_bias,
+        ctx.scale,
+        ctx.lower_bound,
+        initial_state,
+        cu_seqlens,
+    )
+    if not ctx.has_initial_state:
+        dinitial_state = None
+    return dq, dk, dv, dg, dbeta, dA_log, ddt_bias, None, None, dinitial_state, None, None
+
+
+torch.library.register_autograd("kda::fwd", _backward, setup_context=_setup_context)
