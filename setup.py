@@ -68,6 +68,12 @@ sources = _sources("csrc/*.cpp") + _sources("csrc/cpu/*.cpp") + _sources("meta/*
 define_macros = []
 include_dirs = [os.path.join(ROOT, "csrc")]
 
+if os.environ.get("TORCH_KDA_REQUIRE_CUDA", "0") == "1" and not _want_cuda():
+    raise RuntimeError(
+        "TORCH_KDA_REQUIRE_CUDA=1 but the CUDA sources cannot be built: torch "
+        f"{torch.__version__} (CUDA {torch.version.cuda}), CUDA_HOME={_cuda_home()}"
+    )
+
 if _want_cuda():
     sources += _sources("csrc/cuda/*.cpp") + _sources("csrc/cuda/*.cu")
     define_macros.append(("TORCH_KDA_WITH_CUDA", None))

@@ -2,6 +2,7 @@
 // the same code serves the Meta kernels under symbolic shapes.
 #include "kda.h"
 
+#include <ATen/MemoryOverlap.h>
 #include <c10/util/Exception.h>
 
 #include <cmath>
@@ -18,7 +19,7 @@ std::string shape_str(const at::Tensor& t) {
 }
 
 void check_defined(const char* op, const char* name, const at::Tensor& t) {
-  TORCH_CHECK(t.defined(), op, ": ", name, " must be a tensor, got an undefined tensor");
+  TORCH_CHECK(t.defined(), op, ": ", name, " must be a tensor, got None");
 }
 
 void check_rank(const char* op, const char* name, const at::Tensor& t, int64_t rank, const char* layout) {
@@ -37,7 +38,7 @@ void check_same_device(const char* op, const char* name, const at::Tensor& t, co
 void check_dtype_is(const char* op, const char* name, const at::Tensor& t, at::ScalarType expected, const char* why) {
   TORCH_CHECK(
       t.scalar_type() == expected,
-      op, ": ", name, " must have dtype ", expected, " (", why, "), got ", t.scalar_type());
+      op, ": ", name, " must have dtype ", dtype_name(expected), " (", why, "), got ", dtype_name(t.scalar_type()));
 }
 
 void check_size(const char* op, const char* name, const at::Tensor& t, int64_t dim, const c10::SymInt& expected,
@@ -57,6 +58,23 @@ bool is_state_dtype(at::ScalarType s) {
 }
 
 }  // namespace
+
+// PyTorch's Python names (float32, not Float), as users write them.
+std::string dtype_name(at::ScalarType s) {
+  switch (s) {
+    case at::kBFloat16: return "bfloat16";
+    case at::kHalf: return "float16";
+    case at::kFloat: return "float32";
+    case at::kDouble: return "float64";
+    case at::kInt: return "int32";
+    case at::kLong: return "int64";
+    case at::kShort: return "int16";
+    case at::kChar: return "int8";
+    case at::kByte: return "uint8";
+    case at::kBool: return "bool";
+    default: return c10::toString(s);
+  }
+}
 
 bool debug_checks_enabled() {
   const char* env = std::getenv("TORCH_KDA_CHECK");
@@ -111,26 +129,26 @@ Problem check_forward_args(
   // Dtypes.
   TORCH_CHECK(
       is_float_dtype(q.scalar_type()),
-      op, ": q must have dtype bfloat16, float16, float32 or float64, got ", q.scalar_type());
+      op, ": q must have dtype bfloat16, float16, float32 or float64, got ", dtype_name(q.scalar_type()));
   check_dtype_is(op, "k", k, q.scalar_type(), "the dtype of q");
   check_dtype_is(op, "v", v, q.scalar_type(), "the dtype of q");
   check_dtype_is(op, "g", g, q.scalar_type(), "the dtype of q");
   check_dtype_is(op, "beta", beta, q.scalar_type(), "the dtype of q");
   TORCH_CHECK(
       A_log.scalar_type() == at::kFloat || A_log.scalar_type() == at::kDouble,
-      op, ": A_log must have dtype float32 (or float64), got ", A_log.scalar_type());
+      op, ": A_log must have dtype float32 (or float64), got ", dtype_name(A_log.scalar_type()));
   TORCH_CHECK(
       dt_bias.scalar_type() == at::kFloat || dt_bias.scalar_type() == at::kDouble,
-      op, ": dt_bias must have dtype float32 (or float64), got ", dt_bias.scalar_type());
+      op, ": dt_bias must have dtype float32 (or float64), got ", dtype_name(dt_bias.scalar_type()));
   if (initial_state.has_value()) {
     TORCH_CHECK(
         is_state_dtype(initial_state->scalar_type()),
-        op, ": initial_state must have dtype bfloat16, float32 or float64, got ", initial_state->scalar_type());
+        op, ": initial_state must have dtype bfloat16, float32 or float64, got ", dtype_name(initial_state->scalar_type()));
   }
   if (cu_seqlens.has_value()) {
     TORCH_CHECK(
         cu_seqlens->scalar_type() == at::kLong || cu_seqlens->scalar_type() == at::kInt,
-        op, ": cu_seqlens must have dtype int64 or int32, got ", cu_seqlens->scalar_type());
+        op, ": cu_seqlens must have dtype int64 or int32, got ", dtype_name(cu_seqlens->scalar_type()));
   }
 
   // Ranks and shapes.
@@ -226,6 +244,9 @@ void check_inplace_buffers(
     const std::optional<at::Tensor>& initial_state) {
   check_defined(op, "out", out);
   check_same_device(op, "out", out, q);
+  TORCH_CHECK(
+      at::has_internal_overlap(out) != at::MemOverlap::Yes,
+      op, ": out must not have elements that share memory (an expanded tensor, say), got strides ", out.sym_strides());
   check_dtype_is(op, "out", out, q.scalar_type(), "the dtype of q");
   check_rank(op, "out", out, 4, "[B, T, H, V]");
   check_size(op, "out", out, 0, p.B, "B", "[B, T, H, V]");
@@ -237,13 +258,17 @@ void check_inplace_buffers(
     check_defined(op, "final_state", fs);
     check_same_device(op, "final_state", fs, q);
     TORCH_CHECK(
+        at::has_internal_overlap(fs) != at::MemOverlap::Yes,
+        op, ": final_state must not have elements that share memory (an expanded tensor, say), got strides ",
+        fs.sym_strides());
+    TORCH_CHECK(
         is_state_dtype(fs.scalar_type()),
-        op, ": final_state must have dtype bfloat16, float32 or float64, got ", fs.scalar_type());
+        op, ": final_state must have dtype bfloat16, float32 or float64, got ", dtype_name(fs.scalar_type()));
     if (initial_state.has_value()) {
       TORCH_CHECK(
           fs.scalar_type() == initial_state->scalar_type(),
-          op, ": final_state must have the dtype of initial_state (", initial_state->scalar_type(), "), got ",
-          fs.scalar_type());
+          op, ": final_state must have the dtype of initial_state (", dtype_name(initial_state->scalar_type()),
+          "), got ", dtype_name(fs.scalar_type()));
     }
     check_rank(op, "final_state", fs, 4, "[N, H, V, K]");
     check_size(op, "final_state", fs, 0, p.N, "N", "[N, H, V, K]");
@@ -263,7 +288,7 @@ void check_backward_grads(
   check_same_device(op, "grad_out", grad_out, q);
   TORCH_CHECK(
       is_float_dtype(grad_out.scalar_type()),
-      op, ": grad_out must have a floating dtype, got ", grad_out.scalar_type());
+      op, ": grad_out must have a floating dtype, got ", dtype_name(grad_out.scalar_type()));
   check_rank(op, "grad_out", grad_out, 4, "[B, T, H, V]");
   check_size(op, "grad_out", grad_out, 0, p.B, "B", "[B, T, H, V]");
   check_size(op, "grad_out", grad_out, 1, p.T, "T", "[B, T, H, V]");
@@ -274,7 +299,7 @@ void check_backward_grads(
     check_same_device(op, "grad_final_state", gs, q);
     TORCH_CHECK(
         is_float_dtype(gs.scalar_type()),
-        op, ": grad_final_state must have a floating dtype, got ", gs.scalar_type());
+        op, ": grad_final_state must have a floating dtype, got ", dtype_name(gs.scalar_type()));
     check_rank(op, "grad_final_state", gs, 4, "[N, H, V, K]");
     check_size(op, "grad_final_state", gs, 0, p.N, "N", "[N, H, V, K]");
     check_size(op, "grad_final_state", gs, 1, p.H, "H", "[N, H, V, K]");

@@ -65,6 +65,9 @@ void check_backward_grads(
 // at 0, non-decreasing, ends at total_tokens. Returns the boundaries.
 std::vector<int64_t> read_and_check_cu_seqlens(const char* op, const at::Tensor& cu_seqlens, int64_t total_tokens);
 
+// A dtype as users write it in Python: float32, bfloat16, int64, ...
+std::string dtype_name(at::ScalarType s);
+
 // True when TORCH_KDA_CHECK=1: checks that need a device sync run on CUDA too.
 bool debug_checks_enabled();
 

@@ -6,7 +6,7 @@ Public API:
   get_workspace_size(...)   source compatibility with flash_kda (always 0)
 The operators themselves are torch.ops.kda.fwd, torch.ops.kda.fwd_ and torch.ops.kda.bwd.
 """
-from torch_kda._ops import fwd, get_workspace_size, kda
+from torch_kda._ops import cuda_built, fwd, get_workspace_size, kda
 
-__all__ = ["kda", "fwd", "get_workspace_size"]
+__all__ = ["kda", "fwd", "get_workspace_size", "cuda_built"]
 __version__ = "0.1.0"

@@ -15,8 +15,12 @@ import torch_kda._C  # noqa: F401  (loads the library: registers torch.ops.kda.*
 def _check_scalar(name, value):
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+    if isinstance(value, bool) or not isinstance(value, (numbers.Real, torch.SymFloat, torch.SymInt)):
         raise TypeError(f"torch_kda: {name} must be a real number or None, got {type(value).__name__}")
+    # Under torch.compile a float argument may be symbolic, and testing it here
+    # would break the graph; the operator checks finiteness itself.
+    if torch.compiler.is_compiling():
+        return value
     if not math.isfinite(value):
         raise ValueError(f"torch_kda: {name} must be finite, got {value}")
     return float(value)
@@ -104,6 +108,11 @@ def get_workspace_size(T_total, H, N=1):
     """Kept for source compatibility with flash_kda: the operators allocate their
     own scratch through PyTorch's caching allocator, so no workspace is needed."""
     return 0
+
+
+def cuda_built():
+    """True when this build of torch_kda carries CUDA kernels."""
+    return torch._C._dispatch_has_kernel_for_dispatch_key("kda::fwd", "CUDA")
 
 
 def _setup_context(ctx, inputs, output):

@@ -76,8 +76,8 @@ void backprop_activations(
     dA_term = dlam * a.lam;
   }
   o.dg.copy_(dx);
-  o.ddt_bias.copy_(dx.sum({0, 1}));
-  o.dA_log.copy_(dA_term.sum({0, 1, 3}));
+  o.ddt_bias.copy_(dx.sum(at::IntArrayRef{0, 1}));
+  o.dA_log.copy_(dA_term.sum(at::IntArrayRef{0, 1, 3}));
 }
 
 }  // namespace kda::cpu

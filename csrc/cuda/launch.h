@@ -1,6 +1,5 @@
-// Launchers of the CUDA kernels (defined in the .cu files of this folder).
-// Each takes the params by value and enqueues on the given stream; scratch
-// memory comes from PyTorch's caching allocator.
+// Launchers of the CUDA kernels (each defined in its own .cu file of this
+// folder). They take the params by value and enqueue on the given stream.
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -9,6 +8,17 @@
 
 namespace kda::cuda {
 
-void launch_forward(FwdParams params, cudaStream_t stream);
+// K1: token-parallel, one block per (chunk, head): gate, L2 norms, decays,
+// the chunk's matrices and the inverse; fills the workspace.
+void launch_prepare(const FwdParams& params, cudaStream_t stream);
+
+// K2: sequential over chunks, one block per (sequence, head, 32 value
+// columns): carries the fp32 state on chip, writes out and final_state.
+void launch_recurrence(const FwdParams& params, cudaStream_t stream);
+
+inline void launch_forward(const FwdParams& params, cudaStream_t stream) {
+  launch_prepare(params, stream);
+  launch_recurrence(params, stream);
+}
 
 }  // namespace kda::cuda

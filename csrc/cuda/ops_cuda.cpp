@@ -18,7 +18,7 @@ using std::optional;
 void check_cuda_limits(const char* op, const Problem& p, const Tensor& A_log, const Tensor& dt_bias) {
   TORCH_CHECK(
       p.input_dtype == at::kBFloat16,
-      op, ": on CUDA, q, k, v, g and beta must have dtype bfloat16, got ", p.input_dtype);
+      op, ": on CUDA, q, k, v, g and beta must have dtype bfloat16, got ", dtype_name(p.input_dtype));
   TORCH_CHECK(
       concrete(p.K) == kHeadDim,
       op, ": on CUDA, the key head size K must be ", kHeadDim, ", got K = ", concrete(p.K),
@@ -28,9 +28,9 @@ void check_cuda_limits(const char* op, const Problem& p, const Tensor& A_log, co
       op, ": on CUDA, the value head size V must be ", kHeadDim, ", got V = ", concrete(p.V),
       " (other sizes run on the CPU)");
   TORCH_CHECK(A_log.scalar_type() == at::kFloat, op, ": on CUDA, A_log must have dtype float32, got ",
-              A_log.scalar_type());
+              dtype_name(A_log.scalar_type()));
   TORCH_CHECK(dt_bias.scalar_type() == at::kFloat, op, ": on CUDA, dt_bias must have dtype float32, got ",
-              dt_bias.scalar_type());
+              dtype_name(dt_bias.scalar_type()));
   TORCH_CHECK(
       p.gate == Gate::kBounded,
       op, ": on CUDA, lower_bound must be given (the bounded gate); the softplus gate (lower_bound=None) runs on the "
@@ -40,7 +40,7 @@ void check_cuda_limits(const char* op, const Problem& p, const Tensor& A_log, co
       op, ": on CUDA, lower_bound must be in [-5, 0), got ", p.lower_bound);
   TORCH_CHECK(
       p.state_dtype == at::kBFloat16 || p.state_dtype == at::kFloat,
-      op, ": on CUDA, states must have dtype bfloat16 or float32, got ", p.state_dtype);
+      op, ": on CUDA, states must have dtype bfloat16 or float32, got ", dtype_name(p.state_dtype));
 }
 
 Problem check_all(const char* op, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g,
@@ -55,6 +55,34 @@ Problem check_all(const char* op, const Tensor& q, const Tensor& k, const Tensor
   return p;
 }
 
+// Sequence and chunk boundaries on the device, built with ATen ops so that
+// nothing waits for the GPU. cu_seqlens is clamped into [0, tokens] and made
+// non-decreasing first: a malformed one gives wrong numbers, never an access
+// out of bounds. Returns {seq_offsets, chunk_offsets, capacity in chunks}.
+struct Boundaries {
+  Tensor seq, chunks;
+  int64_t num_slots = 0;
+};
+
+Boundaries sequence_boundaries(const Problem& p, const Tensor& q, const optional<Tensor>& cu_seqlens) {
+  const int64_t B = concrete(p.B), T = concrete(p.T), N = concrete(p.N), tokens = B * T;
+  auto long_opts = q.options().dtype(at::kLong);
+  Boundaries b;
+  if (cu_seqlens.has_value()) {
+    Tensor seq = cu_seqlens->to(at::kLong).clamp(0, tokens);
+    b.seq = std::get<0>(at::cummax(seq, 0)).contiguous();
+    // Each sequence adds at most one partial chunk.
+    b.num_slots = (tokens + kChunk - 1) / kChunk + N;
+  } else {
+    b.seq = at::arange(B + 1, long_opts) * T;
+    b.num_slots = B * ((T + kChunk - 1) / kChunk);
+  }
+  Tensor lengths = b.seq.slice(0, 1) - b.seq.slice(0, 0, N);
+  Tensor chunks = at::div(lengths + (kChunk - 1), kChunk, "floor");
+  b.chunks = at::cat({at::zeros({1}, long_opts), chunks.cumsum(0)}).contiguous();
+  return b;
+}
+
 // Runs the forward into `out` / `final_state`. Inputs are made contiguous
 // (copies only where the caller's tensors are not); outputs that are not
 // contiguous get a contiguous staging tensor that is copied back afterwards.
@@ -65,19 +93,18 @@ void forward_into(const Problem& p, const Tensor& q, const Tensor& k, const Tens
   Tensor qc = q.contiguous(), kc = k.contiguous(), vc = v.contiguous(), gc = g.contiguous();
   Tensor bc = beta.contiguous(), ac = A_log.contiguous(), dc = dt_bias.contiguous();
   Tensor init = initial_state.has_value() ? initial_state->contiguous() : Tensor();
-  Tensor cu = cu_seqlens.has_value() ? cu_seqlens->contiguous() : Tensor();
   Tensor out_c = out.is_contiguous() ? out : at::empty_like(out, at::MemoryFormat::Contiguous);
   Tensor final_c;
   if (final_state.has_value()) {
     final_c = final_state->is_contiguous() ? *final_state : at::empty_like(*final_state, at::MemoryFormat::Contiguous);
   }
+  Boundaries bounds = sequence_boundaries(p, q, cu_seqlens);
+  Tensor workspace = at::empty({bounds.num_slots, concrete(p.H), kWsChunkFloats}, q.options().dtype(at::kFloat));
 
   FwdParams params;
-  params.B = concrete(p.B);
-  params.T = concrete(p.T);
   params.H = concrete(p.H);
   params.N = concrete(p.N);
-  params.total_tokens = params.B * params.T;
+  params.total_tokens = concrete(p.B) * concrete(p.T);
   params.q = qc.data_ptr();
   params.k = kc.data_ptr();
   params.v = vc.data_ptr();
@@ -85,8 +112,10 @@ void forward_into(const Problem& p, const Tensor& q, const Tensor& k, const Tens
   params.beta = bc.data_ptr();
   params.A_log = ac.data_ptr<float>();
   params.dt_bias = dc.data_ptr<float>();
-  params.cu_seqlens = cu.defined() ? cu.data_ptr() : nullptr;
-  params.cu_seqlens_int64 = cu.defined() ? cu.scalar_type() == at::kLong : true;
+  params.seq_offsets = bounds.seq.data_ptr<int64_t>();
+  params.chunk_offsets = bounds.chunks.data_ptr<int64_t>();
+  params.num_slots = bounds.num_slots;
+  params.workspace = workspace.data_ptr<float>();
   params.initial_state = init.defined() ? init.data_ptr() : nullptr;
   params.final_state = final_c.defined() ? final_c.data_ptr() : nullptr;
   params.state_fp32 = p.state_dtype == at::kFloat;

@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# The full GPU check in one command, for a machine with a Hopper GPU:
+# build for sm_90a, run the GPU tests and then the rest of the suite, print a summary.
+# fla-core (the oracle of some GPU tests) and expecttest may travel as wheels in .whl/.
+set -uo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+PY=${PYTHON:-python3}
+export TORCH_KDA_CUDA_ARCHS=${TORCH_KDA_CUDA_ARCHS:-90a} MAX_JOBS=${MAX_JOBS:-16} FLA_FLASH_KDA=0 PYTHONUNBUFFERED=1
+LOG=${OUT:-/tmp}/gpu_check.log
+: > "$LOG"
+
+if ls .whl/*.whl >/dev/null 2>&1; then
+  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/kda_site .whl/*.whl \
+    && export PYTHONPATH=/tmp/kda_site:${PYTHONPATH:-}
+fi
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee -a "$LOG"
+"$PY" -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)" | tee -a "$LOG"
+
+start=$(date +%s)
+if ! "$PY" -m pip install -q --no-build-isolation --no-deps -e . >>"$LOG" 2>&1; then
+  tail -50 "$LOG"; echo "BUILD FAILED"; exit 1
+fi
+echo "build: $(( $(date +%s) - start )) s" | tee -a "$LOG"
+
+"$PY" -m pytest tests/test_cuda.py -v -s -rs --durations=8 "$@" 2>&1 | tee -a "$LOG" | grep -E "PASSED|FAILED|ERROR|SKIPPED|rel |passed|failed|Error|assert" 
+gpu_rc=${PIPESTATUS[0]}
+rest_rc=0
+if [ "${GPU_ONLY:-0}" != "1" ]; then
+  "$PY" -m pytest tests -q -x --ignore=tests/test_cuda.py 2>&1 | tee -a "$LOG" | tail -3
+  rest_rc=${PIPESTATUS[0]}
+fi
+echo "summary: GPU tests rc=$gpu_rc, other tests rc=$rest_rc (full log: $LOG)"
+[ "$gpu_rc" -eq 0 ] && [ "$rest_rc" -eq 0 ]

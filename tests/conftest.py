@@ -1,0 +1,200 @@
+"""Shared fixtures and helpers of the torch_kda test suite.
+
+The tests hold their own float64 reference of SPEC section 1 (`reference_kda`),
+written token by token and independent of anything in torch_kda, so a wrong
+formula in the package cannot agree with itself.
+
+Every test draws fresh random inputs from a seed derived from its node id:
+inputs differ between tests, and a failing test reproduces exactly.
+"""
+import math
+import zlib
+
+import pytest
+import torch
+
+NORM_EPS = 1e-6  # SPEC 1.1: x / sqrt(sum(x^2) + 1e-6)
+
+requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "cuda: needs a CUDA GPU (skipped where none is present)")
+    config.addinivalue_line("markers", "slow: takes more than a few seconds on two CPU cores")
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "cuda" in item.keywords:
+            item.add_marker(skip)
+
+
+def seed_for(nodeid):
+    return zlib.crc32(nodeid.encode())
+
+
+@pytest.fixture(autouse=True)
+def _fresh_seed(request):
+    """A different, reproducible seed for every test (parametrisations included)."""
+    seed = seed_for(request.node.nodeid)
+    torch.manual_seed(seed)
+    return seed
+
+
+# --------------------------------------------------------------------------
+# The reference: SPEC section 1, token by token, float64.
+# --------------------------------------------------------------------------
+
+
+def _l2norm(x):
+    return x / torch.sqrt((x * x).sum(-1, keepdim=True) + NORM_EPS)
+
+
+def reference_gate(g, A_log, dt_bias, lower_bound):
+    """Natural-log decay lambda <= 0 for g [..., H, K], A_log [H], dt_bias [H, K]."""
+    A = torch.exp(A_log)[:, None]
+    x = g + dt_bias
+    if lower_bound is None:
+        # softplus(x) = log(1 + exp(x)), written without overflow.
+        return -A * torch.logaddexp(x, torch.zeros_like(x))
+    return lower_bound * torch.sigmoid(A * x)
+
+
+def sequence_bounds(B, T, cu_seqlens):
+    """[(batch row, start, end)] of every sequence."""
+    if cu_seqlens is None:
+        return [(b, 0, T) for b in range(B)]
+    assert B == 1
+    offsets = [int(x) for x in cu_seqlens.tolist()]
+    return [(0, offsets[i], offsets[i + 1]) for i in range(len(offsets) - 1)]
+
+
+def reference_kda(
+    q, k, v, g, beta, A_log, dt_bias, *, scale=None, lower_bound=None, initial_state=None, cu_seqlens=None
+):
+    """Float64 token-by-token KDA. Differentiable (used for gradient checks too).
+
+    Returns (out [B, T, H, V], final_state [N, H, V, K]), both float64.
+    """
+    q, k, v, g, beta, A_log, dt_bias = (x.to(torch.float64) for x in (q, k, v, g, beta, A_log, dt_bias))
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    if scale is None:
+        scale = K**-0.5
+    bounds = sequence_bounds(B, T, cu_seqlens)
+
+    per_row = {b: [] for b in range(B)}  # outputs of each batch row, in token order
+    finals = []
+    for n, (b, start, end) in enumerate(bounds):
+        if initial_state is None:
+            S = torch.zeros(H, K, V, dtype=torch.float64)
+        else:
+            # The API's state is V-first: state[n, h, v, k] = S[k, v].
+            S = initial_state[n].to(torch.float64).transpose(-1, -2)
+        for t in range(start, end):
+            qn = _l2norm(q[b, t])  # [H, K]
+            kn = _l2norm(k[b, t])  # [H, K]
+            alpha = torch.exp(reference_gate(g[b, t], A_log, dt_bias, lower_bound))  # [H, K]
+            bt = torch.sigmoid(beta[b, t])  # [H]
+            S = alpha[:, :, None] * S  # S' = Diag(alpha) S
+            pred = (S * kn[:, :, None]).sum(1)  # S'^T k  [H, V]
+            u = bt[:, None] * (v[b, t] - pred)  # [H, V]
+            S = S + kn[:, :, None] * u[:, None, :]  # S' + k u^T
+            per_row[b].append(scale * (S * qn[:, :, None]).sum(1))  # S^T q  [H, V]
+        finals.append(S.transpose(-1, -2))
+
+    rows = []
+    for b in range(B):
+        if per_row[b]:
+            rows.append(torch.stack(per_row[b]))
+        else:
+            rows.append(torch.zeros(0, H, V, dtype=torch.float64))
+    out = torch.stack(rows) if rows else torch.zeros(0, T, H, V, dtype=torch.float64)
+    assert out.shape == (B, T, H, V)
+    final = torch.stack(finals) if finals else torch.zeros(0, H, V, K, dtype=torch.float64)
+    return out, final
+
+
+# --------------------------------------------------------------------------
+# Random inputs.
+# --------------------------------------------------------------------------
+
+INPUT_NAMES = ("q", "k", "v", "g", "beta", "A_log", "dt_bias")
+
+
+def make_inputs(
+    B=2,
+    T=9,
+    H=2,
+    K=4,
+    V=3,
+    *,
+    dtype=torch.float32,
+    seqlens=None,
+    cu_dtype=torch.int64,
+    state_dtype=None,
+    param_dtype=None,
+    requires_grad=False,
+):
+    """Fresh random inputs: q, k, v, g ~ N(0, 1), beta logits ~ N(0, 1),
+    A_log, dt_bias ~ U(0, 1), initial_state ~ N(0, 1) when state_dtype is given.
+    A_log and dt_bias are float32 (float64 when dtype is float64) unless param_dtype says.
+
+    seqlens (a list of lengths) packs sequences along T with B = 1 and sets cu_seqlens.
+    Returns a dict with keys q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens.
+    """
+    if param_dtype is None:
+        param_dtype = torch.float64 if dtype == torch.float64 else torch.float32
+    if seqlens is not None:
+        B, T = 1, sum(seqlens)
+        cu = torch.tensor([0] + list(seqlens), dtype=torch.int64).cumsum(0).to(cu_dtype)
+        N = len(seqlens)
+    else:
+        cu = None
+        N = B
+    d = {
+        "q": torch.randn(B, T, H, K, dtype=torch.float64).to(dtype),
+        "k": torch.randn(B, T, H, K, dtype=torch.float64).to(dtype),
+        "v": torch.randn(B, T, H, V, dtype=torch.float64).to(dtype),
+        "g": torch.randn(B, T, H, K, dtype=torch.float64).to(dtype),
+        "beta": torch.randn(B, T, H, dtype=torch.float64).to(dtype),
+        "A_log": torch.rand(H, dtype=torch.float64).to(param_dtype),
+        "dt_bias": torch.rand(H, K, dtype=torch.float64).to(param_dtype),
+        "initial_state": None,
+        "cu_seqlens": cu,
+    }
+    if state_dtype is not None:
+        d["initial_state"] = torch.randn(N, H, V, K, dtype=torch.float64).to(state_dtype)
+    if requires_grad:
+        for name in INPUT_NAMES + ("initial_state",):
+            if d[name] is not None:
+                d[name].requires_grad_(True)
+    return d
+
+
+def positional(d):
+    """The seven positional tensors of kda() / torch.ops.kda.fwd."""
+    return tuple(d[name] for name in INPUT_NAMES)
+
+
+def run_reference(d, **kwargs):
+    return reference_kda(
+        *positional(d), initial_state=d["initial_state"], cu_seqlens=d["cu_seqlens"], **kwargs
+    )
+
+
+def rel(x, ref):
+    """||x - ref|| / ||ref|| over the whole tensor, in float64."""
+    ref = ref.detach().to(torch.float64)
+    x = x.detach().to(torch.float64)
+    assert x.shape == ref.shape, (x.shape, ref.shape)
+    denom = torch.linalg.vector_norm(ref).item()
+    assert denom > 0 and math.isfinite(denom), "degenerate reference: the comparison could not fail"
+    return torch.linalg.vector_norm(x - ref).item() / denom
+
+
+def nan_like(t):
+    return torch.full_like(t, float("nan"))

@@ -1,0 +1,413 @@
+"""The CUDA forward kernels (sm_90a) against the float64 reference, fla's
+chunk_kda, the CPU kernel, and the composition promises of SPEC section 6
+(CUDA graphs, torch.compile, opcheck). Skipped where CUDA is absent; run them
+on an H200 with scripts/gpu_check.sh.
+"""
+import os
+
+import pytest
+import torch
+
+import torch_kda
+from conftest import make_inputs, positional, rel, run_reference
+
+pytestmark = [
+    pytest.mark.cuda,
+    pytest.mark.skipif(
+        not (torch.cuda.is_available() and torch_kda.cuda_built()), reason="needs a CUDA GPU and a CUDA build"
+    ),
+]
+
+DEV = "cuda"
+D = 128
+
+
+def cuda_inputs(state_dtype=torch.float32, lower_bound=-5.0, **kw):
+    """Random bf16 inputs of the CUDA kernels' shape (K = V = 128), on the GPU,
+    with their CPU originals for the reference."""
+    kw.setdefault("K", D)
+    kw.setdefault("V", D)
+    d = make_inputs(dtype=torch.bfloat16, state_dtype=state_dtype, **kw)
+    g = {name: (t.to(DEV) if t is not None else None) for name, t in d.items()}
+    return d, g
+
+
+def run_cuda(g, lower_bound=-5.0, **kw):
+    return torch_kda.kda(
+        *positional(g),
+        lower_bound=lower_bound,
+        initial_state=g["initial_state"],
+        output_final_state=True,
+        cu_seqlens=g["cu_seqlens"],
+        **kw,
+    )
+
+
+def errors(d, g, lower_bound=-5.0):
+    out, final = run_cuda(g, lower_bound=lower_bound)
+    torch.cuda.synchronize()
+    ref_out, ref_final = run_reference(d, lower_bound=lower_bound)
+    return rel(out.cpu(), ref_out), rel(final.cpu(), ref_final), out, final
+
+
+def fla_chunk_kda(g, lower_bound):
+    """fla's chunk_kda on the same inputs (gate, L2 norm and beta sigmoid in kernel)."""
+    os.environ.setdefault("FLA_FLASH_KDA", "0")
+    fla_kda = pytest.importorskip("fla.ops.kda")
+    init = g["initial_state"].float() if g["initial_state"] is not None else None
+    return fla_kda.chunk_kda(
+        g["q"], g["k"], g["v"], g["g"], g["beta"],
+        initial_state=init,
+        output_final_state=True,
+        use_qk_l2norm_in_kernel=True,
+        use_gate_in_kernel=True,
+        use_beta_sigmoid_in_kernel=True,
+        safe_gate=True,
+        lower_bound=lower_bound,
+        state_v_first=True,
+        A_log=g["A_log"],
+        dt_bias=g["dt_bias"].flatten(),
+        cu_seqlens=g["cu_seqlens"],
+    )
+
+
+# --------------------------------------------------------------------------
+# Accuracy (SPEC section 4)
+# --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("state_dtype,state_tol", [(torch.bfloat16, 5e-3), (torch.float32, 1e-3)])
+def test_random_case_accuracy(state_dtype, state_tol):
+    d, g = cuda_inputs(B=2, T=1024, H=4, state_dtype=state_dtype)
+    e_out, e_state, _, final = errors(d, g)
+    print(f"\nrandom T=1024 state={state_dtype}: out rel {e_out:.2e}, state rel {e_state:.2e}")
+    assert final.dtype == state_dtype
+    assert e_out <= 5e-3
+    assert e_state <= state_tol
+
+
+def _hard_case(name, d, g):
+    if name == "weak_decay":
+        g["A_log"].fill_(2.0)
+        g["dt_bias"].fill_(-8.0)
+    elif name == "small_beta":
+        g["beta"].sub_(6.0)
+    d["A_log"], d["dt_bias"], d["beta"] = (g[n].cpu() for n in ("A_log", "dt_bias", "beta"))
+
+
+@pytest.mark.parametrize(
+    "name,lower_bound,T",
+    [
+        ("weak_decay", -5.0, 4096),
+        ("small_beta", -5.0, 4096),
+        ("lower_bound", -0.1, 4096),
+        ("lower_bound", -1.0, 4096),
+        ("lower_bound", -5.0, 4096),
+        ("long", -5.0, 65536),
+    ],
+)
+@pytest.mark.parametrize("state_dtype", [torch.bfloat16, torch.float32])
+def test_hard_cases(name, lower_bound, T, state_dtype):
+    if name == "long" and state_dtype == torch.bfloat16:
+        pytest.skip("the long case runs once, with an fp32 state (the reference costs a minute per run)")
+    d, g = cuda_inputs(B=1, T=T, H=2, state_dtype=state_dtype)
+    _hard_case(name, d, g)
+    e_out, e_state, _, _ = errors(d, g, lower_bound)
+    print(f"\n{name} lb={lower_bound} T={T} state={state_dtype}: out rel {e_out:.2e}, state rel {e_state:.2e}")
+    assert e_out <= 2e-2
+    assert e_state <= 2e-2
+
+
+def test_fp32_state_is_accumulated_in_fp32():
+    """Under weak decay the state sums thousands of updates; rounding it to
+    bf16 on chip would show as a state error near bf16's resolution."""
+    d, g = cuda_inputs(B=1, T=4096, H=2, state_dtype=torch.float32)
+    _hard_case("weak_decay", d, g)
+    _, e_state, _, _ = errors(d, g)
+    assert e_state <= 1e-4
+
+
+def test_agrees_with_fla_chunk_kda():
+    d, g = cuda_inputs(B=2, T=1024, H=4, state_dtype=torch.float32)
+    out, final = run_cuda(g)
+    fla_out, fla_final = fla_chunk_kda(g, -5.0)
+    ref_out, ref_final = run_reference(d, lower_bound=-5.0)
+    print(
+        f"\nvs reference: torch_kda out {rel(out.cpu(), ref_out):.2e} state {rel(final.cpu(), ref_final):.2e};"
+        f" chunk_kda out {rel(fla_out.cpu(), ref_out):.2e} state {rel(fla_final.cpu(), ref_final):.2e}"
+    )
+    assert rel(out.float(), fla_out.float()) <= 1e-2
+    assert rel(final.float(), fla_final.float()) <= 1e-2
+
+
+def test_varlen_agrees_with_fla_chunk_kda():
+    seqlens = [300, 1, 0, 77, 1024, 16, 33]
+    d, g = cuda_inputs(seqlens=seqlens, H=4, state_dtype=torch.float32)
+    out, final = run_cuda(g)
+    fla_out, fla_final = fla_chunk_kda(g, -5.0)
+    assert rel(out.float(), fla_out.float()) <= 1e-2
+    assert rel(final.float(), fla_final.float()) <= 1e-2
+
+
+# --------------------------------------------------------------------------
+# Completeness: varlen, odd lengths, empty sequences, T = 0, no state
+# --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("cu_dtype", [torch.int64, torch.int32])
+def test_varlen_matches_reference(cu_dtype):
+    seqlens = [1, 17, 0, 33, 15, 16, 100, 0]
+    d, g = cuda_inputs(seqlens=seqlens, H=2, cu_dtype=cu_dtype)
+    e_out, e_state, _, _ = errors(d, g)
+    assert e_out <= 5e-3 and e_state <= 1e-3
+
+
+def test_varlen_equals_separate_calls_bitwise():
+    """Each sequence computed alone gives bitwise the varlen result: the padded
+    tail rows of a partial chunk never leak into the next sequence."""
+    seqlens = [5, 16, 0, 31, 1, 47]
+    d, g = cuda_inputs(seqlens=seqlens, H=3)
+    out, final = run_cuda(g)
+    cu = g["cu_seqlens"].tolist()
+    for n in range(len(seqlens)):
+        s, e = cu[n], cu[n + 1]
+        part = {name: g[name][:, s:e] for name in ("q", "k", "v", "g", "beta")}
+        o, f = torch_kda.kda(
+            part["q"], part["k"], part["v"], part["g"], part["beta"], g["A_log"], g["dt_bias"],
+            lower_bound=-5.0, initial_state=g["initial_state"][n : n + 1], output_final_state=True,
+        )
+        assert torch.equal(o, out[:, s:e]), n
+        assert torch.equal(f[0], final[n]), n
+
+
+def test_thousands_of_sequences_match_cpu_kernel():
+    lengths = torch.randint(0, 40, (3000,)).tolist()
+    d, g = cuda_inputs(seqlens=lengths, H=1, state_dtype=torch.float32)
+    out, final = run_cuda(g)
+    cpu_out, cpu_final = torch_kda.kda(
+        *positional(d), lower_bound=-5.0, initial_state=d["initial_state"], output_final_state=True,
+        cu_seqlens=d["cu_seqlens"],
+    )
+    assert rel(out.cpu(), cpu_out) <= 5e-3
+    assert rel(final.cpu(), cpu_final) <= 1e-4
+
+
+@pytest.mark.parametrize("T", [1, 15, 16, 17, 100])
+@pytest.mark.parametrize("with_state", [False, True])
+def test_fixed_length_odd_T(T, with_state):
+    d, g = cuda_inputs(B=3, T=T, H=2, state_dtype=torch.float32 if with_state else None)
+    out, final = run_cuda(g)
+    ref_out, ref_final = run_reference(d, lower_bound=-5.0)
+    assert rel(out.cpu(), ref_out) <= 5e-3
+    assert rel(final.cpu(), ref_final) <= 1e-3
+
+
+def test_without_final_state_and_default_scale():
+    d, g = cuda_inputs(B=1, T=70, H=2, state_dtype=None)
+    out, final = torch_kda.kda(*positional(g), lower_bound=-1.0)
+    assert final is None
+    ref_out, _ = run_reference(d, lower_bound=-1.0)
+    assert rel(out.cpu(), ref_out) <= 5e-3
+    out2, _ = torch_kda.kda(*positional(g), lower_bound=-1.0, scale=0.3)
+    ref2, _ = run_reference(d, lower_bound=-1.0, scale=0.3)
+    assert rel(out2.cpu(), ref2) <= 5e-3
+
+
+@pytest.mark.parametrize("state_dtype", [torch.bfloat16, torch.float32])
+def test_T_zero_passes_state_through(state_dtype):
+    d, g = cuda_inputs(B=2, T=0, H=2, state_dtype=state_dtype)
+    out, final = run_cuda(g)
+    assert out.shape == (2, 0, 2, D)
+    assert torch.equal(final, g["initial_state"])
+
+
+def test_empty_sequences_pass_state_through():
+    d, g = cuda_inputs(seqlens=[0, 5, 0], H=2, state_dtype=torch.float32)
+    _, final = run_cuda(g)
+    assert torch.equal(final[0], g["initial_state"][0])
+    assert torch.equal(final[2], g["initial_state"][2])
+    assert not torch.equal(final[1], g["initial_state"][1])
+
+
+def test_non_contiguous_inputs():
+    d, g = cuda_inputs(B=2, T=40, H=2)
+    nc = {name: g[name].transpose(0, 1).contiguous().transpose(0, 1) for name in ("q", "k", "v", "g", "beta")}
+    assert not nc["q"].is_contiguous()
+    out, final = run_cuda({**g, **nc})
+    out_c, final_c = run_cuda(g)
+    assert torch.equal(out, out_c) and torch.equal(final, final_c)
+
+
+def test_long_sequence_split_equals_whole():
+    """T = 1M tokens: the whole sequence equals its two halves chained through an fp32 state."""
+    T, H = 1 << 20, 1
+    d, g = cuda_inputs(B=1, T=T, H=H, state_dtype=torch.float32)
+    del d
+    out, final = run_cuda(g)
+    half = T // 2
+    first = {n: g[n][:, :half] for n in ("q", "k", "v", "g", "beta")}
+    second = {n: g[n][:, half:] for n in ("q", "k", "v", "g", "beta")}
+    o1, f1 = torch_kda.kda(first["q"], first["k"], first["v"], first["g"], first["beta"], g["A_log"], g["dt_bias"],
+                           lower_bound=-5.0, initial_state=g["initial_state"], output_final_state=True)
+    o2, f2 = torch_kda.kda(second["q"], second["k"], second["v"], second["g"], second["beta"], g["A_log"],
+                           g["dt_bias"], lower_bound=-5.0, initial_state=f1, output_final_state=True)
+    assert torch.isfinite(out.float()).all()
+    assert torch.equal(o1, out[:, :half])  # chunks are identical, so bitwise
+    assert torch.equal(o2, out[:, half:])  # the half is a multiple of 16: identical chunks again
+    assert torch.equal(f2, final)
+
+
+# --------------------------------------------------------------------------
+# Writes: poisoned outputs, determinism, in-place API
+# --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("state_dtype", [torch.bfloat16, torch.float32])
+def test_inplace_writes_every_element(state_dtype):
+    d, g = cuda_inputs(seqlens=[3, 16, 0, 45], H=2, state_dtype=state_dtype)
+    out = torch.full((1, 64, 2, D), float("nan"), dtype=torch.bfloat16, device=DEV)
+    final = torch.full((4, 2, D, D), float("nan"), dtype=state_dtype, device=DEV)
+    before = {n: g[n].clone() for n in ("q", "k", "v", "g", "beta", "A_log", "dt_bias", "initial_state")}
+    ret = torch_kda.fwd(g["q"], g["k"], g["v"], g["g"], g["beta"], None, out, g["A_log"], g["dt_bias"], -5.0,
+                        initial_state=g["initial_state"], final_state=final, cu_seqlens=g["cu_seqlens"])
+    assert ret is None
+    assert torch.isfinite(out.float()).all() and torch.isfinite(final.float()).all()
+    ref_out, ref_final = run_reference(d, lower_bound=-5.0)
+    assert rel(out.cpu(), ref_out) <= 5e-3
+    for n, t in before.items():
+        assert torch.equal(t, g[n]), f"{n} was modified"
+
+
+def test_deterministic():
+    d, g = cuda_inputs(seqlens=[100, 7, 513], H=4)
+    out1, final1 = run_cuda(g)
+    for _ in range(3):
+        out2, final2 = run_cuda(g)
+        assert torch.equal(out1, out2) and torch.equal(final1, final2)
+
+
+# --------------------------------------------------------------------------
+# Composition: CUDA graphs, torch.compile, opcheck, CPU agreement
+# --------------------------------------------------------------------------
+
+
+def test_cuda_graph_capture_and_replay():
+    d, g = cuda_inputs(seqlens=[40, 0, 100, 17], H=2, state_dtype=torch.float32)
+    out = torch.empty(1, 157, 2, D, dtype=torch.bfloat16, device=DEV)
+    final = torch.empty(4, 2, D, D, dtype=torch.float32, device=DEV)
+
+    def step():
+        torch_kda.fwd(g["q"], g["k"], g["v"], g["g"], g["beta"], None, out, g["A_log"], g["dt_bias"], -5.0,
+                      initial_state=g["initial_state"], final_state=final, cu_seqlens=g["cu_seqlens"])
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        step()  # warm-up outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+
+    for lengths in ([40, 0, 100, 17], [1, 60, 60, 36]):
+        d2, g2 = cuda_inputs(seqlens=lengths, H=2, state_dtype=torch.float32)
+        for name in ("q", "k", "v", "g", "beta", "A_log", "dt_bias", "initial_state", "cu_seqlens"):
+            g[name].copy_(g2[name])
+        out.fill_(float("nan"))
+        final.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        eager_out, eager_final = run_cuda(g2)
+        assert torch.equal(out, eager_out)
+        assert torch.equal(final, eager_final)
+
+
+def test_compile_reduce_overhead():
+    d, g = cuda_inputs(B=2, T=64, H=2, state_dtype=torch.float32)
+
+    class Model(torch.nn.Module):
+        def forward(self, q, k, v, gg, beta, A_log, dt_bias, h0):
+            o, s = torch_kda.kda(q, k, v, gg, beta, A_log, dt_bias, lower_bound=-5.0, initial_state=h0,
+                                 output_final_state=True)
+            return o.float() * 2, s
+
+    model = Model()
+    args = (*positional(g), g["initial_state"])
+    compiled = torch.compile(model, mode="reduce-overhead", fullgraph=True)
+    for _ in range(3):
+        c_out, c_state = compiled(*args)
+    e_out, e_state = model(*args)
+    assert torch.equal(c_out, e_out) and torch.equal(c_state, e_state)
+
+
+def test_opcheck_cuda():
+    samples = []
+    for seqlens, state in (([10, 0, 33], torch.float32), (None, torch.bfloat16), (None, None)):
+        kw = {"seqlens": seqlens} if seqlens else {"B": 2, "T": 21}
+        _, g = cuda_inputs(H=2, state_dtype=state, **kw)
+        samples.append(g)
+    for g in samples:
+        torch.library.opcheck(
+            torch.ops.kda.fwd.default, positional(g),
+            {"lower_bound": -5.0, "initial_state": g["initial_state"], "output_final_state": True,
+             "cu_seqlens": g["cu_seqlens"]},
+        )
+        N = g["initial_state"].shape[0] if g["initial_state"] is not None else (
+            g["cu_seqlens"].numel() - 1 if g["cu_seqlens"] is not None else g["q"].shape[0])
+        out = torch.empty(*g["q"].shape[:3], D, dtype=torch.bfloat16, device=DEV)
+        final = torch.empty(N, 2, D, D, dtype=torch.float32, device=DEV)
+        if g["initial_state"] is not None:
+            final = final.to(g["initial_state"].dtype)
+        torch.library.opcheck(
+            torch.ops.kda.fwd_.default, (*positional(g), out, final),
+            {"lower_bound": -5.0, "initial_state": g["initial_state"], "cu_seqlens": g["cu_seqlens"]},
+        )
+
+
+def test_cpu_and_cuda_agree():
+    d, g = cuda_inputs(seqlens=[200, 3, 64], H=2, state_dtype=torch.float32)
+    out, final = run_cuda(g)
+    cpu_out, cpu_final = torch_kda.kda(
+        *positional(d), lower_bound=-5.0, initial_state=d["initial_state"], output_final_state=True,
+        cu_seqlens=d["cu_seqlens"],
+    )
+    assert rel(out.cpu(), cpu_out) <= 5e-3
+    assert rel(final.cpu(), cpu_final) <= 1e-4
+
+
+# --------------------------------------------------------------------------
+# What the CUDA kernels refuse, before any kernel runs
+# --------------------------------------------------------------------------
+
+
+def test_cuda_limits_are_errors():
+    _, g = cuda_inputs(B=1, T=8, H=2)
+    args = positional(g)
+    with pytest.raises(RuntimeError, match="lower_bound must be given"):
+        torch_kda.kda(*args)
+    with pytest.raises(RuntimeError, match=r"lower_bound must be in \[-5, 0\)"):
+        torch_kda.kda(*args, lower_bound=-6.0)
+    with pytest.raises(RuntimeError, match="q, k, v, g and beta must have dtype bfloat16"):
+        torch_kda.kda(*(a.float() if a.dtype == torch.bfloat16 else a for a in args), lower_bound=-5.0)
+    small = make_inputs(B=1, T=8, H=2, K=64, V=64, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="K must be 128"):
+        torch_kda.kda(*(t.to(DEV) for t in positional(small)), lower_bound=-5.0)
+    with pytest.raises(RuntimeError, match="must be on the same device as q"):
+        torch_kda.kda(*args[:5], g["A_log"].cpu(), g["dt_bias"], lower_bound=-5.0)
+    with pytest.raises(NotImplementedError, match="CUDA backward"):
+        q = g["q"].clone().requires_grad_(True)
+        out, _ = torch_kda.kda(q, *args[1:], lower_bound=-5.0)
+        out.float().sum().backward()
+
+
+def test_bad_cu_seqlens_checked_with_env(monkeypatch):
+    _, g = cuda_inputs(seqlens=[4, 4], H=2)
+    bad = torch.tensor([0, 6, 5], dtype=torch.int64, device=DEV)
+    monkeypatch.setenv("TORCH_KDA_CHECK", "1")
+    with pytest.raises(RuntimeError, match="cu_seqlens must be non-decreasing"):
+        torch_kda.kda(*positional(g), lower_bound=-5.0, cu_seqlens=bad)
+    monkeypatch.setenv("TORCH_KDA_CHECK", "0")
+    out = torch.full((1, 8, 2, D), float("nan"), dtype=torch.bfloat16, device=DEV)
+    # Unchecked, a malformed cu_seqlens gives wrong numbers but stays in bounds.
+    torch_kda.fwd(*positional(g)[:5], None, out, g["A_log"], g["dt_bias"], -5.0, cu_seqlens=bad)
+    torch.cuda.synchronize()
