@@ -90,7 +90,7 @@ def reference_kda(
     finals = []
     for n, (b, start, end) in enumerate(bounds):
         if initial_state is None:
-            S = torch.zeros(H, K, V, dtype=torch.float64)
+            S = torch.zeros(H, K, V, dtype=torch.float64, device=q.device)
         else:
             # The API's state is V-first: state[n, h, v, k] = S[k, v].
             S = initial_state[n].to(torch.float64).transpose(-1, -2)
@@ -111,10 +111,10 @@ def reference_kda(
         if per_row[b]:
             rows.append(torch.stack(per_row[b]))
         else:
-            rows.append(torch.zeros(0, H, V, dtype=torch.float64))
-    out = torch.stack(rows) if rows else torch.zeros(0, T, H, V, dtype=torch.float64)
+            rows.append(torch.zeros(0, H, V, dtype=torch.float64, device=q.device))
+    out = torch.stack(rows) if rows else torch.zeros(0, T, H, V, dtype=torch.float64, device=q.device)
     assert out.shape == (B, T, H, V)
-    final = torch.stack(finals) if finals else torch.zeros(0, H, V, K, dtype=torch.float64)
+    final = torch.stack(finals) if finals else torch.zeros(0, H, V, K, dtype=torch.float64, device=q.device)
     return out, final
 
 
