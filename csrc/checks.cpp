@@ -6,16 +6,14 @@
 #include <c10/util/Exception.h>
 
 #include <cmath>
+#include <cstdio>
 #include <cstdlib>
-#include <sstream>
 
 namespace kda {
 namespace {
 
 std::string shape_str(const at::Tensor& t) {
-  std::ostringstream os;
-  os << t.sym_sizes();
-  return os.str();
+  return kda::shape_str(t.sym_sizes());
 }
 
 void check_defined(const char* op, const char* name, const at::Tensor& t) {
@@ -25,14 +23,16 @@ void check_defined(const char* op, const char* name, const at::Tensor& t) {
 void check_rank(const char* op, const char* name, const at::Tensor& t, int64_t rank, const char* layout) {
   TORCH_CHECK(
       t.dim() == rank,
-      op, ": ", name, " must be a ", rank, "-D tensor ", layout, ", got a ", t.dim(), "-D tensor of shape ",
+      op, ": ", name, " must be a ", int_str(rank), "-D tensor ", layout, ", got a ", int_str(t.dim()),
+      "-D tensor of shape ",
       shape_str(t));
 }
 
 void check_same_device(const char* op, const char* name, const at::Tensor& t, const at::Tensor& q) {
   TORCH_CHECK(
       t.device() == q.device(),
-      op, ": ", name, " must be on the same device as q (", q.device(), "), got ", name, " on ", t.device());
+      op, ": ", name, " must be on the same device as q (", q.device().str(), "), got ", name, " on ",
+      t.device().str());
 }
 
 void check_dtype_is(const char* op, const char* name, const at::Tensor& t, at::ScalarType expected, const char* why) {
@@ -45,7 +45,8 @@ void check_size(const char* op, const char* name, const at::Tensor& t, int64_t d
                 const char* what, const char* layout) {
   TORCH_CHECK(
       t.sym_size(dim) == expected,
-      op, ": ", name, " must have shape ", layout, " with ", what, " = ", expected, " at dim ", dim, ", got shape ",
+      op, ": ", name, " must have shape ", layout, " with ", what, " = ", sym_str(expected), " at dim ", int_str(dim),
+      ", got shape ",
       shape_str(t));
 }
 
@@ -74,6 +75,31 @@ std::string dtype_name(at::ScalarType s) {
     case at::kBool: return "bool";
     default: return c10::toString(s);
   }
+}
+
+std::string int_str(int64_t x) {
+  return std::to_string(x);
+}
+
+std::string float_str(double x) {
+  char buf[64];
+  std::snprintf(buf, sizeof(buf), "%g", x);  // what an ostream prints by default
+  return buf;
+}
+
+std::string sym_str(const c10::SymInt& x) {
+  if (auto concrete_value = x.maybe_as_int()) {
+    return int_str(*concrete_value);
+  }
+  return x.toSymNode()->str();
+}
+
+std::string shape_str(c10::SymIntArrayRef sizes) {
+  std::string s = "[";
+  for (size_t i = 0; i < sizes.size(); ++i) {
+    s += (i ? ", " : "") + sym_str(sizes[i]);
+  }
+  return s + "]";
 }
 
 bool debug_checks_enabled() {
@@ -112,7 +138,7 @@ Problem check_forward_args(
   // Devices first: a mismatch there explains every later surprise.
   TORCH_CHECK(
       q.device().is_cpu() || q.device().is_cuda() || q.device().is_meta(),
-      op, ": q must be on a CPU or CUDA device, got q on ", q.device());
+      op, ": q must be on a CPU or CUDA device, got q on ", q.device().str());
   check_same_device(op, "k", k, q);
   check_same_device(op, "v", v, q);
   check_same_device(op, "g", g, q);
@@ -188,7 +214,7 @@ Problem check_forward_args(
     p.varlen = true;
     TORCH_CHECK(
         cu_seqlens->dim() == 1,
-        op, ": cu_seqlens must be a 1-D tensor [N + 1], got a ", cu_seqlens->dim(), "-D tensor of shape ",
+        op, ": cu_seqlens must be a 1-D tensor [N + 1], got a ", int_str(cu_seqlens->dim()), "-D tensor of shape ",
         shape_str(*cu_seqlens));
     TORCH_CHECK(
         cu_seqlens->sym_size(0) >= 1,
@@ -213,13 +239,13 @@ Problem check_forward_args(
 
   // Scalars.
   if (scale.has_value()) {
-    TORCH_CHECK(std::isfinite(*scale), op, ": scale must be a finite number, got ", *scale);
+    TORCH_CHECK(std::isfinite(*scale), op, ": scale must be a finite number, got ", float_str(*scale));
   }
   p.scale = scale;
   if (lower_bound.has_value()) {
     TORCH_CHECK(
         std::isfinite(*lower_bound) && *lower_bound < 0.0,
-        op, ": lower_bound must be a finite negative number (or None for the softplus gate), got ", *lower_bound);
+        op, ": lower_bound must be a finite negative number (or None for the softplus gate), got ", float_str(*lower_bound));
     p.gate = Gate::kBounded;
     p.lower_bound = *lower_bound;
   } else {
@@ -246,7 +272,8 @@ void check_inplace_buffers(
   check_same_device(op, "out", out, q);
   TORCH_CHECK(
       at::has_internal_overlap(out) != at::MemOverlap::Yes,
-      op, ": out must not have elements that share memory (an expanded tensor, say), got strides ", out.sym_strides());
+      op, ": out must not have elements that share memory (an expanded tensor, say), got strides ",
+      shape_str(out.sym_strides()));
   check_dtype_is(op, "out", out, q.scalar_type(), "the dtype of q");
   check_rank(op, "out", out, 4, "[B, T, H, V]");
   check_size(op, "out", out, 0, p.B, "B", "[B, T, H, V]");
@@ -260,7 +287,7 @@ void check_inplace_buffers(
     TORCH_CHECK(
         at::has_internal_overlap(fs) != at::MemOverlap::Yes,
         op, ": final_state must not have elements that share memory (an expanded tensor, say), got strides ",
-        fs.sym_strides());
+        shape_str(fs.sym_strides()));
     TORCH_CHECK(
         is_state_dtype(fs.scalar_type()),
         op, ": final_state must have dtype bfloat16, float32 or float64, got ", dtype_name(fs.scalar_type()));
@@ -313,17 +340,17 @@ std::vector<int64_t> read_and_check_cu_seqlens(const char* op, const at::Tensor&
   const int64_t* ptr = host.data_ptr<int64_t>();
   std::vector<int64_t> offsets(ptr, ptr + host.numel());
   TORCH_CHECK(!offsets.empty(), op, ": cu_seqlens must hold at least one offset");
-  TORCH_CHECK(offsets.front() == 0, op, ": cu_seqlens must start at 0, got cu_seqlens[0] = ", offsets.front());
+  TORCH_CHECK(offsets.front() == 0, op, ": cu_seqlens must start at 0, got cu_seqlens[0] = ", int_str(offsets.front()));
   for (size_t i = 1; i < offsets.size(); ++i) {
     TORCH_CHECK(
         offsets[i] >= offsets[i - 1],
-        op, ": cu_seqlens must be non-decreasing, got cu_seqlens[", i, "] = ", offsets[i], " < cu_seqlens[", i - 1,
-        "] = ", offsets[i - 1]);
+        op, ": cu_seqlens must be non-decreasing, got cu_seqlens[", int_str(static_cast<int64_t>(i)), "] = ",
+        int_str(offsets[i]), " < cu_seqlens[", int_str(static_cast<int64_t>(i - 1)), "] = ", int_str(offsets[i - 1]));
   }
   TORCH_CHECK(
       offsets.back() == total_tokens,
-      op, ": cu_seqlens must end at the number of tokens T = ", total_tokens, ", got cu_seqlens[-1] = ",
-      offsets.back());
+      op, ": cu_seqlens must end at the number of tokens T = ", int_str(total_tokens), ", got cu_seqlens[-1] = ",
+      int_str(offsets.back()));
   return offsets;
 }
 

@@ -65,6 +65,14 @@ void check_backward_grads(
 // at 0, non-decreasing, ends at total_tokens. Returns the boundaries.
 std::vector<int64_t> read_and_check_cu_seqlens(const char* op, const at::Tensor& cu_seqlens, int64_t total_tokens);
 
+// Numbers in error messages are formatted with these, never by inserting them
+// into a std::ostream: on the H200 machine (torch 2.11, GCC 13) streaming a
+// double from inside this extension crashed in libstdc++'s locale code.
+std::string int_str(int64_t x);
+std::string float_str(double x);
+std::string sym_str(const c10::SymInt& x);
+std::string shape_str(c10::SymIntArrayRef sizes);
+
 // A dtype as users write it in Python: float32, bfloat16, int64, ...
 std::string dtype_name(at::ScalarType s);
 

@@ -21,11 +21,11 @@ void check_cuda_limits(const char* op, const Problem& p, const Tensor& A_log, co
       op, ": on CUDA, q, k, v, g and beta must have dtype bfloat16, got ", dtype_name(p.input_dtype));
   TORCH_CHECK(
       concrete(p.K) == kHeadDim,
-      op, ": on CUDA, the key head size K must be ", kHeadDim, ", got K = ", concrete(p.K),
+      op, ": on CUDA, the key head size K must be ", int_str(kHeadDim), ", got K = ", int_str(concrete(p.K)),
       " (other sizes run on the CPU)");
   TORCH_CHECK(
       concrete(p.V) == kHeadDim,
-      op, ": on CUDA, the value head size V must be ", kHeadDim, ", got V = ", concrete(p.V),
+      op, ": on CUDA, the value head size V must be ", int_str(kHeadDim), ", got V = ", int_str(concrete(p.V)),
       " (other sizes run on the CPU)");
   TORCH_CHECK(A_log.scalar_type() == at::kFloat, op, ": on CUDA, A_log must have dtype float32, got ",
               dtype_name(A_log.scalar_type()));
@@ -37,7 +37,7 @@ void check_cuda_limits(const char* op, const Problem& p, const Tensor& A_log, co
       "CPU only for now");
   TORCH_CHECK(
       p.lower_bound >= -5.0,
-      op, ": on CUDA, lower_bound must be in [-5, 0), got ", p.lower_bound);
+      op, ": on CUDA, lower_bound must be in [-5, 0), got ", float_str(p.lower_bound));
   TORCH_CHECK(
       p.state_dtype == at::kBFloat16 || p.state_dtype == at::kFloat,
       op, ": on CUDA, states must have dtype bfloat16 or float32, got ", dtype_name(p.state_dtype));
