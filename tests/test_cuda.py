@@ -96,24 +96,23 @@ def _hard_case(name, d, g):
 
 
 @pytest.mark.parametrize(
-    "name,lower_bound,T",
-    [
-        ("weak_decay", -5.0, 4096),
-        ("small_beta", -5.0, 4096),
-        ("lower_bound", -0.1, 4096),
-        ("lower_bound", -1.0, 4096),
-        ("lower_bound", -5.0, 4096),
-        ("long", -5.0, 65536),
-    ],
+    "name,lower_bound",
+    [("weak_decay", -5.0), ("small_beta", -5.0), ("lower_bound", -0.1), ("lower_bound", -1.0), ("lower_bound", -5.0)],
 )
 @pytest.mark.parametrize("state_dtype", [torch.bfloat16, torch.float32])
-def test_hard_cases(name, lower_bound, T, state_dtype):
-    if name == "long" and state_dtype == torch.bfloat16:
-        pytest.skip("the long case runs once, with an fp32 state (the reference costs a minute per run)")
-    d, g = cuda_inputs(B=1, T=T, H=2, state_dtype=state_dtype)
+def test_hard_cases(name, lower_bound, state_dtype):
+    d, g = cuda_inputs(B=1, T=4096, H=2, state_dtype=state_dtype)
     _hard_case(name, d, g)
     e_out, e_state, _, _ = errors(d, g, lower_bound)
-    print(f"\n{name} lb={lower_bound} T={T} state={state_dtype}: out rel {e_out:.2e}, state rel {e_state:.2e}")
+    print(f"\n{name} lb={lower_bound} T=4096 state={state_dtype}: out rel {e_out:.2e}, state rel {e_state:.2e}")
+    assert e_out <= 2e-2
+    assert e_state <= 2e-2
+
+
+def test_hard_case_long_sequence():
+    d, g = cuda_inputs(B=1, T=65536, H=2, state_dtype=torch.float32)
+    e_out, e_state, _, _ = errors(d, g, -5.0)
+    print(f"\nlong lb=-5.0 T=65536 state=float32: out rel {e_out:.2e}, state rel {e_state:.2e}")
     assert e_out <= 2e-2
     assert e_state <= 2e-2
 
