@@ -1,0 +1,194 @@
+"""The KDA layer of Kimi-Linear as an nn.Module, built on torch_kda.kda.
+
+Shapes: hidden states x [B, T, hidden_size]; with cu_seqlens ([N + 1]) B must be 1
+and the N sequences are packed along T. H = num_heads, d = head_dim (K = V = d).
+"""
+from typing import NamedTuple, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from torch_kda._ops import kda
+
+
+class KDAState(NamedTuple):
+    """Recurrent state of one KimiDeltaAttention layer, per sequence.
+
+    recurrent: [N, H, d, d] fp32, V-first (state[n, h, v, k] = S[k, v]).
+    conv_q, conv_k, conv_v: [N, H * d, conv_size - 1], the last inputs of each
+    short convolution (oldest first).
+    """
+
+    recurrent: torch.Tensor
+    conv_q: torch.Tensor
+    conv_k: torch.Tensor
+    conv_v: torch.Tensor
+
+
+def _sequence_offsets(B, T, cu_seqlens, device):
+    if cu_seqlens is not None:
+        if B != 1:
+            raise ValueError(f"KimiDeltaAttention: x must have batch size 1 with cu_seqlens, got {B}")
+        return cu_seqlens.to(device=device, dtype=torch.long)
+    return torch.arange(B + 1, device=device) * T
+
+
+class ShortConvolution(nn.Module):
+    """Causal depthwise 1-D convolution over time with SiLU, one sequence at a time:
+    a packed sequence never sees the tokens of the one before it. Written with
+    fixed-shape tensor ops (no data-dependent sizes), so it compiles without graph
+    breaks and never reads cu_seqlens on the host."""
+
+    def __init__(self, channels, kernel_size=4):
+        super().__init__()
+        self.channels = channels
+        self.kernel_size = kernel_size
+        self.weight = nn.Parameter(torch.empty(channels, kernel_size))
+        nn.init.kaiming_uniform_(self.weight, a=5 ** 0.5)
+
+    def forward(self, x, offsets, state=None, output_state=False):
+        """x [1, L, C] packed tokens; offsets [N + 1] token offsets (int64, on x's
+        device); state [N, C, W - 1] or None (zeros). Returns (y [1, L, C], new state or None)."""
+        W = self.kernel_size
+        L = x.shape[1]
+        N = offsets.shape[0] - 1
+        xs = x[0]  # [L, C]
+        pos = torch.arange(L, device=x.device)
+        seq = torch.searchsorted(offsets[1:], pos, right=True).clamp(max=max(N - 1, 0))  # [L]
+        start = offsets[seq]  # [L]
+        weight = self.weight.to(xs.dtype)
+        y = torch.zeros_like(xs)
+        for j in range(W):  # tap j reads the token W - 1 - j steps back
+            back = W - 1 - j
+            src = pos - back
+            inside = src >= start  # still in this sequence
+            taken = xs[src.clamp(min=0)] * inside[:, None]
+            if state is not None and back > 0:
+                # Before the sequence start: read the carried inputs of this sequence.
+                slot = (W - 1 + src - start).clamp(min=0, max=W - 2)
+                carried = state[seq, :, slot].to(xs.dtype)  # [L, C]
+                taken = torch.where(inside[:, None], taken, carried)
+            y = y + taken * weight[:, j]
+        y = F.silu(y)[None]
+        if not output_state:
+            return y, None
+        # The last W - 1 inputs of each sequence, from x or, for short sequences, the old state.
+        ends = offsets[1:]  # [N]
+        steps = torch.arange(W - 1, device=x.device)
+        src = ends[:, None] - (W - 1) + steps[None, :]  # [N, W-1]
+        inside = src >= offsets[:-1, None]
+        new = xs[src.clamp(min=0)].transpose(1, 2)  # [N, C, W-1]
+        if state is not None:
+            slot = (W - 1 + src - offsets[:-1, None]).clamp(min=0, max=W - 2)
+            old = torch.gather(state.to(xs.dtype), 2, slot[:, None, :].expand(-1, xs.shape[1], -1))
+        else:
+            old = torch.zeros_like(new)
+        new = torch.where(inside[:, None, :], new, old)
+        return y, new
+
+
+class GatedRMSNorm(nn.Module):
+    """RMSNorm over the head dimension, then times sigmoid(gate)."""
+
+    def __init__(self, dim, eps=1e-5):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x, gate):
+        xf = x.float()
+        normed = xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + self.eps)
+        return (normed * self.weight.float() * torch.sigmoid(gate.float())).to(x.dtype)
+
+
+class KDAGateParameters(nn.Module):
+    """A_log [H] and dt_bias [H, d] in their own module, so that FSDP2 can keep them
+    in fp32 (their own MixedPrecisionPolicy) while the rest of the layer runs in bf16:
+    the operator requires them in fp32 on CUDA, and the gate is sensitive to them."""
+
+    def __init__(self, num_heads, head_dim):
+        super().__init__()
+        # Decay rates spread over heads, as in Mamba-style initialisations.
+        self.A_log = nn.Parameter(torch.log(torch.empty(num_heads).uniform_(1, 16)))
+        dt = torch.exp(torch.empty(num_heads, head_dim).uniform_(torch.log(torch.tensor(1e-3)).item(),
+                                                                   torch.log(torch.tensor(1e-1)).item()))
+        self.dt_bias = nn.Parameter(dt + torch.log(-torch.expm1(-dt)))  # inverse softplus
+
+    def forward(self):
+        return self.A_log.float(), self.dt_bias.float()
+
+
+class KimiDeltaAttention(nn.Module):
+    """The KDA block of Kimi-Linear.
+
+    q, k, v projections with short causal convolutions (kernel conv_size, SiLU) that
+    respect sequence boundaries; the low-rank gate projection with per-head A_log and
+    dt_bias (fp32); the beta projection; the KDA core (torch_kda.kda); an output gate
+    with gated RMSNorm; the output projection.
+
+    Args:
+        hidden_size: model width.
+        num_heads: H.
+        head_dim: d (K = V = d; 128 in the shipped models, the size the CUDA kernels serve).
+        conv_size: short convolution width (4).
+        lower_bound: None for the softplus gate of Kimi-Linear; a negative number for the
+            bounded gate lower_bound * sigmoid(exp(A_log) (g + dt_bias)).
+        norm_eps: epsilon of the gated RMSNorm.
+
+    forward(x [B, T, hidden_size], cu_seqlens=None, state=None, output_state=False)
+    returns (y [B, T, hidden_size], KDAState or None). Passing the returned state to the
+    next call continues each sequence (chunked prefill, token-by-token generation).
+    """
+
+    def __init__(self, hidden_size, num_heads, head_dim, conv_size=4, lower_bound=None, norm_eps=1e-5):
+        super().__init__()
+        if lower_bound is not None and not lower_bound < 0:
+            raise ValueError(f"KimiDeltaAttention: lower_bound must be negative or None, got {lower_bound}")
+        self.hidden_size = hidden_size
+        self.num_heads = num_heads
+        self.head_dim = head_dim
+        self.conv_size = conv_size
+        self.lower_bound = lower_bound
+        inner = num_heads * head_dim
+        self.q_proj = nn.Linear(hidden_size, inner, bias=False)
+        self.k_proj = nn.Linear(hidden_size, inner, bias=False)
+        self.v_proj = nn.Linear(hidden_size, inner, bias=False)
+        self.q_conv = ShortConvolution(inner, conv_size)
+        self.k_conv = ShortConvolution(inner, conv_size)
+        self.v_conv = ShortConvolution(inner, conv_size)
+        self.f_proj = nn.Sequential(nn.Linear(hidden_size, head_dim, bias=False), nn.Linear(head_dim, inner, bias=False))
+        self.gate = KDAGateParameters(num_heads, head_dim)
+        self.b_proj = nn.Linear(hidden_size, num_heads, bias=False)
+        self.g_proj = nn.Sequential(nn.Linear(hidden_size, head_dim, bias=False), nn.Linear(head_dim, inner, bias=True))
+        self.o_norm = GatedRMSNorm(head_dim, eps=norm_eps)
+        self.o_proj = nn.Linear(inner, hidden_size, bias=False)
+
+    def forward(self, x, cu_seqlens=None, state: Optional[KDAState] = None, output_state: bool = False):
+        B, T, _ = x.shape
+        H, d = self.num_heads, self.head_dim
+        offsets = _sequence_offsets(B, T, cu_seqlens, x.device)
+        packed = x.reshape(1, B * T, -1)
+
+        def conv(proj, conv_mod, carried):
+            y, new = conv_mod(proj(packed), offsets, carried, output_state)
+            return y.reshape(B, T, H, d), new
+
+        q, conv_q = conv(self.q_proj, self.q_conv, state.conv_q if state is not None else None)
+        k, conv_k = conv(self.k_proj, self.k_conv, state.conv_k if state is not None else None)
+        v, conv_v = conv(self.v_proj, self.v_conv, state.conv_v if state is not None else None)
+        g = self.f_proj(x).reshape(B, T, H, d)
+        beta = self.b_proj(x)
+        A_log, dt_bias = self.gate()
+        o, recurrent = kda(
+            q, k, v, g.to(q.dtype), beta.to(q.dtype), A_log, dt_bias,
+            lower_bound=self.lower_bound,
+            initial_state=state.recurrent if state is not None else None,
+            output_final_state=output_state,
+            cu_seqlens=cu_seqlens,
+        )
+        o = self.o_norm(o, self.g_proj(x).reshape(B, T, H, d))
+        y = self.o_proj(o.reshape(B, T, H * d))
+        if not output_state:
+            return y, None
+        return y, KDAState(recurrent, conv_q, conv_k, conv_v)
