@@ -50,6 +50,25 @@ void check_size(const char* op, const char* name, const at::Tensor& t, int64_t d
       shape_str(t));
 }
 
+// A state tensor [N, H, V, K] and a per-token output [B, T, H, V]: rank, then each size.
+void check_state_shape(const char* op, const char* name, const at::Tensor& t, const Problem& p) {
+  const char* layout = "[N, H, V, K]";
+  check_rank(op, name, t, 4, layout);
+  check_size(op, name, t, 0, p.N, "N", layout);
+  check_size(op, name, t, 1, p.H, "H", layout);
+  check_size(op, name, t, 2, p.V, "V", layout);
+  check_size(op, name, t, 3, p.K, "K", layout);
+}
+
+void check_token_output_shape(const char* op, const char* name, const at::Tensor& t, const Problem& p) {
+  const char* layout = "[B, T, H, V]";
+  check_rank(op, name, t, 4, layout);
+  check_size(op, name, t, 0, p.B, "B", layout);
+  check_size(op, name, t, 1, p.T, "T", layout);
+  check_size(op, name, t, 2, p.H, "H", layout);
+  check_size(op, name, t, 3, p.V, "V", layout);
+}
+
 bool is_float_dtype(at::ScalarType s) {
   return s == at::kBFloat16 || s == at::kHalf || s == at::kFloat || s == at::kDouble;
 }
@@ -230,11 +249,7 @@ Problem check_forward_args(
 
   if (initial_state.has_value()) {
     p.has_initial_state = true;
-    check_rank(op, "initial_state", *initial_state, 4, "[N, H, V, K]");
-    check_size(op, "initial_state", *initial_state, 0, p.N, "N", "[N, H, V, K]");
-    check_size(op, "initial_state", *initial_state, 1, p.H, "H", "[N, H, V, K]");
-    check_size(op, "initial_state", *initial_state, 2, p.V, "V", "[N, H, V, K]");
-    check_size(op, "initial_state", *initial_state, 3, p.K, "K", "[N, H, V, K]");
+    check_state_shape(op, "initial_state", *initial_state, p);
   }
 
   // Scalars.
@@ -275,11 +290,7 @@ void check_inplace_buffers(
       op, ": out must not have elements that share memory (an expanded tensor, say), got strides ",
       shape_str(out.sym_strides()));
   check_dtype_is(op, "out", out, q.scalar_type(), "the dtype of q");
-  check_rank(op, "out", out, 4, "[B, T, H, V]");
-  check_size(op, "out", out, 0, p.B, "B", "[B, T, H, V]");
-  check_size(op, "out", out, 1, p.T, "T", "[B, T, H, V]");
-  check_size(op, "out", out, 2, p.H, "H", "[B, T, H, V]");
-  check_size(op, "out", out, 3, p.V, "V", "[B, T, H, V]");
+  check_token_output_shape(op, "out", out, p);
   if (final_state.has_value()) {
     const at::Tensor& fs = *final_state;
     check_defined(op, "final_state", fs);
@@ -297,11 +308,7 @@ void check_inplace_buffers(
           op, ": final_state must have the dtype of initial_state (", dtype_name(initial_state->scalar_type()),
           "), got ", dtype_name(fs.scalar_type()));
     }
-    check_rank(op, "final_state", fs, 4, "[N, H, V, K]");
-    check_size(op, "final_state", fs, 0, p.N, "N", "[N, H, V, K]");
-    check_size(op, "final_state", fs, 1, p.H, "H", "[N, H, V, K]");
-    check_size(op, "final_state", fs, 2, p.V, "V", "[N, H, V, K]");
-    check_size(op, "final_state", fs, 3, p.K, "K", "[N, H, V, K]");
+    check_state_shape(op, "final_state", fs, p);
   }
 }
 
@@ -316,22 +323,14 @@ void check_backward_grads(
   TORCH_CHECK(
       is_float_dtype(grad_out.scalar_type()),
       op, ": grad_out must have a floating dtype, got ", dtype_name(grad_out.scalar_type()));
-  check_rank(op, "grad_out", grad_out, 4, "[B, T, H, V]");
-  check_size(op, "grad_out", grad_out, 0, p.B, "B", "[B, T, H, V]");
-  check_size(op, "grad_out", grad_out, 1, p.T, "T", "[B, T, H, V]");
-  check_size(op, "grad_out", grad_out, 2, p.H, "H", "[B, T, H, V]");
-  check_size(op, "grad_out", grad_out, 3, p.V, "V", "[B, T, H, V]");
+  check_token_output_shape(op, "grad_out", grad_out, p);
   if (grad_final_state.has_value()) {
     const at::Tensor& gs = *grad_final_state;
     check_same_device(op, "grad_final_state", gs, q);
     TORCH_CHECK(
         is_float_dtype(gs.scalar_type()),
         op, ": grad_final_state must have a floating dtype, got ", dtype_name(gs.scalar_type()));
-    check_rank(op, "grad_final_state", gs, 4, "[N, H, V, K]");
-    check_size(op, "grad_final_state", gs, 0, p.N, "N", "[N, H, V, K]");
-    check_size(op, "grad_final_state", gs, 1, p.H, "H", "[N, H, V, K]");
-    check_size(op, "grad_final_state", gs, 2, p.V, "V", "[N, H, V, K]");
-    check_size(op, "grad_final_state", gs, 3, p.K, "K", "[N, H, V, K]");
+    check_state_shape(op, "grad_final_state", gs, p);
   }
 }
 

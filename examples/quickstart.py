@@ -8,8 +8,8 @@
 3. torch_kda.fwd, the in-place drop-in for flash_kda.fwd
 4. a backward pass, with gradients checked against float64 autograd
 
-Every result is compared with `reference_kda` below, a plain float64 token-by-token
-evaluation of the KDA recurrence, and the relative error ||x - ref|| / ||ref|| is printed.
+Every result is compared with a plain float64 token-by-token evaluation of the KDA
+recurrence (torch_kda.reference), and the relative error ||x - ref|| / ||ref|| is printed.
 The script exits with status 1 if any check fails.
 """
 import argparse
@@ -19,32 +19,21 @@ import time
 import torch
 
 import torch_kda
+from torch_kda.reference import kda_recurrent
 
 LOWER_BOUND = -5.0  # bounded gate: lambda = lower_bound * sigmoid(exp(A_log) * (g + dt_bias))
 FAILURES = []
 
 
 def reference_kda(q, k, v, g, beta, A_log, dt_bias, scale, lower_bound, state):
-    """One sequence, float64, token by token. q, k, g [T, H, K]; v [T, H, V]; beta [T, H]
-    (logits); A_log [H]; dt_bias [H, K]; state [H, V, K] (V-first, as the API).
+    """One sequence through torch_kda.reference (plain PyTorch, token by token), in
+    float64. q, k, g [T, H, K]; v [T, H, V]; beta [T, H] (logits); state [H, V, K].
     Returns out [T, H, V] and the final state [H, V, K]. Differentiable."""
-    q, k, v, g, beta, A_log, dt_bias = (x.double() for x in (q, k, v, g, beta, A_log, dt_bias))
-    q = q / torch.sqrt((q * q).sum(-1, keepdim=True) + 1e-6)
-    k = k / torch.sqrt((k * k).sum(-1, keepdim=True) + 1e-6)
-    x = g + dt_bias
-    if lower_bound is None:  # softplus gate
-        lam = -torch.exp(A_log)[:, None] * torch.nn.functional.softplus(x)
-    else:  # bounded gate
-        lam = lower_bound * torch.sigmoid(torch.exp(A_log)[:, None] * x)
-    alpha, b = torch.exp(lam), torch.sigmoid(beta)
-    S = state.double().transpose(-1, -2)  # S[h, k, v]
-    outs = []
-    for t in range(q.shape[0]):
-        S = alpha[t][:, :, None] * S  # decay the key rows
-        u = b[t][:, None] * (v[t] - torch.einsum("hkv,hk->hv", S, k[t]))  # prediction error
-        S = S + k[t][:, :, None] * u[:, None, :]  # delta-rule update
-        outs.append(scale * torch.einsum("hkv,hk->hv", S, q[t]))  # read after the update
-    return torch.stack(outs), S.transpose(-1, -2)
+    out, final = kda_recurrent(
+        *(x.double()[None] for x in (q, k, v, g, beta)), A_log.double(), dt_bias.double(),
+        scale=scale, lower_bound=lower_bound, initial_state=state.double()[None],
+    )
+    return out[0], final[0]
 
 
 def rel(x, ref):
