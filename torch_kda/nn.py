@@ -26,6 +26,11 @@ class KDAState(NamedTuple):
     conv_v: torch.Tensor
 
 
+def _at_least_fp32(dtype):
+    """float32 for half types, the dtype itself for float32 and float64."""
+    return torch.promote_types(dtype, torch.float32)
+
+
 def _sequence_offsets(B, T, cu_seqlens, device):
     if cu_seqlens is not None:
         if B != 1:
@@ -97,9 +102,10 @@ class GatedRMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x, gate):
-        xf = x.float()
+        dtype = _at_least_fp32(x.dtype)
+        xf = x.to(dtype)
         normed = xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + self.eps)
-        return (normed * self.weight.float() * torch.sigmoid(gate.float())).to(x.dtype)
+        return (normed * self.weight.to(dtype) * torch.sigmoid(gate.to(dtype))).to(x.dtype)
 
 
 class KDAGateParameters(nn.Module):
@@ -116,7 +122,7 @@ class KDAGateParameters(nn.Module):
         self.dt_bias = nn.Parameter(dt + torch.log(-torch.expm1(-dt)))  # inverse softplus
 
     def forward(self):
-        return self.A_log.float(), self.dt_bias.float()
+        return self.A_log.to(_at_least_fp32(self.A_log.dtype)), self.dt_bias.to(_at_least_fp32(self.dt_bias.dtype))
 
 
 class KimiDeltaAttention(nn.Module):
