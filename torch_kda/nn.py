@@ -122,7 +122,12 @@ class KDAGateParameters(nn.Module):
         self.dt_bias = nn.Parameter(dt + torch.log(-torch.expm1(-dt)))  # inverse softplus
 
     def forward(self):
-        return self.A_log.to(_at_least_fp32(self.A_log.dtype)), self.dt_bias.to(_at_least_fp32(self.dt_bias.dtype))
+        # Copies, not the parameters themselves: FSDP2 frees an unsharded parameter's
+        # storage when this module's forward returns, before the operator reads it.
+        return (
+            self.A_log.to(_at_least_fp32(self.A_log.dtype), copy=True),
+            self.dt_bias.to(_at_least_fp32(self.dt_bias.dtype), copy=True),
+        )
 
 
 class KimiDeltaAttention(nn.Module):

@@ -1,0 +1,474 @@
+#!/usr/bin/env python3
+"""Train a tiny language model of KDA blocks on synthetic associative recall.
+
+    python examples/train_tiny_lm.py                       # CPU, or the GPU if there is one
+    python examples/train_tiny_lm.py --compile             # torch.compile(model, fullgraph=True)
+    torchrun --standalone --nproc_per_node=2 examples/train_tiny_lm.py --fsdp   # FSDP2, 2 processes
+
+The model: token embedding, `--layers` blocks of
+(RMSNorm -> torch_kda.nn.KimiDeltaAttention -> residual, RMSNorm -> SwiGLU MLP -> residual),
+a final RMSNorm and a linear head.
+
+The task (associative recall): each sequence lists P (key, value) token pairs with
+distinct keys, then Q queries, each a key from the list followed by its value:
+
+    k1 v1 k2 v2 ... kP vP  q1 a1 q2 a2 ... qQ aQ        (a_i is the value paired with q_i)
+
+Keys are the tokens [0, vocab/2), values [vocab/2, vocab). The loss is the cross
+entropy of predicting a_i at the position of q_i; every other position is ignored.
+A model that does not look back at the pairs cannot beat ln(vocab/2), so the loss
+going below that, and the recall accuracy going above chance (2/vocab), show that
+the attention layers store and retrieve the pairs.
+
+Batches come from a torch.Generator seeded with --seed, so a run is reproducible.
+With --fsdp every rank draws the same global batch of --batch-size sequences and
+trains on its own slice of it: the global batch, and so the loss curve, is the one
+a single process sees.
+
+--fsdp: torch.distributed with gloo on CPU or nccl on CUDA, set up from the torchrun
+environment variables (without them, a single-process group of world size 1 is
+created). FSDP2 `fully_shard` is applied to each KDAGateParameters module first, with
+MixedPrecisionPolicy(param_dtype=float32), so that A_log and dt_bias reach the
+operator in fp32; then to each block and to the root, with
+MixedPrecisionPolicy(param_dtype=--dtype, reduce_dtype=float32).
+
+Before training, one forward pass records what the KDA operator receives (the
+dtypes of q, k, v, g, beta, A_log, dt_bias) and checks that A_log and dt_bias are
+fp32 and bit-for-bit equal to the fp32 master weights. The script stops with an
+error if they are not.
+
+The gate is the bounded one, lower_bound * sigmoid(exp(A_log) (g + dt_bias)) with
+--lower-bound -5 (the gate the CUDA kernels serve); --softplus-gate selects the
+softplus gate of Kimi-Linear (CPU only).
+
+Devices: on CPU the model runs in fp32 (with --fsdp, in --dtype). On CUDA the
+operator needs head_dim 128 and bf16 q, k, v, g, beta, so there the head dim
+defaults to 128 (--head-dim) and, without --fsdp, the model runs under bf16
+autocast. The CUDA backward of the operator is not implemented in this build of
+torch_kda: training on CUDA stops at the first backward with NotImplementedError,
+which the script reports and re-raises.
+
+--compile wraps the model in torch.compile(model, fullgraph=True). With --fsdp it
+drops fullgraph: FSDP2 keeps its hooks out of dynamo, so the graph breaks at them.
+
+--loss-file PATH writes the per-step losses (and recall accuracies) as JSON, from rank 0.
+"""
+import argparse
+import json
+import math
+import os
+import socket
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from torch_kda.nn import KDAGateParameters, KimiDeltaAttention
+
+IGNORE_INDEX = -100
+
+
+# --------------------------------------------------------------------------
+# Data: associative recall.
+# --------------------------------------------------------------------------
+
+
+def recall_batch(gen, batch, seq_len, vocab, num_queries):
+    """Returns (tokens [batch, seq_len], targets [batch, seq_len]) as int64 CPU tensors.
+
+    targets[b, t] is the token that must follow tokens[b, t] where t is a query
+    position, and IGNORE_INDEX everywhere else."""
+    n_keys = vocab // 2
+    n_values = vocab - n_keys
+    pairs = seq_len // 2 - num_queries
+    keys = torch.rand(batch, n_keys, generator=gen).argsort(dim=1)[:, :pairs]  # distinct keys
+    values = n_keys + torch.randint(0, n_values, (batch, pairs), generator=gen)
+    which = torch.rand(batch, pairs, generator=gen).argsort(dim=1)[:, :num_queries]  # distinct queries
+    q_keys = keys.gather(1, which)
+    q_values = values.gather(1, which)
+    context = torch.stack([keys, values], dim=2).reshape(batch, 2 * pairs)
+    queries = torch.stack([q_keys, q_values], dim=2).reshape(batch, 2 * num_queries)
+    tokens = torch.cat([context, queries], dim=1)
+    targets = torch.full_like(tokens, IGNORE_INDEX)
+    targets[:, 2 * pairs :: 2] = q_values  # at each query key, predict its value
+    return tokens, targets
+
+
+# --------------------------------------------------------------------------
+# Model.
+# --------------------------------------------------------------------------
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm computed in fp32 whatever the parameter and input dtypes; returns x's dtype."""
+
+    def __init__(self, dim, eps=1e-5):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):
+        xf = x.float()
+        y = xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + self.eps)
+        return (y * self.weight.float()).to(x.dtype)
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, dim, hidden):
+        super().__init__()
+        self.gate_up = nn.Linear(dim, 2 * hidden, bias=False)
+        self.down = nn.Linear(hidden, dim, bias=False)
+
+    def forward(self, x):
+        gate, up = self.gate_up(x).chunk(2, dim=-1)
+        return self.down(F.silu(gate) * up)
+
+
+class Block(nn.Module):
+    def __init__(self, dim, num_heads, head_dim, lower_bound, mlp_ratio=4):
+        super().__init__()
+        self.attn_norm = RMSNorm(dim)
+        self.attn = KimiDeltaAttention(dim, num_heads, head_dim, lower_bound=lower_bound)
+        self.mlp_norm = RMSNorm(dim)
+        self.mlp = SwiGLU(dim, mlp_ratio * dim)
+
+    def forward(self, x):
+        y, _ = self.attn(self.attn_norm(x))
+        x = x + y
+        return x + self.mlp(self.mlp_norm(x))
+
+
+class TinyLM(nn.Module):
+    def __init__(self, vocab, dim, layers, num_heads, head_dim, lower_bound):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.blocks = nn.ModuleList(Block(dim, num_heads, head_dim, lower_bound) for _ in range(layers))
+        self.norm = RMSNorm(dim)
+        self.head = nn.Linear(dim, vocab, bias=False)
+
+    def forward(self, tokens):
+        x = self.embed(tokens)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.norm(x))
+
+
+# --------------------------------------------------------------------------
+# What the operator receives.
+# --------------------------------------------------------------------------
+
+
+class _RecordKDA(TorchDispatchMode):
+    """Records the tensor arguments of every torch.ops.kda.fwd call below autograd."""
+
+    NAMES = ("q", "k", "v", "g", "beta", "A_log", "dt_bias")
+
+    def __init__(self):
+        super().__init__()
+        self.calls = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.kda.fwd.default:
+            self.calls.append({n: a.detach().clone() for n, a in zip(self.NAMES, args)})
+        return func(*args, **(kwargs or {}))
+
+
+def _full(p):
+    """The full fp32 master value of a parameter (gathers it if FSDP sharded it)."""
+    p = p.detach()
+    return p.full_tensor() if hasattr(p, "full_tensor") else p
+
+
+def gate_values(model):
+    """[{"A_log": [...], "dt_bias": [...]}] per layer, the full fp32 values as Python floats."""
+    gates = [m for m in model.modules() if isinstance(m, KDAGateParameters)]
+    return [{n: _full(getattr(m, n)).float().flatten().tolist() for n in ("A_log", "dt_bias")} for m in gates]
+
+
+def check_operator_inputs(model, tokens, autocast, expected_dtype, log):
+    """One forward pass without grad that records the KDA operator's inputs; checks
+    that q, k, v, g, beta share `expected_dtype` and that A_log and dt_bias are fp32
+    and equal, bit for bit, to the fp32 master parameters of each layer."""
+    recorder = _RecordKDA()
+    with torch.no_grad(), autocast, recorder:
+        model(tokens)
+    gates = [m for m in model.modules() if isinstance(m, KDAGateParameters)]
+    masters = [(_full(m.A_log), _full(m.dt_bias)) for m in gates]  # collective under FSDP: every rank runs it
+    if len(recorder.calls) != len(gates):
+        raise RuntimeError(f"expected {len(gates)} calls of kda::fwd in one forward, saw {len(recorder.calls)}")
+    problems = []
+    for layer, (call, (A_log, dt_bias)) in enumerate(zip(recorder.calls, masters)):
+        for n in ("q", "k", "v", "g", "beta"):
+            if call[n].dtype != expected_dtype:
+                problems.append(f"layer {layer}: {n} is {call[n].dtype}, expected {expected_dtype}")
+        for n, master in (("A_log", A_log), ("dt_bias", dt_bias)):
+            if call[n].dtype != torch.float32:
+                problems.append(f"layer {layer}: {n} is {call[n].dtype}, expected torch.float32")
+            elif master.dtype != torch.float32 or not torch.equal(call[n], master.to(call[n].device)):
+                problems.append(f"layer {layer}: {n} differs from the fp32 master weights")
+    if problems:
+        raise RuntimeError("the KDA operator received wrong inputs:\n  " + "\n  ".join(problems))
+    first = recorder.calls[0]
+    qkv = ", ".join(f"{n} {str(first[n].dtype).replace('torch.', '')}" for n in ("q", "k", "v", "g", "beta"))
+    log(
+        f"kda op inputs: {qkv}; A_log float32, dt_bias float32 "
+        f"(equal to the fp32 master weights in all {len(gates)} layers)"
+    )
+
+
+# --------------------------------------------------------------------------
+# Distributed setup.
+# --------------------------------------------------------------------------
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def setup_distributed(device_type):
+    """init_process_group from the torchrun environment (or as a world of 1 without
+    it) and a 1-D device mesh over all ranks. Returns (rank, world_size, device, mesh)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if "RANK" not in os.environ:  # not launched by torchrun: a world of one process
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    rank = int(os.environ["RANK"])
+    world = int(os.environ["WORLD_SIZE"])
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if device_type == "cuda":
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+        dist.init_process_group("nccl", device_id=device)
+    else:
+        device = torch.device("cpu")
+        dist.init_process_group("gloo")
+    mesh = init_device_mesh(device_type, (world,), mesh_dim_names=("dp",))
+    return rank, world, device, mesh
+
+
+def shard_model(model, mesh, param_dtype):
+    """FSDP2: the gate parameters first (kept in fp32), then each block, then the root."""
+    gate_policy = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)
+    policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+    for module in model.modules():
+        if isinstance(module, KDAGateParameters):
+            fully_shard(module, mesh=mesh, mp_policy=gate_policy)
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
+
+
+# --------------------------------------------------------------------------
+# Training.
+# --------------------------------------------------------------------------
+
+
+def progress_line(step, steps, loss, acc, tokens_per_s, width=24):
+    filled = width * step // steps
+    bar = "#" * filled + "." * (width - filled)
+    rate = f"{tokens_per_s:,.0f} tok/s" if tokens_per_s is not None else "- tok/s"
+    return f"\r[{bar}] step {step}/{steps}  loss {loss:.4f}  recall acc {acc:.3f}  {rate}"
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--steps", type=int, default=300)
+    p.add_argument("--batch-size", type=int, default=16, help="global batch, in sequences (split over ranks with --fsdp)")
+    p.add_argument("--seq-len", type=int, default=64, help="tokens per sequence (even)")
+    p.add_argument("--num-queries", type=int, default=16, help="queries per sequence (the rest are key-value pairs)")
+    p.add_argument("--vocab", type=int, default=64, help="vocabulary: half keys, half values")
+    p.add_argument("--dim", type=int, default=64, help="model width")
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--heads", type=int, default=2)
+    p.add_argument("--head-dim", type=int, default=None, help="K = V; default 32 on CPU, 128 on CUDA (all the CUDA kernels serve)")
+    p.add_argument(
+        "--lower-bound", type=float, default=-5.0,
+        help="the bounded gate's lower bound (< 0; CUDA serves [-5, 0)); default -5",
+    )
+    p.add_argument("--softplus-gate", action="store_true", help="the softplus gate of Kimi-Linear instead (CPU only)")
+    p.add_argument("--lr", type=float, default=5e-3)
+    p.add_argument("--weight-decay", type=float, default=0.0)
+    p.add_argument("--clip", type=float, default=1.0, help="gradient-norm clipping; 0 turns it off")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    p.add_argument("--compile", action="store_true", help="torch.compile(model, fullgraph=True)")
+    p.add_argument("--fsdp", action="store_true", help="FSDP2 fully_shard with a bf16 (or --dtype) MixedPrecisionPolicy")
+    p.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16", help="FSDP param dtype (--fsdp only)")
+    p.add_argument("--loss-file", default=None, help="write the per-step losses as JSON here (rank 0)")
+    p.add_argument("--log-every", type=int, default=1, help="update the progress line every N steps")
+    args = p.parse_args(argv)
+    if args.seq_len % 2 or args.seq_len // 2 - args.num_queries < args.num_queries:
+        p.error("--seq-len must be even and hold at least as many pairs as queries (seq_len/2 >= 2 * num_queries)")
+    if args.seq_len // 2 - args.num_queries > args.vocab // 2:
+        p.error("more key-value pairs than distinct keys: raise --vocab or --num-queries, or lower --seq-len")
+    if not args.lower_bound < 0:
+        p.error("--lower-bound must be negative")
+    if args.log_every < 1 or args.steps < 1:
+        p.error("--steps and --log-every must be positive")
+    return args
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    device_type = args.device
+    if device_type == "auto":
+        device_type = "cuda" if torch.cuda.is_available() else "cpu"
+    if device_type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda: no CUDA device is available")
+    head_dim = args.head_dim or (128 if device_type == "cuda" else 32)
+    lower_bound = None if args.softplus_gate else args.lower_bound
+
+    rank, world, mesh = 0, 1, None
+    device = torch.device(device_type)
+    if args.fsdp:
+        rank, world, device, mesh = setup_distributed(device_type)
+        if args.batch_size % world:
+            raise SystemExit(f"--batch-size {args.batch_size} must be divisible by the world size {world}")
+
+    def log(*a, **kw):
+        if rank == 0:
+            print(*a, **kw, flush=True)
+
+    try:
+        _train(args, device, rank, world, mesh, head_dim, lower_bound, log)
+        if args.fsdp:
+            # Every rank done before any tears down: a gloo group destroyed while a
+            # peer still works aborts the process at exit.
+            dist.barrier()
+    finally:
+        if args.fsdp:
+            dist.destroy_process_group()
+
+
+def _train(args, device, rank, world, mesh, head_dim, lower_bound, log):
+    torch.manual_seed(args.seed)  # the same initial weights on every rank
+    model = TinyLM(args.vocab, args.dim, args.layers, args.heads, head_dim, lower_bound).to(device)
+    n_params = sum(p.numel() for p in model.parameters())
+    initial_gates = gate_values(model)
+
+    if args.fsdp:
+        compute_dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
+        shard_model(model, mesh, compute_dtype)
+        autocast = torch.autocast(device.type, enabled=False)
+        mode = f"FSDP2 over {world} process(es), param dtype {args.dtype}, gate params fp32"
+    elif device.type == "cuda":
+        compute_dtype = torch.bfloat16
+        autocast = torch.autocast("cuda", dtype=torch.bfloat16)
+        mode = "single process, bf16 autocast"
+    else:
+        compute_dtype = torch.float32
+        autocast = torch.autocast("cpu", enabled=False)
+        mode = "single process, fp32"
+    # Built before any forward: with FSDP2, model.parameters() are the sharded parameters only
+    # while the modules are sharded.
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
+    gate = "softplus gate" if lower_bound is None else f"bounded gate (lower_bound {lower_bound:g})"
+    log(
+        f"TinyLM: {args.layers} KDA blocks, width {args.dim}, {args.heads} heads x {head_dim}, {gate}, "
+        f"{n_params / 1e3:.1f}k params; {mode}; device {device}"
+        f"{(', compiled (graph breaks at the FSDP hooks)' if args.fsdp else ', compiled (fullgraph)') if args.compile else ''}"
+    )
+    pairs = args.seq_len // 2 - args.num_queries
+    log(
+        f"task: associative recall, {pairs} pairs then {args.num_queries} queries per sequence of {args.seq_len} tokens, "
+        f"vocab {args.vocab}; chance: loss {math.log(args.vocab - args.vocab // 2):.3f}, acc {1 / (args.vocab - args.vocab // 2):.3f}"
+    )
+
+    gen = torch.Generator().manual_seed(args.seed + 1)
+    local = args.batch_size // world
+    rows = slice(rank * local, (rank + 1) * local)
+
+    def next_batch():
+        tokens, targets = recall_batch(gen, args.batch_size, args.seq_len, args.vocab, args.num_queries)
+        return tokens[rows].to(device), targets[rows].to(device)
+
+    probe_gen = torch.Generator().manual_seed(args.seed + 2)  # leaves `gen` and the global RNG alone
+    probe_tokens = recall_batch(probe_gen, args.batch_size, args.seq_len, args.vocab, args.num_queries)[0][rows]
+    check_operator_inputs(model, probe_tokens.to(device), autocast, compute_dtype, log)
+    if args.fsdp:
+        # The probe ran without a backward, after which FSDP2 leaves the root's parameters
+        # unsharded (and swapped in for the sharded ones): shard them again.
+        for module in model.modules():
+            if isinstance(module, FSDPModule):
+                module.reshard()
+
+    step_fn = model
+    if args.compile:
+        # FSDP2 keeps its hooks out of dynamo (torch._dynamo.disable), so a sharded model
+        # cannot compile as one graph: with --fsdp the graph breaks at each FSDP unit's hooks.
+        step_fn = torch.compile(model, fullgraph=not args.fsdp)
+
+    losses, accs = [], []
+    tokens_per_step = args.batch_size * args.seq_len
+    start = time.perf_counter()
+    timed_from = None  # the rate leaves out step 1 (warm-up, and compilation with --compile)
+    for step in range(1, args.steps + 1):
+        tokens, targets = next_batch()
+        with autocast:
+            logits = step_fn(tokens)
+        loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX)
+        try:
+            loss.backward()
+        except NotImplementedError as e:
+            log()
+            log(
+                f"error: the backward of the KDA operator is not implemented on {device.type} in this build of "
+                f"torch_kda, so this model cannot be trained there yet (the forward ran; see README, Status). "
+                f"Train on the CPU with --device cpu.\n  {type(e).__name__}: {e}"
+            )
+            raise
+        if args.clip > 0:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+        with torch.no_grad():
+            mask = targets != IGNORE_INDEX
+            correct = (logits.argmax(-1)[mask] == targets[mask]).float().mean()
+            stats = torch.stack([loss.detach().float(), correct])
+            if args.fsdp and world > 1:  # every rank has the same number of queries: the mean of means is the mean
+                dist.all_reduce(stats)
+                stats /= world
+        loss_value, acc_value = stats.tolist()
+        losses.append(loss_value)
+        accs.append(acc_value)
+        if not math.isfinite(loss_value):
+            log()
+            raise RuntimeError(f"loss is {loss_value} at step {step}")
+        now = time.perf_counter()
+        if step == 1:
+            timed_from = now
+        rate = tokens_per_step * (step - 1) / (now - timed_from) if step > 1 else None
+        if step % args.log_every == 0 or step == args.steps:
+            log(progress_line(step, args.steps, loss_value, acc_value, rate), end="")
+    log()
+
+    elapsed = time.perf_counter() - start
+    rate = tokens_per_step * (args.steps - 1) / (time.perf_counter() - timed_from) if args.steps > 1 else float("nan")
+    tail = max(1, min(20, args.steps // 10))
+    log(f"first loss {losses[0]:.4f}, last loss {losses[-1]:.4f} (mean of the last {tail}: {sum(losses[-tail:]) / tail:.4f})")
+    log(f"recall accuracy, mean of the last {tail} steps (each on a fresh batch): {sum(accs[-tail:]) / tail:.3f}")
+    log(f"{args.steps} steps in {elapsed:.1f} s, {rate:,.0f} tokens/s (after step 1)")
+    final_gates = gate_values(model)  # collective under FSDP: every rank runs it
+    if args.loss_file and rank == 0:
+        record = {
+            "loss": losses,
+            "recall_accuracy": accs,
+            "tokens_per_s": rate,
+            "gate_params": {"initial": initial_gates, "final": final_gates},
+            "args": vars(args),
+        }
+        with open(args.loss_file, "w") as f:
+            json.dump(record, f)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
