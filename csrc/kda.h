@@ -15,7 +15,7 @@ constexpr double kNormEps = 1e-6;
 enum class Gate { kBounded, kSoftplus };
 
 // Shapes are SymInts so that the Meta kernels serve symbolic shapes; real
-// kernels read them with as_int_unchecked() through the concrete() helpers.
+// kernels read them through concrete().
 struct Problem {
   c10::SymInt B, T, H, K, V;
   c10::SymInt N;  // number of sequences: B, or len(cu_seqlens) - 1

@@ -277,6 +277,48 @@ def test_inplace_writes_every_element(state_dtype):
         assert torch.equal(t, g[n]), f"{n} was modified"
 
 
+@pytest.mark.parametrize("final_dtype", [torch.bfloat16, torch.float32, torch.float64])
+def test_inplace_final_state_without_initial_state(final_dtype):
+    """The first prefill of the flash_kda drop-in: no initial state, a final_state buffer
+    of the caller's dtype. The kernels write fp32 then, so other dtypes are staged."""
+    d, g = cuda_inputs(seqlens=[20, 0, 37], H=2, state_dtype=None)
+    out = torch.full((1, 57, 2, D), float("nan"), dtype=torch.bfloat16, device=DEV)
+    guard = torch.full((4, 2, D, D), float("nan"), dtype=final_dtype, device=DEV)
+    final = guard[:3]  # the slice after it shows any write past the end
+    torch_kda.fwd(*positional(g)[:5], None, out, g["A_log"], g["dt_bias"], -5.0, final_state=final,
+                  cu_seqlens=g["cu_seqlens"])
+    torch.cuda.synchronize()
+    assert torch.isnan(guard[3].float()).all(), "written past the end of final_state"
+    ref_out, ref_final = run_reference(g, lower_bound=-5.0)
+    assert rel(out, ref_out) <= 5e-3
+    assert rel(final, ref_final) <= (5e-3 if final_dtype == torch.bfloat16 else 1e-5)
+
+
+def test_inplace_state_overlaps():
+    """The same buffer as initial and final state is allowed; a shifted view of it, or
+    out sharing memory with the initial state, must not race between blocks."""
+    d, g = cuda_inputs(seqlens=[16, 16], H=2, state_dtype=torch.float32)
+    ref_out, ref_final = run_reference(g, lower_bound=-5.0)
+    out = torch.empty(1, 32, 2, D, dtype=torch.bfloat16, device=DEV)
+
+    same = g["initial_state"].clone()
+    torch_kda.fwd(*positional(g)[:5], None, out, g["A_log"], g["dt_bias"], -5.0, initial_state=same,
+                  final_state=same, cu_seqlens=g["cu_seqlens"])
+    assert rel(same, ref_final) <= 1e-5 and rel(out, ref_out) <= 5e-3
+
+    buf = torch.empty(3, 2, D, D, dtype=torch.float32, device=DEV)
+    buf[:2] = g["initial_state"]
+    torch_kda.fwd(*positional(g)[:5], None, out, g["A_log"], g["dt_bias"], -5.0, initial_state=buf[:2],
+                  final_state=buf[1:], cu_seqlens=g["cu_seqlens"])
+    assert rel(buf[1:], ref_final) <= 1e-5
+
+
+def test_cpu_q_with_cuda_tensors_names_the_argument():
+    d, g = cuda_inputs(B=1, T=8, H=2)
+    with pytest.raises(RuntimeError, match="A_log must be on the same device as q"):
+        torch_kda.kda(*positional(d)[:5], g["A_log"], d["dt_bias"], lower_bound=-5.0)
+
+
 def test_deterministic():
     d, g = cuda_inputs(seqlens=[100, 7, 513], H=4)
     out1, final1 = run_cuda(g)

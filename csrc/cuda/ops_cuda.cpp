@@ -2,12 +2,17 @@
 // checks, the limits of the CUDA kernels, then the launch on the current
 // stream of the tensors' device. No host synchronisation happens here unless
 // TORCH_KDA_CHECK=1 asks for the contents of cu_seqlens to be checked.
+#include <ATen/MemoryOverlap.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
 
 #include "cuda/launch.h"
 #include "kda.h"
+
+#include <algorithm>
+#include <cfloat>
+#include <cmath>
 
 namespace kda::cuda {
 namespace {
@@ -41,6 +46,11 @@ void check_cuda_limits(const char* op, const Problem& p, const Tensor& A_log, co
   TORCH_CHECK(
       p.state_dtype == at::kBFloat16 || p.state_dtype == at::kFloat,
       op, ": on CUDA, states must have dtype bfloat16 or float32, got ", dtype_name(p.state_dtype));
+  // The kernels compute in fp32: a finite double scale beyond fp32's range would turn
+  // into inf there, and inf * 0 into NaN.
+  TORCH_CHECK(
+      std::abs(resolved_scale(p)) <= FLT_MAX,
+      op, ": on CUDA, scale must fit in float32, got ", float_str(resolved_scale(p)));
 }
 
 Problem check_all(const char* op, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g,
@@ -71,8 +81,8 @@ Boundaries sequence_boundaries(const Problem& p, const Tensor& q, const optional
   if (cu_seqlens.has_value()) {
     Tensor seq = cu_seqlens->to(at::kLong).clamp(0, tokens);
     b.seq = std::get<0>(at::cummax(seq, 0)).contiguous();
-    // Each sequence adds at most one partial chunk.
-    b.num_slots = (tokens + kChunk - 1) / kChunk + N;
+    // Each sequence adds at most one partial chunk, and every chunk holds a token.
+    b.num_slots = std::min(tokens, (tokens + kChunk - 1) / kChunk + N);
   } else {
     b.seq = at::arange(B + 1, long_opts) * T;
     b.num_slots = B * ((T + kChunk - 1) / kChunk);
@@ -84,8 +94,10 @@ Boundaries sequence_boundaries(const Problem& p, const Tensor& q, const optional
 }
 
 // Runs the forward into `out` / `final_state`. Inputs are made contiguous
-// (copies only where the caller's tensors are not); outputs that are not
-// contiguous get a contiguous staging tensor that is copied back afterwards.
+// (copies only where the caller's tensors are not). An output that is not
+// contiguous, or a final_state whose dtype is not the one the kernels write
+// (p.state_dtype: the initial state's, else fp32), gets a staging tensor that is
+// copied back afterwards.
 void forward_into(const Problem& p, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g,
                   const Tensor& beta, const Tensor& A_log, const Tensor& dt_bias,
                   const optional<Tensor>& initial_state, const optional<Tensor>& cu_seqlens, const Tensor& out,
@@ -96,7 +108,19 @@ void forward_into(const Problem& p, const Tensor& q, const Tensor& k, const Tens
   Tensor out_c = out.is_contiguous() ? out : at::empty_like(out, at::MemoryFormat::Contiguous);
   Tensor final_c;
   if (final_state.has_value()) {
-    final_c = final_state->is_contiguous() ? *final_state : at::empty_like(*final_state, at::MemoryFormat::Contiguous);
+    const bool direct = final_state->is_contiguous() && final_state->scalar_type() == p.state_dtype;
+    final_c = direct ? *final_state : at::empty(final_state->sizes(), final_state->options().dtype(p.state_dtype));
+  }
+  // Each recurrence block reads its slice of the initial state before it writes the
+  // same slice of the final state, so the very same buffer may serve as both; any
+  // other overlap with an output (a shifted view, or out) would race between blocks.
+  if (init.defined()) {
+    const bool final_clash =
+        final_c.defined() && at::get_overlap_status(init, final_c) != at::MemOverlapStatus::No &&
+        !(final_c.data_ptr() == init.data_ptr() && final_c.strides() == init.strides());
+    if (final_clash || at::get_overlap_status(init, out_c) != at::MemOverlapStatus::No) {
+      init = init.clone();
+    }
   }
   Boundaries bounds = sequence_boundaries(p, q, cu_seqlens);
   Tensor workspace = at::empty({bounds.num_slots, concrete(p.H), kWsChunkFloats}, q.options().dtype(at::kFloat));
@@ -104,7 +128,6 @@ void forward_into(const Problem& p, const Tensor& q, const Tensor& k, const Tens
   FwdParams params;
   params.H = concrete(p.H);
   params.N = concrete(p.N);
-  params.total_tokens = concrete(p.B) * concrete(p.T);
   params.q = qc.data_ptr();
   params.k = kc.data_ptr();
   params.v = vc.data_ptr();
@@ -137,8 +160,8 @@ std::tuple<Tensor, Tensor> fwd(const Tensor& q, const Tensor& k, const Tensor& v
                                const Tensor& A_log, const Tensor& dt_bias, optional<double> scale,
                                optional<double> lower_bound, const optional<Tensor>& initial_state,
                                bool output_final_state, const optional<Tensor>& cu_seqlens) {
-  c10::cuda::CUDAGuard guard(q.device());
   Problem p = check_all("kda.fwd", q, k, v, g, beta, A_log, dt_bias, scale, lower_bound, initial_state, cu_seqlens);
+  c10::cuda::CUDAGuard guard(q.device());
   ForwardOutputs o = allocate_forward_outputs(p, q, output_final_state);
   forward_into(p, q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, o.out,
                output_final_state ? optional<Tensor>(o.final_state) : std::nullopt);
@@ -149,9 +172,9 @@ void fwd_inplace(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor
                  const Tensor& A_log, const Tensor& dt_bias, at::Tensor& out, const optional<Tensor>& final_state,
                  optional<double> scale, optional<double> lower_bound, const optional<Tensor>& initial_state,
                  const optional<Tensor>& cu_seqlens) {
-  c10::cuda::CUDAGuard guard(q.device());
   Problem p = check_all("kda.fwd_", q, k, v, g, beta, A_log, dt_bias, scale, lower_bound, initial_state, cu_seqlens);
   check_inplace_buffers("kda.fwd_", p, q, out, final_state, initial_state);
+  c10::cuda::CUDAGuard guard(q.device());
   forward_into(p, q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, out, final_state);
 }
 
@@ -160,7 +183,6 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> bwd(
     const Tensor& v, const Tensor& g, const Tensor& beta, const Tensor& A_log, const Tensor& dt_bias,
     optional<double> scale, optional<double> lower_bound, const optional<Tensor>& initial_state,
     const optional<Tensor>& cu_seqlens) {
-  c10::cuda::CUDAGuard guard(q.device());
   Problem p = check_all("kda.bwd", q, k, v, g, beta, A_log, dt_bias, scale, lower_bound, initial_state, cu_seqlens);
   check_backward_grads("kda.bwd", p, q, grad_out, grad_final_state);
   TORCH_CHECK_NOT_IMPLEMENTED(

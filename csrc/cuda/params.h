@@ -26,9 +26,8 @@ constexpr int kWsGl = kWsAqk + kChunk * kChunk;
 constexpr int kWsChunkFloats = kWsGl + kHeadDim;
 
 struct FwdParams {
-  int64_t H = 0;             // heads
-  int64_t N = 0;             // sequences
-  int64_t total_tokens = 0;  // B * T: the flattened token axis of q, k, v, g, beta, out
+  int64_t H = 0;  // heads
+  int64_t N = 0;  // sequences
 
   // Inputs, contiguous. q, k, v, g: bf16 [tokens, H, 128]; beta: bf16 [tokens, H].
   const void* q = nullptr;
@@ -48,7 +47,7 @@ struct FwdParams {
   int64_t num_slots = 0;        // workspace capacity in chunks (per head)
   float* workspace = nullptr;   // [num_slots, H, kWsChunkFloats]
 
-  // States [N, H, V, K] (V-first), bf16 or fp32; null when absent.
+  // States [N, H, V, K] (V-first), both in one dtype, bf16 or fp32; null when absent.
   const void* initial_state = nullptr;
   void* final_state = nullptr;
   bool state_fp32 = true;
