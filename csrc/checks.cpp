@@ -230,7 +230,6 @@ Problem check_forward_args(
   check_size(op, "dt_bias", dt_bias, 1, p.K, "K", "[H, K]");
 
   if (cu_seqlens.has_value()) {
-    p.varlen = true;
     TORCH_CHECK(
         cu_seqlens->dim() == 1,
         op, ": cu_seqlens must be a 1-D tensor [N + 1], got a ", int_str(cu_seqlens->dim()), "-D tensor of shape ",
@@ -248,7 +247,6 @@ Problem check_forward_args(
   }
 
   if (initial_state.has_value()) {
-    p.has_initial_state = true;
     check_state_shape(op, "initial_state", *initial_state, p);
   }
 

@@ -7,10 +7,9 @@
 
 #include <optional>
 
-namespace kda {
+#include "constants.h"
 
-// Epsilon inside the L2 norm: x / sqrt(sum(x^2) + kNormEps).
-constexpr double kNormEps = 1e-6;
+namespace kda {
 
 enum class Gate { kBounded, kSoftplus };
 
@@ -19,8 +18,6 @@ enum class Gate { kBounded, kSoftplus };
 struct Problem {
   c10::SymInt B, T, H, K, V;
   c10::SymInt N;  // number of sequences: B, or len(cu_seqlens) - 1
-  bool varlen = false;
-  bool has_initial_state = false;
   Gate gate = Gate::kBounded;
   double lower_bound = 0.0;  // only meaningful for Gate::kBounded
   std::optional<double> scale;
@@ -85,10 +82,6 @@ double resolved_scale(const Problem& p);
 inline int64_t concrete(const c10::SymInt& s) {
   return s.expect_int();
 }
-
-}  // namespace kda
-
-namespace kda {
 
 // Outputs are allocated in one place for the real and the Meta kernels, so
 // their shapes, dtypes and strides agree (opcheck compares them).

@@ -35,10 +35,6 @@ __device__ __forceinline__ float warp_sum(float x) {
   return x;
 }
 
-__device__ __forceinline__ float sigmoid(float x) {
-  return 1.f / (1.f + __expf(-x));
-}
-
 // The sequence that owns chunk slot `slot`: the largest n with
 // chunk_offsets[n] <= slot (offsets are non-decreasing; empty sequences share
 // an offset with the next one, and the largest index skips them).

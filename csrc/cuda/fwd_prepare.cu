@@ -3,6 +3,8 @@
 // kernel then only does the state products.
 #include <c10/cuda/CUDAException.h>
 
+#include <string>
+
 #include "cuda/device_utils.cuh"
 #include "cuda/launch.h"
 
@@ -27,7 +29,9 @@ __global__ void __launch_bounds__(kThreads) prepare_kernel(const FwdParams p) {
   const int64_t slot = blockIdx.x / H;
   const int64_t h = blockIdx.x % H;
   const int64_t total_chunks = p.chunk_offsets[p.N];
-  if (slot >= total_chunks || slot >= p.num_slots) {
+  // The grid covers the capacity; the live chunks are fewer when sequences end
+  // in partial chunks or are empty.
+  if (slot >= total_chunks) {
     return;
   }
   const int64_t n = sequence_of_slot(p.chunk_offsets, p.N, slot);
@@ -84,8 +88,8 @@ __global__ void __launch_bounds__(kThreads) prepare_kernel(const FwdParams p) {
       nq += sSq[0][i][w];
       nk += sSq[1][i][w];
     }
-    const float qn = q[i] * rsqrtf(nq + 1e-6f);
-    const float kn = k[i] * rsqrtf(nk + 1e-6f);
+    const float qn = q[i] * rsqrtf(nq + static_cast<float>(kNormEps));
+    const float kn = k[i] * rsqrtf(nk + static_cast<float>(kNormEps));
     // |G| <= 16 * 5 = 80 here, so exp(-G) <= e^80 stays finite in fp32.
     const float e = expf(gsum[i]);
     sQe[i][d] = qn * e;
@@ -141,6 +145,8 @@ void launch_prepare(const FwdParams& p, cudaStream_t stream) {
     return;
   }
   const int64_t blocks = p.num_slots * p.H;
+  TORCH_CHECK(blocks <= INT32_MAX, "kda.fwd: ", std::to_string(p.num_slots), " chunks x ", std::to_string(p.H),
+              " heads is more blocks than one launch takes");
   prepare_kernel<<<static_cast<unsigned int>(blocks), kThreads, 0, stream>>>(p);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }

@@ -8,6 +8,8 @@
 // it is written out).
 #include <c10/cuda/CUDAException.h>
 
+#include <string>
+
 #include "cuda/device_utils.cuh"
 #include "cuda/launch.h"
 
@@ -21,6 +23,7 @@ constexpr int kSplits = D / kCols;
 constexpr int kThreads = 128;
 constexpr int kWarps = kThreads / 32;
 constexpr int kRows = D / kWarps;  // state rows per thread
+static_assert(kThreads == D, "one thread per key row when staging exp(G_last)");
 
 struct __align__(16) Smem {
   float W[C][D];
@@ -179,6 +182,8 @@ void launch_recurrence(const FwdParams& p, cudaStream_t stream) {
   constexpr size_t smem = sizeof(Smem);
   static_assert(smem <= 48 * 1024, "needs cudaFuncSetAttribute for more than 48 KB of shared memory");
   const int64_t blocks = p.N * p.H * kSplits;
+  TORCH_CHECK(blocks <= INT32_MAX, "kda.fwd: ", std::to_string(p.N), " sequences x ", std::to_string(p.H),
+              " heads is more blocks than one launch takes");
   recurrence_kernel<<<static_cast<unsigned int>(blocks), kThreads, smem, stream>>>(p);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }

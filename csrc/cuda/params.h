@@ -4,6 +4,8 @@
 
 #include <cstdint>
 
+#include "constants.h"
+
 namespace kda::cuda {
 
 constexpr int kHeadDim = 128;  // K = V = 128: the only head size the CUDA kernels serve
