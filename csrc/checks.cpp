@@ -50,23 +50,22 @@ void check_size(const char* op, const char* name, const at::Tensor& t, int64_t d
       shape_str(t));
 }
 
-// A state tensor [N, H, V, K] and a per-token output [B, T, H, V]: rank, then each size.
+// Rank, then each size in order, for a tensor whose layout names its dims.
+void check_shape(const char* op, const char* name, const at::Tensor& t, const char* layout,
+                 std::initializer_list<std::pair<const char*, c10::SymInt>> dims) {
+  check_rank(op, name, t, static_cast<int64_t>(dims.size()), layout);
+  int64_t d = 0;
+  for (const auto& [what, size] : dims) {
+    check_size(op, name, t, d++, size, what, layout);
+  }
+}
+
 void check_state_shape(const char* op, const char* name, const at::Tensor& t, const Problem& p) {
-  const char* layout = "[N, H, V, K]";
-  check_rank(op, name, t, 4, layout);
-  check_size(op, name, t, 0, p.N, "N", layout);
-  check_size(op, name, t, 1, p.H, "H", layout);
-  check_size(op, name, t, 2, p.V, "V", layout);
-  check_size(op, name, t, 3, p.K, "K", layout);
+  check_shape(op, name, t, "[N, H, V, K]", {{"N", p.N}, {"H", p.H}, {"V", p.V}, {"K", p.K}});
 }
 
 void check_token_output_shape(const char* op, const char* name, const at::Tensor& t, const Problem& p) {
-  const char* layout = "[B, T, H, V]";
-  check_rank(op, name, t, 4, layout);
-  check_size(op, name, t, 0, p.B, "B", layout);
-  check_size(op, name, t, 1, p.T, "T", layout);
-  check_size(op, name, t, 2, p.H, "H", layout);
-  check_size(op, name, t, 3, p.V, "V", layout);
+  check_shape(op, name, t, "[B, T, H, V]", {{"B", p.B}, {"T", p.T}, {"H", p.H}, {"V", p.V}});
 }
 
 bool is_float_dtype(at::ScalarType s) {
