@@ -1,5 +1,6 @@
 """Plain PyTorch evaluations of KDA (SPEC section 1), for documentation,
-benchmarks' accuracy reports and debugging. Slow on purpose: one token (or one
+benchmarks' accuracy reports and debugging, and the hand-derived gradients of the
+chunked form (kda_chunked_backward), the blueprint for chunked backward kernels. Slow on purpose: one token (or one
 chunk) at a time, in whatever dtype the caller passes (use float64 for a
 reference). The test suite keeps its own independent copy of the math.
 """
@@ -86,3 +87,96 @@ def kda_chunked(q, k, v, g, beta, A_log, dt_bias, *, scale=None, lower_bound=Non
             S = torch.exp(G_last)[..., None] * S + torch.einsum("ihk,hiv->hkv", torch.exp(G_last - G) * Kc, U)
         final[row] = S.transpose(-1, -2)
     return out, final
+
+
+def _chunk_terms(qn, kn, lam, b, scale):
+    """The chunk-local quantities of the chunked form for one chunk of one head:
+    qn, kn [C, K]; lam [C, K]; b [C]. Decays exp(G_i - G_j) come from differences."""
+    C = qn.shape[0]
+    G = lam.cumsum(0)
+    D = torch.exp(G[:, None, :] - G[None, :, :])  # [i, j, K]
+    strict = torch.tril(torch.ones(C, C, dtype=torch.bool, device=qn.device), -1)
+    incl = torch.tril(torch.ones(C, C, dtype=torch.bool, device=qn.device))
+    P = torch.einsum("id,jd,ijd->ij", kn, kn, D) * strict
+    Pq = torch.einsum("id,jd,ijd->ij", qn, kn, D) * incl
+    return dict(G=G, D=D, strict=strict, incl=incl, P=P, A=b[:, None] * P, Aqk=scale * Pq,
+                Kg=torch.exp(G) * kn, Qg=torch.exp(G) * qn, Kd=torch.exp(G[-1] - G) * kn, gl=torch.exp(G[-1]))
+
+
+def kda_chunked_backward(q, k, v, g, beta, A_log, dt_bias, grad_out, grad_final_state=None, *, scale=None,
+                         lower_bound=None, initial_state=None, chunk_size=16):
+    """Gradients of the chunked form written out by hand, fixed length: a blueprint for
+    chunked backward kernels. Chunk-start states are recomputed by a forward pass; the
+    state gradient then runs backward over chunks, and each chunk's local gradients
+    follow from its dU = Aqk^T dO + Kd dS1 and dR = (I + A)^-T dU. The L2 norms, the
+    gate and the sigmoid are differentiated by autograd.
+
+    Returns dq, dk, dv, dg, dbeta, dA_log, ddt_bias, dinitial_state (None without one)."""
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    scale = K ** -0.5 if scale is None else scale
+    leaves = [x.detach().requires_grad_() for x in (q, k, g, beta, A_log, dt_bias)]
+    qn, kn, lam, b = activations(leaves[0], leaves[1], leaves[2], leaves[3], leaves[4], leaves[5], lower_bound)
+    dqn, dkn, dlam, db = (torch.zeros_like(x) for x in (qn, kn, lam, b))
+    dv = torch.zeros_like(v)
+    dinit = torch.zeros(B, H, V, K, dtype=q.dtype, device=q.device)
+    starts = list(range(0, T, chunk_size))
+    for row in range(B):
+        for h in range(H):
+            S = torch.zeros(K, V, dtype=q.dtype, device=q.device)
+            if initial_state is not None:
+                S = initial_state[row, h].to(q.dtype).T.clone()
+            chunk_states = []
+            for s in starts:  # forward: the state at each chunk start
+                e = min(T, s + chunk_size)
+                chunk_states.append(S)
+                t = _chunk_terms(qn[row, s:e, h].detach(), kn[row, s:e, h].detach(), lam[row, s:e, h].detach(),
+                                 b[row, s:e, h].detach(), scale)
+                eye = torch.eye(e - s, dtype=q.dtype, device=q.device)
+                R = b[row, s:e, h].detach()[:, None] * (v[row, s:e, h] - t["Kg"] @ S)
+                U = torch.linalg.solve_triangular(eye + t["A"], R, upper=False, unitriangular=True)
+                S = t["gl"][:, None] * S + t["Kd"].T @ U
+            dS = torch.zeros(K, V, dtype=q.dtype, device=q.device)
+            if grad_final_state is not None:
+                dS = grad_final_state[row, h].to(q.dtype).T.clone()
+            for s, S0 in reversed(list(zip(starts, chunk_states))):
+                e = min(T, s + chunk_size)
+                Qc, Kc, bc = qn[row, s:e, h].detach(), kn[row, s:e, h].detach(), b[row, s:e, h].detach()
+                t = _chunk_terms(Qc, Kc, lam[row, s:e, h].detach(), bc, scale)
+                eye = torch.eye(e - s, dtype=q.dtype, device=q.device)
+                W = v[row, s:e, h] - t["Kg"] @ S0
+                U = torch.linalg.solve_triangular(eye + t["A"], bc[:, None] * W, upper=False, unitriangular=True)
+                dO = grad_out[row, s:e, h].to(q.dtype)
+                dU = t["Aqk"].T @ dO + t["Kd"] @ dS
+                dR = torch.linalg.solve_triangular((eye + t["A"]).T, dU, upper=True, unitriangular=True)
+                dA = -(dR @ U.T) * t["strict"]
+                dPq = scale * (dO @ U.T) * t["incl"]
+                dP = bc[:, None] * dA
+                dW = bc[:, None] * dR
+                db[row, s:e, h] += (dR * W).sum(1) + (dA * t["P"]).sum(1)
+                dv[row, s:e, h] += dW
+                dKg = -dW @ S0.T
+                dQg = scale * dO @ S0.T
+                dKd = U @ dS.T
+                dS0 = -t["Kg"].T @ dW + scale * t["Qg"].T @ dO + t["gl"][:, None] * dS
+                dgl = (S0 * dS).sum(1)
+                # P_ij = sum_d k_id k_jd D_ijd and Pq_ij = sum_d q_id k_jd D_ijd.
+                D = t["D"]
+                dQ = torch.einsum("ij,jd,ijd->id", dPq, Kc, D)
+                dK = torch.einsum("ij,id,ijd->jd", dPq, Qc, D) + torch.einsum("ij,id,ijd->jd", dP, Kc, D) \
+                    + torch.einsum("ij,jd,ijd->id", dP, Kc, D)
+                terms = torch.einsum("ij,id,jd,ijd->ijd", dPq, Qc, Kc, D) + torch.einsum("ij,id,jd,ijd->ijd", dP, Kc, Kc, D)
+                dG = terms.sum(1) - terms.sum(0)
+                E, Ed = torch.exp(t["G"]), torch.exp(t["G"][-1] - t["G"])
+                dK = dK + E * dKg + Ed * dKd
+                dQ = dQ + E * dQg
+                dG = dG + t["Kg"] * dKg + t["Qg"] * dQg - t["Kd"] * dKd
+                dG[-1] += (t["Kd"] * dKd).sum(0) + t["gl"] * dgl
+                dqn[row, s:e, h] += dQ
+                dkn[row, s:e, h] += dK
+                dlam[row, s:e, h] += dG.flip(0).cumsum(0).flip(0)  # G = cumsum(lam)
+                dS = dS0
+            dinit[row, h] = dS.T
+    dq, dk, dg, dbeta, dA_log, ddt_bias = torch.autograd.grad(
+        (qn, kn, lam, b), leaves, (dqn, dkn, dlam, db), allow_unused=True)
+    return dq, dk, dv, dg, dbeta, dA_log, ddt_bias, (dinit if initial_state is not None else None)
