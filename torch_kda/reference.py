@@ -1,8 +1,9 @@
 """Plain PyTorch evaluations of KDA (SPEC section 1), for documentation,
-benchmarks' accuracy reports and debugging, and the hand-derived gradients of the
-chunked form (kda_chunked_backward), the blueprint for chunked backward kernels. Slow on purpose: one token (or one
-chunk) at a time, in whatever dtype the caller passes (use float64 for a
-reference). The test suite keeps its own independent copy of the math.
+benchmarks' accuracy reports and debugging, and the hand-derived gradients of
+the chunked form (kda_chunked_backward), the blueprint for chunked backward
+kernels. Slow on purpose: one token (or one chunk) at a time, in whatever dtype
+the caller passes (use float64 for a reference). The test suite keeps its own
+independent copy of the math.
 """
 import torch
 import torch.nn.functional as F
