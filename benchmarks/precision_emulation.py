@@ -1,0 +1,93 @@
+"""What tensor-core operand precision would cost the recurrence, emulated on the CPU.
+
+The CUDA recurrence (K2) does per chunk of 16: U = U0 - W S, O = Qs S + Aqk U and
+S <- diag(exp(G_last)) S + Kd^T U, all in fp32 today. A tensor-core version rounds the
+operands of each product: to bf16, to tf32, or splits each into a bf16 high and low
+part and sums three bf16 products (hi*hi + hi*lo + lo*hi). This script runs the chunked
+recurrence with each choice (fp32 accumulation throughout) and prints out and state
+errors against float64, for the random case and the weak-decay case of SPEC section 4.
+
+    python benchmarks/precision_emulation.py [--T 4096]
+"""
+import argparse
+
+import torch
+
+from torch_kda.reference import activations, kda_recurrent
+
+BF16 = torch.bfloat16
+C = 16
+
+
+def to_tf32(x):
+    """Round fp32 to tf32 (10 mantissa bits), to nearest."""
+    bits = x.contiguous().view(torch.int32)
+    return ((bits + 0x1000) & ~0x1FFF).view(torch.float32)
+
+
+def product(a, b, mode):
+    if mode == "fp32":
+        return a @ b
+    if mode == "tf32":
+        return to_tf32(a) @ to_tf32(b)
+    a_hi, b_hi = a.to(BF16).float(), b.to(BF16).float()
+    if mode == "bf16":
+        return a_hi @ b_hi
+    a_lo, b_lo = (a - a_hi).to(BF16).float(), (b - b_hi).to(BF16).float()
+    return a_hi @ b_hi + a_hi @ b_lo + a_lo @ b_hi  # "bf16x3"
+
+
+def chunked_forward(q, k, v, g, beta, A_log, dt_bias, h0, lower_bound, mode):
+    """One sequence, one head: q, k, g, v [T, 128]; beta [T]; h0 [V, K]. fp32 math."""
+    K = q.shape[-1]
+    scale = K ** -0.5
+    qn, kn, lam, b = activations(q.float()[:, None], k.float()[:, None], g.float()[:, None],
+                                 beta.float()[:, None], A_log, dt_bias, lower_bound)
+    qn, kn, lam, b = qn[:, 0], kn[:, 0], lam[:, 0], b[:, 0]
+    S = h0.float().T.clone()
+    outs = []
+    for s in range(0, q.shape[0], C):
+        Qc, Kc, Vc, bc = qn[s:s + C], kn[s:s + C], v[s:s + C].float(), b[s:s + C]
+        G = lam[s:s + C].cumsum(0)
+        decay = torch.exp(G[:, None] - G[None])
+        A = torch.einsum("id,jd,ijd->ij", Kc, Kc, decay).tril(-1) * bc[:, None]
+        Aqk = scale * torch.einsum("id,jd,ijd->ij", Qc, Kc, decay).tril()
+        M = torch.linalg.inv(torch.eye(Qc.shape[0]) + A)
+        W = M @ (bc[:, None] * torch.exp(G) * Kc)
+        U0 = M @ (bc[:, None] * Vc)
+        Qs = scale * torch.exp(G) * Qc
+        Kd = torch.exp(G[-1] - G) * Kc
+        U = U0 - product(W, S, mode)
+        outs.append(product(Qs, S, mode) + product(Aqk, U, mode))
+        S = torch.exp(G[-1])[:, None] * S + product(Kd.T.contiguous(), U, mode)
+    return torch.cat(outs).to(BF16), S.T
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--T", type=int, default=4096)
+    args = ap.parse_args()
+    torch.manual_seed(0)
+    T, D = args.T, 128
+    print("| case | operands | out rel | state rel |")
+    print("|---|---|---|---|")
+    for case in ("random", "weak decay"):
+        q, k, g, v = (torch.randn(T, D).to(BF16) for _ in range(4))
+        beta = torch.randn(T).to(BF16)
+        A_log, dt_bias, h0 = torch.rand(1), torch.rand(1, D), torch.randn(D, D)
+        if case == "weak decay":
+            A_log.fill_(2.0)
+            dt_bias.fill_(-8.0)
+        ref_out, ref_state = kda_recurrent(
+            *(x.double()[None, :, None] for x in (q, k, v, g, beta)), A_log.double(), dt_bias.double(),
+            lower_bound=-5.0, initial_state=h0.double()[None, None])
+        ref_out, ref_state = ref_out[0, :, 0], ref_state[0, 0]
+        for mode in ("fp32", "bf16x3", "tf32", "bf16"):
+            out, state = chunked_forward(q, k, v, g, beta, A_log, dt_bias, h0, -5.0, mode)
+            e_out = ((out.double() - ref_out).norm() / ref_out.norm()).item()
+            e_state = ((state.double() - ref_state).norm() / ref_state.norm()).item()
+            print(f"| {case} | {mode} | {e_out:.2e} | {e_state:.2e} |")
+
+
+if __name__ == "__main__":
+    main()
