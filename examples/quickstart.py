@@ -8,8 +8,10 @@
 3. torch_kda.fwd, the in-place drop-in for flash_kda.fwd
 4. a backward pass, with gradients checked against float64 autograd
 
-Every result is compared with a plain float64 token-by-token evaluation of the KDA
-recurrence (torch_kda.reference), and the relative error ||x - ref|| / ||ref|| is printed.
+Forward and backward results are compared with a plain float64 token-by-token
+evaluation of the KDA recurrence (torch_kda.reference), printing the relative error
+||x - ref|| / ||ref||; the varlen and in-place calls are compared with the plain calls
+they must reproduce.
 The script exits with status 1 if any check fails.
 """
 import argparse

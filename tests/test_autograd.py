@@ -170,3 +170,12 @@ def test_expanded_and_strided_incoming_gradients():
     ref_grads = torch.autograd.grad(ref_out.sum() + (ref_final * w_final).sum(), tensors)
     for name, g, r in zip(names, grads, ref_grads):
         assert rel(g, r) <= 1e-10, name
+
+
+def test_double_backward_raises():
+    """A second-order gradient is not supported: it must raise, not return wrong numbers."""
+    d = make_inputs(B=1, T=6, H=2, K=4, V=3, dtype=torch.float64, requires_grad=True)
+    out, _ = torch_kda.kda(*positional(d), lower_bound=-2.0)
+    (gq,) = torch.autograd.grad((out**2).sum(), d["q"], create_graph=True)
+    with pytest.raises(NotImplementedError, match="double backward"):
+        torch.autograd.grad(gq.sum(), (d["k"], d["v"]), allow_unused=True)

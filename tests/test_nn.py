@@ -388,3 +388,44 @@ def test_cu_seqlens_with_batch_above_one_rejected():
     m = make_layer(None)
     with pytest.raises(ValueError, match=r"batch size.*\b2\b"):
         m(torch.randn(2, 4, 16), cu_seqlens=packed_offsets([2, 2]))
+
+
+# --------------------------------------------------------------------------
+# Edge cases found in review
+# --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("shape", [(2, 0), (0, 5)])
+def test_empty_input(shape):
+    layer = make_layer(-5.0)
+    x = torch.randn(*shape, 16)
+    y, state = layer(x, output_state=True)
+    assert y.shape == x.shape
+    assert state.recurrent.shape == (shape[0], 2, 4, 4)
+    assert state.conv_q.shape == (shape[0], 8, 3)
+
+
+def test_non_finite_token_stays_in_its_sequence():
+    layer = make_layer(-5.0)
+    x = torch.randn(1, 11, 16)
+    cu = torch.tensor([0, 5, 11])
+    x[0, 4, 0] = float("inf")  # last token of sequence 0
+    y, _ = layer(x, cu_seqlens=cu)
+    alone, _ = layer(x[:, 5:])
+    assert torch.isfinite(y[0, 5:]).all()
+    assert rel(y[:, 5:], alone) <= 1e-6  # projections of other shapes may round differently
+
+
+def test_malformed_cu_seqlens_is_the_operator_error():
+    layer = make_layer(-5.0)
+    with pytest.raises(RuntimeError, match="cu_seqlens must end at the number of tokens"):
+        layer(torch.randn(1, 10, 16), cu_seqlens=torch.tensor([0, 3, 12]), output_state=True)
+
+
+def test_carried_conv_state_of_wrong_shape():
+    layer = make_layer(-5.0)
+    cu = torch.tensor([0, 3, 6])
+    _, state = layer(torch.randn(1, 6, 16), cu_seqlens=cu, output_state=True)
+    wide = state._replace(conv_k=torch.randn(2, 8, 5))
+    with pytest.raises(ValueError, match=r"carried state must have shape \[N, C, W - 1\] = \[2, 8, 3\], got \[2, 8, 5\]"):
+        layer(torch.randn(1, 6, 16), cu_seqlens=cu, state=wide)

@@ -125,8 +125,6 @@ def _setup_context(ctx, inputs, output):
 
 def _backward(ctx, grad_out, grad_final_state):
     q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens = ctx.saved_tensors
-    if grad_out is None:
-        grad_out = torch.zeros(*q.shape[:3], v.shape[3], dtype=q.dtype, device=q.device)
     if grad_final_state is not None and grad_final_state.numel() == 0:
         # final_state was not asked for: the op returned an empty placeholder.
         grad_final_state = None
@@ -150,4 +148,18 @@ def _backward(ctx, grad_out, grad_final_state):
     return dq, dk, dv, dg, dbeta, dA_log, ddt_bias, None, None, dinitial_state, None, None
 
 
+def _no_double_backward_setup(ctx, inputs, output):
+    pass
+
+
+def _no_double_backward(ctx, *grads):
+    raise NotImplementedError(
+        "torch_kda: the backward of kda is not differentiable (double backward, e.g. "
+        "autograd.grad(..., create_graph=True) followed by another backward, is not supported)"
+    )
+
+
 torch.library.register_autograd("kda::fwd", _backward, setup_context=_setup_context)
+# Without this, a second-order gradient would silently differentiate only part of the
+# backward kernel's internals; with it, asking for one raises.
+torch.library.register_autograd("kda::bwd", _no_double_backward, setup_context=_no_double_backward_setup)

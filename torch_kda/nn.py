@@ -15,7 +15,8 @@ from torch_kda._ops import kda
 class KDAState(NamedTuple):
     """Recurrent state of one KimiDeltaAttention layer, per sequence.
 
-    recurrent: [N, H, d, d] fp32, V-first (state[n, h, v, k] = S[k, v]).
+    recurrent: [N, H, d, d], V-first (state[n, h, v, k] = S[k, v]); fp32 unless the
+    state first passed in had another dtype.
     conv_q, conv_k, conv_v: [N, H * d, conv_size - 1], the last inputs of each
     short convolution (oldest first).
     """
@@ -56,41 +57,42 @@ class ShortConvolution(nn.Module):
         """x [1, L, C] packed tokens; offsets [N + 1] token offsets (int64, on x's
         device); state [N, C, W - 1] or None (zeros). Returns (y [1, L, C], new state or None)."""
         W = self.kernel_size
-        L = x.shape[1]
+        L, C = x.shape[1], x.shape[2]
         N = offsets.shape[0] - 1
-        xs = x[0]  # [L, C]
-        pos = torch.arange(L, device=x.device)
-        seq = torch.searchsorted(offsets[1:], pos, right=True).clamp(max=max(N - 1, 0))  # [L]
-        start = offsets[seq]  # [L]
-        weight = self.weight.to(xs.dtype)
-        y = torch.zeros_like(xs)
-        for j in range(W):  # tap j reads the token W - 1 - j steps back
-            back = W - 1 - j
-            src = pos - back
-            inside = src >= start  # still in this sequence
-            taken = xs[src.clamp(min=0)] * inside[:, None]
-            if state is not None and back > 0:
-                # Before the sequence start: read the carried inputs of this sequence.
-                slot = (W - 1 + src - start).clamp(min=0, max=W - 2)
-                carried = state[seq, :, slot].to(xs.dtype)  # [L, C]
-                taken = torch.where(inside[:, None], taken, carried)
-            y = y + taken * weight[:, j]
+        if state is not None and tuple(state.shape) != (N, C, W - 1):
+            raise ValueError(
+                f"ShortConvolution: the carried state must have shape [N, C, W - 1] = [{N}, {C}, {W - 1}], "
+                f"got {list(state.shape)}")
+        # One buffer holds every sequence's carried inputs (W - 1 rows each), then the
+        # tokens; each tap and the new state are gathers from it, never a masked product
+        # (a non-finite input elsewhere would turn 0 * inf into NaN).
+        carried = (torch.zeros(N * (W - 1), C, dtype=x.dtype, device=x.device) if state is None
+                   else state.to(x.dtype).transpose(1, 2).reshape(N * (W - 1), C))
+        buf = torch.cat([carried, x[0]])
+        last = max(buf.shape[0] - 1, 0)
+
+        def rows(seq, pos):
+            """Buffer rows of the inputs at in-sequence positions `pos` (< 0: carried) of
+            sequences `seq`; clamped so that a malformed cu_seqlens cannot index out of bounds."""
+            inside = N * (W - 1) + offsets[seq] + pos
+            before = seq * (W - 1) + (W - 1) + pos
+            return torch.where(pos >= 0, inside, before).clamp(0, last)
+
+        t = torch.arange(L, device=x.device)
+        seq = torch.searchsorted(offsets[1:], t, right=True).clamp(0, max(N - 1, 0))  # [L]
+        pos = t - offsets[seq]
+        weight = self.weight.to(x.dtype)
+        y = torch.zeros(L, C, dtype=x.dtype, device=x.device)
+        for j in range(W):  # tap j reads the input W - 1 - j steps back
+            y = y + buf[rows(seq, pos - (W - 1 - j))] * weight[:, j]
         y = F.silu(y)[None]
         if not output_state:
             return y, None
-        # The last W - 1 inputs of each sequence, from x or, for short sequences, the old state.
-        ends = offsets[1:]  # [N]
-        steps = torch.arange(W - 1, device=x.device)
-        src = ends[:, None] - (W - 1) + steps[None, :]  # [N, W-1]
-        inside = src >= offsets[:-1, None]
-        new = xs[src.clamp(min=0)].transpose(1, 2)  # [N, C, W-1]
-        if state is not None:
-            slot = (W - 1 + src - offsets[:-1, None]).clamp(min=0, max=W - 2)
-            old = torch.gather(state.to(xs.dtype), 2, slot[:, None, :].expand(-1, xs.shape[1], -1))
-        else:
-            old = torch.zeros_like(new)
-        new = torch.where(inside[:, None, :], new, old)
-        return y, new
+        # The last W - 1 inputs of each sequence (carried ones for short sequences).
+        n = torch.arange(N, device=x.device)[:, None]
+        lengths = (offsets[1:] - offsets[:-1])[:, None]
+        tail = lengths - (W - 1) + torch.arange(W - 1, device=x.device)[None, :]  # [N, W-1]
+        return y, buf[rows(n, tail)].transpose(1, 2)  # [N, C, W-1]
 
 
 class GatedRMSNorm(nn.Module):
@@ -179,7 +181,7 @@ class KimiDeltaAttention(nn.Module):
         B, T, _ = x.shape
         H, d = self.num_heads, self.head_dim
         offsets = _sequence_offsets(B, T, cu_seqlens, x.device)
-        packed = x.reshape(1, B * T, -1)
+        packed = x.reshape(1, B * T, x.shape[-1])
 
         def conv(proj, conv_mod, carried):
             y, new = conv_mod(proj(packed), offsets, carried, output_state)

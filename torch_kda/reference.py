@@ -72,9 +72,11 @@ def kda_chunked(q, k, v, g, beta, A_log, dt_bias, *, scale=None, lower_bound=Non
             Qc, Kc, Vc = qn[row, start:end], kn[row, start:end], v[row, start:end]  # [C, H, *]
             G = lam[row, start:end].cumsum(0)  # [C, H, K]
             bc = b[row, start:end]  # [C, H]
-            decay = torch.exp(G[:, None] - G[None, :])  # [i, j, H, K]
             C = end - start
             lower = torch.tril(torch.ones(C, C, dtype=torch.bool, device=q.device), -1)
+            # exp(G_i - G_j) only where j <= i: above the diagonal it would overflow.
+            causal = (lower | torch.eye(C, dtype=torch.bool, device=q.device))[:, :, None, None]
+            decay = torch.exp((G[:, None] - G[None, :]).masked_fill(~causal, float("-inf")))  # [i, j, H, K]
             A_kk = torch.einsum("ihk,jhk,ijhk->hij", Kc, Kc, decay) * bc.T[:, :, None]
             A_kk = A_kk * lower
             A_qk = scale * torch.einsum("ihk,jhk,ijhk->hij", Qc, Kc, decay)
@@ -95,9 +97,10 @@ def _chunk_terms(qn, kn, lam, b, scale):
     qn, kn [C, K]; lam [C, K]; b [C]. Decays exp(G_i - G_j) come from differences."""
     C = qn.shape[0]
     G = lam.cumsum(0)
-    D = torch.exp(G[:, None, :] - G[None, :, :])  # [i, j, K]
     strict = torch.tril(torch.ones(C, C, dtype=torch.bool, device=qn.device), -1)
     incl = torch.tril(torch.ones(C, C, dtype=torch.bool, device=qn.device))
+    # exp(G_i - G_j) only where j <= i: above the diagonal it would overflow.
+    D = torch.exp((G[:, None, :] - G[None, :, :]).masked_fill(~incl[:, :, None], float("-inf")))  # [i, j, K]
     P = torch.einsum("id,jd,ijd->ij", kn, kn, D) * strict
     Pq = torch.einsum("id,jd,ijd->ij", qn, kn, D) * incl
     return dict(G=G, D=D, strict=strict, incl=incl, P=P, A=b[:, None] * P, Aqk=scale * Pq,
