@@ -427,5 +427,5 @@ def test_carried_conv_state_of_wrong_shape():
     cu = torch.tensor([0, 3, 6])
     _, state = layer(torch.randn(1, 6, 16), cu_seqlens=cu, output_state=True)
     wide = state._replace(conv_k=torch.randn(2, 8, 5))
-    with pytest.raises(ValueError, match=r"carried state must have shape \[N, C, W - 1\] = \[2, 8, 3\], got \[2, 8, 5\]"):
+    with pytest.raises(ValueError, match=r"state.conv_k must have shape \[N, C, W - 1\] = \[2, 8, 3\], got \[2, 8, 5\]"):
         layer(torch.randn(1, 6, 16), cu_seqlens=cu, state=wide)

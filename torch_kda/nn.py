@@ -53,15 +53,16 @@ class ShortConvolution(nn.Module):
         self.weight = nn.Parameter(torch.empty(channels, kernel_size))
         nn.init.kaiming_uniform_(self.weight, a=5 ** 0.5)
 
-    def forward(self, x, offsets, state=None, output_state=False):
+    def forward(self, x, offsets, state=None, output_state=False, state_name="state"):
         """x [1, L, C] packed tokens; offsets [N + 1] token offsets (int64, on x's
-        device); state [N, C, W - 1] or None (zeros). Returns (y [1, L, C], new state or None)."""
+        device); state [N, C, W - 1] or None (zeros). Returns (y [1, L, C], new state or None).
+        state_name is how errors call the state (the layer passes e.g. "state.conv_q")."""
         W = self.kernel_size
         L, C = x.shape[1], x.shape[2]
         N = offsets.shape[0] - 1
         if state is not None and tuple(state.shape) != (N, C, W - 1):
             raise ValueError(
-                f"ShortConvolution: the carried state must have shape [N, C, W - 1] = [{N}, {C}, {W - 1}], "
+                f"ShortConvolution: {state_name} must have shape [N, C, W - 1] = [{N}, {C}, {W - 1}], "
                 f"got {list(state.shape)}")
         # One buffer holds every sequence's carried inputs (W - 1 rows each), then the
         # tokens; each tap and the new state are gathers from it, never a masked product
@@ -183,13 +184,14 @@ class KimiDeltaAttention(nn.Module):
         offsets = _sequence_offsets(B, T, cu_seqlens, x.device)
         packed = x.reshape(1, B * T, x.shape[-1])
 
-        def conv(proj, conv_mod, carried):
-            y, new = conv_mod(proj(packed), offsets, carried, output_state)
+        def conv(proj, conv_mod, field):
+            carried = getattr(state, field) if state is not None else None
+            y, new = conv_mod(proj(packed), offsets, carried, output_state, state_name=f"state.{field}")
             return y.reshape(B, T, H, d), new
 
-        q, conv_q = conv(self.q_proj, self.q_conv, state.conv_q if state is not None else None)
-        k, conv_k = conv(self.k_proj, self.k_conv, state.conv_k if state is not None else None)
-        v, conv_v = conv(self.v_proj, self.v_conv, state.conv_v if state is not None else None)
+        q, conv_q = conv(self.q_proj, self.q_conv, "conv_q")
+        k, conv_k = conv(self.k_proj, self.k_conv, "conv_k")
+        v, conv_v = conv(self.v_proj, self.v_conv, "conv_v")
         g = self.f_proj(x).reshape(B, T, H, d)
         beta = self.b_proj(x)
         A_log, dt_bias = self.gate()
