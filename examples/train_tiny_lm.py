@@ -346,6 +346,14 @@ def main(argv=None):
     finally:
         if args.fsdp:
             dist.destroy_process_group()
+    if args.fsdp:
+        # Seen here under load (torch 2.14, gloo): a distributed background thread still
+        # joinable at interpreter teardown aborts an otherwise finished run ("terminate
+        # called without an active exception"). Training is done and its outputs are
+        # written and flushed, so leave without that teardown.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
 
 
 def _train(args, device, rank, world, mesh, head_dim, lower_bound, log):
