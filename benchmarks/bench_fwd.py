@@ -4,7 +4,10 @@ For each case: torch_kda ms, chunk_kda ms, speedup, the memory floor (bytes that
 must move over the device-to-device copy bandwidth measured at start) and
 torch_kda over that floor. CUDA events, warm-up first, median of repeats.
 
-    FLA_FLASH_KDA=0 python benchmarks/bench_fwd.py [--cases 1,4,7] [--repeats 20]
+    FLA_FLASH_KDA=0 python benchmarks/bench_fwd.py [--cases 1,4,7] [--repeats 20] [--stages]
+
+--stages adds torch_kda's time per kernel (prepare K1, recurrence K2) from the
+profiler, to show which stage a change moved.
 """
 import argparse
 import math
@@ -94,6 +97,24 @@ def run_torch_kda(c):
     return fn
 
 
+def stage_ms(fn, repeats=5):
+    """Mean device time per call of each torch_kda kernel, from the profiler."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(repeats):
+            fn()
+        torch.cuda.synchronize()
+    times = {}
+    for ev in prof.key_averages():
+        for stage in ("prepare", "recurrence"):
+            if stage in ev.key:
+                times[stage] = times.get(stage, 0.0) + ev.device_time_total / 1e3 / repeats
+    return times
+
+
 def run_fla(c):
     from fla.ops.kda import chunk_kda
 
@@ -114,6 +135,9 @@ def main():
     ap.add_argument("--cases", default=",".join(str(i) for i in CASES))
     ap.add_argument("--repeats", type=int, default=20)
     ap.add_argument("--no-fla", action="store_true")
+    ap.add_argument("--fla-cases", default=None,
+                    help="time fla on these cases only (its first call per shape autotunes for minutes)")
+    ap.add_argument("--stages", action="store_true", help="print torch_kda's time per kernel")
     args = ap.parse_args()
 
     torch.manual_seed(0)
@@ -137,16 +161,21 @@ def main():
         c = make_case(lengths, H)
         ours = time_ms(run_torch_kda(c), args.repeats)
         floor = floor_bytes(c) / bw * 1e3
-        theirs = time_ms(run_fla(c), args.repeats) if have_fla else float("nan")
+        with_fla = have_fla and (args.fla_cases is None or idx in [int(x) for x in args.fla_cases.split(",")])
+        theirs = time_ms(run_fla(c), args.repeats) if with_fla else float("nan")
         speedup = theirs / ours
-        if have_fla:
+        if with_fla:
             speedups.append(speedup)
-        print(f"{idx:>3} {name:<18} {H:>3} {ours:>12.3f} {theirs:>8.3f} {speedup:>8.2f} {floor:>9.3f} {ours / floor:>8.2f}")
+        row = f"{idx:>3} {name:<18} {H:>3} {ours:>12.3f} {theirs:>8.3f} {speedup:>8.2f} {floor:>9.3f} {ours / floor:>8.2f}"
+        if args.stages:
+            st = stage_ms(run_torch_kda(c))
+            row += f"   K1 {st.get('prepare', float('nan')):.3f} K2 {st.get('recurrence', float('nan')):.3f}"
+        print(row)
         del c
         torch.cuda.empty_cache()
     if speedups:
         gmean = math.exp(sum(math.log(s) for s in speedups) / len(speedups))
-        print(f"speedup over chunk_kda: min {min(speedups):.2f}, geometric mean {gmean:.2f}")
+        print(f"speedup over chunk_kda ({len(speedups)} cases): min {min(speedups):.2f}, geometric mean {gmean:.2f}")
 
 
 if __name__ == "__main__":

@@ -7,6 +7,8 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 PY=${PYTHON:-python3}
 export TORCH_KDA_CUDA_ARCHS=${TORCH_KDA_CUDA_ARCHS:-90a} MAX_JOBS=${MAX_JOBS:-16} FLA_FLASH_KDA=0 PYTHONUNBUFFERED=1
 LOG=${GPU_CHECK_LOG:-${OUT:-/tmp}/gpu_check.log}
+source scripts/triton_cache.sh  # fla's autotune results from earlier calls, if carried
+triton_cache_restore
 : > "$LOG"
 
 if ls .whl/*.whl >/dev/null 2>&1; then

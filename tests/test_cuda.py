@@ -20,6 +20,9 @@ pytestmark = [
 
 DEV = "cuda"
 D = 128
+# An fp32 state at fp32 level: the recurrence's bf16x3 products keep ~16 bits
+# per operand (plain bf16 products would give ~1e-3).
+FP32_STATE_TOL = 5e-5
 
 
 def cuda_inputs(state_dtype=torch.float32, lower_bound=-5.0, **kw):
@@ -115,6 +118,16 @@ def test_hard_case_long_sequence():
     print(f"\nlong lb=-5.0 T=65536 state=float32: out rel {e_out:.2e}, state rel {e_state:.2e}")
     assert e_out <= 2e-2
     assert e_state <= 2e-2
+
+
+@pytest.mark.parametrize("H", [16, 32, 64, 96, 256])
+def test_every_block_width_matches_reference(H):
+    """The recurrence runs 1, 2, 4 or 8 warps per block, by N * H over the SM
+    count; on a 132-SM H200 these head counts select each width (256: two waves)."""
+    d, g = cuda_inputs(B=1, T=200, H=H, state_dtype=torch.float32)
+    e_out, e_state, _, _ = errors(d, g)
+    print(f"\nH={H} on {torch.cuda.get_device_properties(0).multi_processor_count} SMs: out rel {e_out:.2e}, state rel {e_state:.2e}")
+    assert e_out <= 5e-3 and e_state <= 1e-4
 
 
 def test_fp32_state_is_accumulated_in_fp32():
@@ -291,7 +304,7 @@ def test_inplace_final_state_without_initial_state(final_dtype):
     assert torch.isnan(guard[3].float()).all(), "written past the end of final_state"
     ref_out, ref_final = run_reference(g, lower_bound=-5.0)
     assert rel(out, ref_out) <= 5e-3
-    assert rel(final, ref_final) <= (5e-3 if final_dtype == torch.bfloat16 else 1e-5)
+    assert rel(final, ref_final) <= (5e-3 if final_dtype == torch.bfloat16 else FP32_STATE_TOL)
 
 
 def test_inplace_state_overlaps():
@@ -304,13 +317,31 @@ def test_inplace_state_overlaps():
     same = g["initial_state"].clone()
     torch_kda.fwd(*positional(g)[:5], None, out, g["A_log"], g["dt_bias"], -5.0, initial_state=same,
                   final_state=same, cu_seqlens=g["cu_seqlens"])
-    assert rel(same, ref_final) <= 1e-5 and rel(out, ref_out) <= 5e-3
+    assert rel(same, ref_final) <= FP32_STATE_TOL and rel(out, ref_out) <= 5e-3
 
     buf = torch.empty(3, 2, D, D, dtype=torch.float32, device=DEV)
     buf[:2] = g["initial_state"]
     torch_kda.fwd(*positional(g)[:5], None, out, g["A_log"], g["dt_bias"], -5.0, initial_state=buf[:2],
                   final_state=buf[1:], cu_seqlens=g["cu_seqlens"])
-    assert rel(buf[1:], ref_final) <= 1e-5
+    assert rel(buf[1:], ref_final) <= FP32_STATE_TOL
+
+
+def test_inplace_misaligned_views():
+    """Views that start mid-vector (the kernels move 16-byte vectors) are staged, not misread."""
+    d, g = cuda_inputs(seqlens=[20, 37], H=2, state_dtype=torch.float32)
+    nan = float("nan")
+    out_buf = torch.full((57 * 2 * D + 1,), nan, dtype=torch.bfloat16, device=DEV)
+    out = out_buf[1:].view(1, 57, 2, D)
+    init_buf = torch.empty(2 * 2 * D * D + 1, dtype=torch.float32, device=DEV)
+    init = init_buf[1:].view(2, 2, D, D)
+    init.copy_(g["initial_state"])
+    final_buf = torch.full((2 * 2 * D * D + 1,), nan, dtype=torch.float32, device=DEV)
+    final = final_buf[1:].view(2, 2, D, D)
+    torch_kda.fwd(*positional(g)[:5], None, out, g["A_log"], g["dt_bias"], -5.0, initial_state=init,
+                  final_state=final, cu_seqlens=g["cu_seqlens"])
+    ref_out, ref_final = run_reference(g, lower_bound=-5.0)
+    assert torch.isnan(out_buf[0].float()) and torch.isnan(final_buf[0])
+    assert rel(out, ref_out) <= 5e-3 and rel(final, ref_final) <= FP32_STATE_TOL
 
 
 def test_cpu_q_with_cuda_tensors_names_the_argument():

@@ -5,6 +5,8 @@
 
 #include <cstdint>
 
+#include "cuda/params.h"
+
 namespace kda::cuda {
 
 __device__ __forceinline__ float load_bf16(const void* base, int64_t index) {
@@ -23,6 +25,19 @@ __device__ __forceinline__ void store_state(void* base, int64_t index, float val
   }
 }
 
+// Position of element (row, col) in a swizzled [16][128] plane (params.h).
+__device__ __forceinline__ int plane_index(int row, int col) {
+  return row * kHeadDim + ((((col >> 3) ^ (row & 7))) << 3) + (col & 7);
+}
+
+// x as hi = bf16(x) in the plane at `planes` and lo = bf16(x - hi) in the plane
+// `plane_bytes` after it (see the workspace layout in params.h).
+__device__ __forceinline__ void store_split(unsigned char* planes, int plane_bytes, int index, float x) {
+  const __nv_bfloat16 hi = __float2bfloat16_rn(x);
+  reinterpret_cast<__nv_bfloat16*>(planes)[index] = hi;
+  reinterpret_cast<__nv_bfloat16*>(planes + plane_bytes)[index] = __float2bfloat16_rn(x - __bfloat162float(hi));
+}
+
 __device__ __forceinline__ int64_t min64(int64_t a, int64_t b) {
   return a < b ? a : b;
 }
@@ -35,14 +50,27 @@ __device__ __forceinline__ float warp_sum(float x) {
   return x;
 }
 
-// The sequence that owns chunk slot `slot`: the largest n with
-// chunk_offsets[n] <= slot (offsets are non-decreasing; empty sequences share
-// an offset with the next one, and the largest index skips them).
-__device__ __forceinline__ int64_t sequence_of_slot(const int64_t* chunk_offsets, int64_t N, int64_t slot) {
-  int64_t lo = 0, hi = N;  // answer in [lo, hi)
+// Sequence and chunk boundaries (params.h): from the offset tensors, or by
+// arithmetic for a fixed-length batch.
+__device__ __forceinline__ int64_t seq_offset(const FwdParams& p, int64_t n) {
+  return p.seq_offsets != nullptr ? p.seq_offsets[n] : n * p.T;
+}
+
+__device__ __forceinline__ int64_t chunk_offset(const FwdParams& p, int64_t n) {
+  return p.chunk_offsets != nullptr ? p.chunk_offsets[n] : n * ((p.T + kChunk - 1) / kChunk);
+}
+
+// The sequence that owns chunk slot `slot` < chunk_offset(p, N): the largest n
+// with chunk_offset(p, n) <= slot (offsets are non-decreasing; empty sequences
+// share an offset with the next one, and the largest index skips them).
+__device__ __forceinline__ int64_t sequence_of_slot(const FwdParams& p, int64_t slot) {
+  if (p.chunk_offsets == nullptr) {
+    return slot / ((p.T + kChunk - 1) / kChunk);
+  }
+  int64_t lo = 0, hi = p.N;  // answer in [lo, hi)
   while (hi - lo > 1) {
     const int64_t mid = (lo + hi) / 2;
-    if (chunk_offsets[mid] <= slot) {
+    if (p.chunk_offsets[mid] <= slot) {
       lo = mid;
     } else {
       hi = mid;

@@ -15,12 +15,15 @@ constexpr int C = kChunk;
 constexpr int D = kHeadDim;
 constexpr int kThreads = D;
 constexpr int kWarps = kThreads / 32;
-constexpr int kPad = D + 1;  // row stride of the shared tiles: column reads hit distinct banks
+static_assert(kThreads == C * C / 2, "two entries of each 16x16 matrix per thread");
+// Row stride of the shared tiles: 16-byte aligned rows, and the 8 rows that a
+// quarter warp reads with 16-byte loads fall in distinct banks.
+constexpr int kPad = D + 4;
 
 __global__ void __launch_bounds__(kThreads) prepare_kernel(const FwdParams p) {
-  __shared__ float sQe[C][kPad];    // q^ exp(G)
-  __shared__ float sKe[C][kPad];    // k^ exp(G)
-  __shared__ float sKi[C][kPad];    // k^ exp(-G)
+  __shared__ __align__(16) float sQe[C][kPad];  // q^ exp(G)
+  __shared__ __align__(16) float sKe[C][kPad];  // k^ exp(G)
+  __shared__ __align__(16) float sKi[C][kPad];  // k^ exp(-G)
   __shared__ float sA[C][C + 1];    // A_kk, strictly lower
   __shared__ float sSq[2][C][kWarps];
   __shared__ float sBeta[C];
@@ -28,20 +31,21 @@ __global__ void __launch_bounds__(kThreads) prepare_kernel(const FwdParams p) {
   const int64_t H = p.H;
   const int64_t slot = blockIdx.x / H;
   const int64_t h = blockIdx.x % H;
-  const int64_t total_chunks = p.chunk_offsets[p.N];
+  const int64_t total_chunks = chunk_offset(p, p.N);
   // The grid covers the capacity; the live chunks are fewer when sequences end
   // in partial chunks or are empty.
   if (slot >= total_chunks) {
     return;
   }
-  const int64_t n = sequence_of_slot(p.chunk_offsets, p.N, slot);
-  const int64_t bos = p.seq_offsets[n] + (slot - p.chunk_offsets[n]) * C;
-  const int len = static_cast<int>(min64(C, p.seq_offsets[n + 1] - bos));
+  const int64_t n = sequence_of_slot(p, slot);
+  const int64_t bos = seq_offset(p, n) + (slot - chunk_offset(p, n)) * C;
+  const int len = static_cast<int>(min64(C, seq_offset(p, n + 1) - bos));
 
   const int d = threadIdx.x;
   const int warp = d / 32, lane = d % 32;
 
-  float q[C], k[C], gsum[C];
+  // Every global load up front: the block's latency is one memory round trip.
+  float q[C], k[C], gsum[C], v[C];
 #pragma unroll
   for (int i = 0; i < C; ++i) {
     const int64_t idx = ((bos + i) * H + h) * D + d;
@@ -49,6 +53,7 @@ __global__ void __launch_bounds__(kThreads) prepare_kernel(const FwdParams p) {
     q[i] = valid ? load_bf16(p.q, idx) : 0.f;
     k[i] = valid ? load_bf16(p.k, idx) : 0.f;
     gsum[i] = valid ? load_bf16(p.g, idx) : 0.f;
+    v[i] = valid ? load_bf16(p.v, idx) : 0.f;
   }
   if (d < C) {
     sBeta[d] = d < len ? 1.f / (1.f + expf(-load_bf16(p.beta, (bos + d) * H + h))) : 0.f;
@@ -78,7 +83,8 @@ __global__ void __launch_bounds__(kThreads) prepare_kernel(const FwdParams p) {
   }
   __syncthreads();
 
-  float* ws = p.workspace + (slot * H + h) * kWsChunkFloats;
+  unsigned char* ws = reinterpret_cast<unsigned char*>(p.workspace) + (slot * H + h) * kWsChunkBytes;
+  float* ws_u0 = reinterpret_cast<float*>(ws + kWsU0);
   const float g_last = gsum[C - 1];
 #pragma unroll
   for (int i = 0; i < C; ++i) {
@@ -95,26 +101,35 @@ __global__ void __launch_bounds__(kThreads) prepare_kernel(const FwdParams p) {
     sQe[i][d] = qn * e;
     sKe[i][d] = kn * e;
     sKi[i][d] = kn * expf(-gsum[i]);
-    ws[kWsQs + i * D + d] = p.scale * qn * e;
-    ws[kWsKd + i * D + d] = kn * expf(g_last - gsum[i]);
+    store_split(ws + kWsQs, kPlaneBytes, plane_index(i, d), p.scale * qn * e);
+    store_split(ws + kWsKd, kPlaneBytes, plane_index(i, d), kn * expf(g_last - gsum[i]));
   }
-  ws[kWsGl + d] = expf(g_last);
+  reinterpret_cast<float*>(ws + kWsGl)[d] = expf(g_last);
   __syncthreads();
 
-  // The 16x16 matrices: thread d computes entries d and d + 128 of each.
-#pragma unroll
-  for (int e = d; e < C * C; e += kThreads) {
-    const int i = e / C, j = e % C;
-    float dot_kk = 0.f, dot_qk = 0.f;
-    if (j <= i) {
-#pragma unroll 8
-      for (int c = 0; c < D; ++c) {
-        dot_kk += sKe[i][c] * sKi[j][c];
-        dot_qk += sQe[i][c] * sKi[j][c];
-      }
+  // The 16x16 matrices: thread d computes rows i0 = d / 16 and i0 + 8 of
+  // column j = d % 16, so that each piece of row j of k^ exp(-G) it reads
+  // serves four dot products. Entries above the diagonal are finite (|G| <= 80)
+  // and dropped.
+  {
+    const int j = d % C, i0 = d / C, i1 = i0 + C / 2;
+    float kk0 = 0.f, kk1 = 0.f, qk0 = 0.f, qk1 = 0.f;
+#pragma unroll 4
+    for (int c = 0; c < D; c += 4) {
+      const float4 ki = *reinterpret_cast<const float4*>(&sKi[j][c]);
+      const float4 ke0 = *reinterpret_cast<const float4*>(&sKe[i0][c]);
+      const float4 ke1 = *reinterpret_cast<const float4*>(&sKe[i1][c]);
+      const float4 qe0 = *reinterpret_cast<const float4*>(&sQe[i0][c]);
+      const float4 qe1 = *reinterpret_cast<const float4*>(&sQe[i1][c]);
+      kk0 += ke0.x * ki.x + ke0.y * ki.y + ke0.z * ki.z + ke0.w * ki.w;
+      kk1 += ke1.x * ki.x + ke1.y * ki.y + ke1.z * ki.z + ke1.w * ki.w;
+      qk0 += qe0.x * ki.x + qe0.y * ki.y + qe0.z * ki.z + qe0.w * ki.w;
+      qk1 += qe1.x * ki.x + qe1.y * ki.y + qe1.z * ki.z + qe1.w * ki.w;
     }
-    sA[i][j] = j < i ? sBeta[i] * dot_kk : 0.f;
-    ws[kWsAqk + e] = j <= i ? p.scale * dot_qk : 0.f;
+    sA[i0][j] = j < i0 ? sBeta[i0] * kk0 : 0.f;
+    sA[i1][j] = j < i1 ? sBeta[i1] * kk1 : 0.f;
+    store_split(ws + kWsAqk, kAqkPlaneBytes, i0 * C + j, j <= i0 ? p.scale * qk0 : 0.f);
+    store_split(ws + kWsAqk, kAqkPlaneBytes, i1 * C + j, j <= i1 ? p.scale * qk1 : 0.f);
   }
   __syncthreads();
 
@@ -123,9 +138,8 @@ __global__ void __launch_bounds__(kThreads) prepare_kernel(const FwdParams p) {
   float x[C], y[C];
 #pragma unroll
   for (int i = 0; i < C; ++i) {
-    const float vi = i < len ? load_bf16(p.v, ((bos + i) * H + h) * D + d) : 0.f;
     float xi = sBeta[i] * sKe[i][d];
-    float yi = sBeta[i] * vi;
+    float yi = sBeta[i] * v[i];
 #pragma unroll
     for (int j = 0; j < i; ++j) {
       xi -= sA[i][j] * x[j];
@@ -133,8 +147,8 @@ __global__ void __launch_bounds__(kThreads) prepare_kernel(const FwdParams p) {
     }
     x[i] = xi;
     y[i] = yi;
-    ws[kWsW + i * D + d] = xi;
-    ws[kWsU0 + i * D + d] = yi;
+    store_split(ws + kWsW, kPlaneBytes, plane_index(i, d), xi);
+    ws_u0[i * D + d] = yi;
   }
 }
 

@@ -12,8 +12,9 @@ namespace kda::cuda {
 // the chunk's matrices and the inverse; fills the workspace.
 void launch_prepare(const FwdParams& params, cudaStream_t stream);
 
-// K2: sequential over chunks, one block per (sequence, head, 32 value
-// columns): carries the fp32 state on chip, writes out and final_state.
+// K2: sequential over chunks, one warp per (sequence, head, 16 value rows) and
+// one to eight such warps per block: carries the fp32 state on chip in
+// tensor-core accumulators, writes out and final_state.
 void launch_recurrence(const FwdParams& params, cudaStream_t stream);
 
 inline void launch_forward(const FwdParams& params, cudaStream_t stream) {

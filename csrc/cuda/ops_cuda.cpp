@@ -65,10 +65,11 @@ Problem check_all(const char* op, const Tensor& q, const Tensor& k, const Tensor
   return p;
 }
 
-// Sequence and chunk boundaries on the device, built with ATen ops so that
-// nothing waits for the GPU. cu_seqlens is clamped into [0, tokens] and made
-// non-decreasing first: a malformed one gives wrong numbers, never an access
-// out of bounds. Returns {seq_offsets, chunk_offsets, capacity in chunks}.
+// Sequence and chunk boundaries of a varlen batch on the device, built with
+// ATen ops so that nothing waits for the GPU. cu_seqlens is clamped into
+// [0, tokens] and made non-decreasing first: a malformed one gives wrong
+// numbers, never an access out of bounds. A fixed-length batch needs no
+// tensors (params.h). num_slots: the workspace's capacity in chunks.
 struct Boundaries {
   Tensor seq, chunks;
   int64_t num_slots = 0;
@@ -76,26 +77,30 @@ struct Boundaries {
 
 Boundaries sequence_boundaries(const Problem& p, const Tensor& q, const optional<Tensor>& cu_seqlens) {
   const int64_t B = concrete(p.B), T = concrete(p.T), N = concrete(p.N), tokens = B * T;
-  auto long_opts = q.options().dtype(at::kLong);
   Boundaries b;
-  if (cu_seqlens.has_value()) {
-    Tensor seq = cu_seqlens->to(at::kLong).clamp(0, tokens);
-    b.seq = std::get<0>(at::cummax(seq, 0)).contiguous();
-    // Each sequence adds at most one partial chunk, and every chunk holds a token.
-    b.num_slots = std::min(tokens, (tokens + kChunk - 1) / kChunk + N);
-  } else {
-    b.seq = at::arange(B + 1, long_opts) * T;
+  if (!cu_seqlens.has_value()) {
     b.num_slots = B * ((T + kChunk - 1) / kChunk);
+    return b;
   }
+  auto long_opts = q.options().dtype(at::kLong);
+  Tensor seq = cu_seqlens->to(at::kLong).clamp(0, tokens);
+  b.seq = std::get<0>(at::cummax(seq, 0)).contiguous();
+  // Each sequence adds at most one partial chunk, and every chunk holds a token.
+  b.num_slots = std::min(tokens, (tokens + kChunk - 1) / kChunk + N);
   Tensor lengths = b.seq.slice(0, 1) - b.seq.slice(0, 0, N);
   Tensor chunks = at::div(lengths + (kChunk - 1), kChunk, "floor");
   b.chunks = at::cat({at::zeros({1}, long_opts), chunks.cumsum(0)}).contiguous();
   return b;
 }
 
+// The kernels move 16-byte vectors; a view that starts mid-vector is staged.
+bool aligned16(const Tensor& t) {
+  return reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0;
+}
+
 // Runs the forward into `out` / `final_state`. Inputs are made contiguous
 // (copies only where the caller's tensors are not). An output that is not
-// contiguous, or a final_state whose dtype is not the one the kernels write
+// contiguous or not 16-byte aligned, or a final_state whose dtype is not the one the kernels write
 // (p.state_dtype: the initial state's, else fp32), gets a staging tensor that is
 // copied back afterwards.
 void forward_into(const Problem& p, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g,
@@ -105,10 +110,14 @@ void forward_into(const Problem& p, const Tensor& q, const Tensor& k, const Tens
   Tensor qc = q.contiguous(), kc = k.contiguous(), vc = v.contiguous(), gc = g.contiguous();
   Tensor bc = beta.contiguous(), ac = A_log.contiguous(), dc = dt_bias.contiguous();
   Tensor init = initial_state.has_value() ? initial_state->contiguous() : Tensor();
-  Tensor out_c = out.is_contiguous() ? out : at::empty_like(out, at::MemoryFormat::Contiguous);
+  if (init.defined() && !aligned16(init)) {
+    init = init.clone();
+  }
+  Tensor out_c = out.is_contiguous() && aligned16(out) ? out : at::empty_like(out, at::MemoryFormat::Contiguous);
   Tensor final_c;
   if (final_state.has_value()) {
-    const bool direct = final_state->is_contiguous() && final_state->scalar_type() == p.state_dtype;
+    const bool direct =
+        final_state->is_contiguous() && aligned16(*final_state) && final_state->scalar_type() == p.state_dtype;
     final_c = direct ? *final_state : at::empty(final_state->sizes(), final_state->options().dtype(p.state_dtype));
   }
   // Each recurrence block reads its slice of the initial state before it writes the
@@ -128,6 +137,7 @@ void forward_into(const Problem& p, const Tensor& q, const Tensor& k, const Tens
   FwdParams params;
   params.H = concrete(p.H);
   params.N = concrete(p.N);
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&params.num_sms, cudaDevAttrMultiProcessorCount, q.device().index()));
   params.q = qc.data_ptr();
   params.k = kc.data_ptr();
   params.v = vc.data_ptr();
@@ -135,8 +145,9 @@ void forward_into(const Problem& p, const Tensor& q, const Tensor& k, const Tens
   params.beta = bc.data_ptr();
   params.A_log = ac.data_ptr<float>();
   params.dt_bias = dc.data_ptr<float>();
-  params.seq_offsets = bounds.seq.data_ptr<int64_t>();
-  params.chunk_offsets = bounds.chunks.data_ptr<int64_t>();
+  params.seq_offsets = bounds.seq.defined() ? bounds.seq.data_ptr<int64_t>() : nullptr;
+  params.chunk_offsets = bounds.chunks.defined() ? bounds.chunks.data_ptr<int64_t>() : nullptr;
+  params.T = concrete(p.T);
   params.num_slots = bounds.num_slots;
   params.workspace = workspace.data_ptr<float>();
   params.initial_state = init.defined() ? init.data_ptr() : nullptr;

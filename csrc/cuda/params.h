@@ -11,25 +11,37 @@ namespace kda::cuda {
 constexpr int kHeadDim = 128;  // K = V = 128: the only head size the CUDA kernels serve
 constexpr int kChunk = 16;     // tokens per chunk
 
-// Per (chunk, head) the prepare kernel leaves these fp32 blocks in the
-// workspace for the recurrence kernel (offsets in floats):
-//   Qs  [16][128]  scale * exp(G) * q^          (reads the chunk-start state)
-//   W   [16][128]  (I + A_kk)^-1 diag(beta) (exp(G) * k^)
-//   U0  [16][128]  (I + A_kk)^-1 diag(beta) v
-//   Kd  [16][128]  exp(G_last - G) * k^         (writes the next state)
-//   Aqk [16][16]   scale * (q^_i . k^_j exp(G_i - G_j)), j <= i
-//   gl  [128]      exp(G_last)
-constexpr int kWsQs = 0;
-constexpr int kWsW = kWsQs + kChunk * kHeadDim;
-constexpr int kWsU0 = kWsW + kChunk * kHeadDim;
-constexpr int kWsKd = kWsU0 + kChunk * kHeadDim;
-constexpr int kWsAqk = kWsKd + kChunk * kHeadDim;
-constexpr int kWsGl = kWsAqk + kChunk * kChunk;
-constexpr int kWsChunkFloats = kWsGl + kHeadDim;
+// Per (chunk, head) the prepare kernel leaves one record in the workspace for
+// the recurrence kernel. The recurrence multiplies on the tensor cores in bf16,
+// so each matrix it multiplies by travels as a bf16 pair: hi = bf16(x) and
+// lo = bf16(x - hi); hi * y + lo * y keeps ~16 mantissa bits where bf16 alone
+// keeps 8 (the "bf16x3" products: the fp32 state stays fp32-accurate).
+// Within a [16][128] plane, 16-byte piece j of row i is stored at piece
+// j ^ (i % 8) of that row (plane_index in device_utils.cuh): a verbatim copy
+// into shared memory then lets the 8 rows of one ldmatrix hit distinct banks.
+// Byte offsets, every plane 16-byte aligned for cp.async:
+//   Qs  [16][128] hi, lo  scale * exp(G) * q^          (reads the chunk-start state)
+//   W   [16][128] hi, lo  (I + A_kk)^-1 diag(beta) (exp(G) * k^)
+//   Kd  [16][128] hi, lo  exp(G_last - G) * k^         (writes the next state)
+//   Aqk [16][16]  hi, lo  scale * (q^_i . k^_j exp(G_i - G_j)), j <= i
+//   U0  [16][128] fp32    (I + A_kk)^-1 diag(beta) v   (the accumulator's start)
+//   gl  [128]     fp32    exp(G_last)
+constexpr int kPlaneBytes = kChunk * kHeadDim * 2;  // one [16][128] bf16 plane
+constexpr int kWsQs = 0;                            // hi plane, then lo plane
+constexpr int kWsW = kWsQs + 2 * kPlaneBytes;
+constexpr int kWsKd = kWsW + 2 * kPlaneBytes;
+constexpr int kWsAqk = kWsKd + 2 * kPlaneBytes;
+constexpr int kAqkPlaneBytes = kChunk * kChunk * 2;
+constexpr int kWsU0 = kWsAqk + 2 * kAqkPlaneBytes;
+constexpr int kWsGl = kWsU0 + kChunk * kHeadDim * 4;
+constexpr int kWsChunkBytes = kWsGl + kHeadDim * 4;
+constexpr int kWsChunkFloats = kWsChunkBytes / 4;  // the host allocates fp32 elements
+static_assert(kWsChunkBytes % 16 == 0, "records stay 16-byte aligned");
 
 struct FwdParams {
   int64_t H = 0;  // heads
   int64_t N = 0;  // sequences
+  int num_sms = 1;  // of the device: the recurrence sizes its blocks to fill them
 
   // Inputs, contiguous. q, k, v, g: bf16 [tokens, H, 128]; beta: bf16 [tokens, H].
   const void* q = nullptr;
@@ -43,17 +55,22 @@ struct FwdParams {
   // Sequence n spans tokens [seq_offsets[n], seq_offsets[n+1]) and chunk slots
   // [chunk_offsets[n], chunk_offsets[n+1]) of the workspace. Both are int64
   // [N + 1], non-decreasing and within bounds by construction on the host,
-  // whatever the caller's cu_seqlens held.
+  // whatever the caller's cu_seqlens held. Fixed-length batches pass neither
+  // (null): sequence n is then tokens [n * T, (n + 1) * T), and no tensor has
+  // to be built for the offsets (see device_utils.cuh).
   const int64_t* seq_offsets = nullptr;
   const int64_t* chunk_offsets = nullptr;
+  int64_t T = 0;  // tokens per sequence when the offsets are null
   int64_t num_slots = 0;        // workspace capacity in chunks (per head)
-  float* workspace = nullptr;   // [num_slots, H, kWsChunkFloats]
+  float* workspace = nullptr;   // [num_slots, H] records of kWsChunkBytes
 
   // States [N, H, V, K] (V-first), both in one dtype, bf16 or fp32; null when absent.
   const void* initial_state = nullptr;
   void* final_state = nullptr;
   bool state_fp32 = true;
 
+  // Every pointer the kernels touch is 16-byte aligned (the host stages any
+  // caller buffer that is not): the recurrence moves 16-byte vectors.
   void* out = nullptr;  // bf16 [tokens, H, 128]
 
   float scale = 0.f;

@@ -1,0 +1,83 @@
+// Warp-level tensor-core and asynchronous-copy primitives (sm_80+ PTX, used on
+// sm_90a), and the bf16 hi/lo split that lets bf16 products keep fp32-level
+// accuracy. Fragment layouts are those of mma.m16n8k16 in the PTX ISA; with
+// g = lane / 4 and t = lane % 4:
+//   A (16 x 16, row major), 4 x b32: (g, 2t..2t+1) (g+8, 2t..) (g, 2t+8..) (g+8, 2t+8..)
+//   B (16 x 8, k by n), 2 x b32:     (k 2t..2t+1, n g) (k 2t+8.., n g)
+//   C (16 x 8, fp32), 4 floats:      (g, 2t) (g, 2t+1) (g+8, 2t) (g+8, 2t+1)
+// An accumulator pair of n-tiles (columns 8j..8j+15) is therefore already the
+// A fragment of a product over those 16 columns.
+#pragma once
+
+#include <cuda_bf16.h>
+
+#include <cstdint>
+
+namespace kda::cuda {
+
+// d += a * b, bf16 inputs, fp32 accumulators.
+__device__ __forceinline__ void mma_bf16(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%0,%1,%2,%3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// d += (a_hi + a_lo) * (b_hi + b_lo) without the lo * lo term (below fp32's
+// rounding of the sum).
+__device__ __forceinline__ void mma_bf16x3(float (&d)[4], const uint32_t (&a_hi)[4], const uint32_t (&a_lo)[4],
+                                          uint32_t b_hi0, uint32_t b_hi1, uint32_t b_lo0, uint32_t b_lo1) {
+  mma_bf16(d, a_lo, b_hi0, b_hi1);
+  mma_bf16(d, a_hi, b_lo0, b_lo1);
+  mma_bf16(d, a_hi, b_hi0, b_hi1);
+}
+
+// Four 8x8 bf16 matrices from shared memory; lanes 8i..8i+7 give the row
+// addresses of matrix i, register i receives matrix i.
+__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const void* smem_row) {
+  const uint32_t addr = static_cast<uint32_t>(__cvta_generic_to_shared(smem_row));
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+}
+
+// The same, each matrix transposed on the way (rows in memory become columns).
+__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], const void* smem_row) {
+  const uint32_t addr = static_cast<uint32_t>(__cvta_generic_to_shared(smem_row));
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+}
+
+// (x, y) -> the packed bf16 pairs hi = (bf16(x), bf16(y)) and lo = the remainders.
+__device__ __forceinline__ void split_pack(float x, float y, uint32_t& hi, uint32_t& lo) {
+  const __nv_bfloat162 h = __floats2bfloat162_rn(x, y);
+  const float2 hf = __bfloat1622float2(h);
+  const __nv_bfloat162 l = __floats2bfloat162_rn(x - hf.x, y - hf.y);
+  hi = *reinterpret_cast<const uint32_t*>(&h);
+  lo = *reinterpret_cast<const uint32_t*>(&l);
+}
+
+__device__ __forceinline__ uint32_t smem_u32(const void* smem_ptr) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(smem_ptr));
+}
+
+// 16 bytes global -> shared without passing through registers. The shared
+// address is a 32-bit shared-window address (smem_u32), so that unrolled loops
+// fold their offsets into the instruction.
+__device__ __forceinline__ void cp_async_16(uint32_t smem_dst, const void* gmem_src) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(smem_dst), "l"(gmem_src));
+}
+
+__device__ __forceinline__ void cp_async_commit() {
+  asm volatile("cp.async.commit_group;\n" ::);
+}
+
+// Waits until at most `kPending` of this thread's committed groups are in flight.
+template <int kPending>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending));
+}
+
+}  // namespace kda::cuda
