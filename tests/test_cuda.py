@@ -122,8 +122,9 @@ def test_hard_case_long_sequence():
 
 @pytest.mark.parametrize("H", [16, 32, 64, 96, 256])
 def test_every_block_width_matches_reference(H):
-    """The recurrence runs 1, 2, 4 or 8 warps per block, by N * H over the SM
-    count; on a 132-SM H200 these head counts select each width (256: two waves)."""
+    """The recurrence picks its block shape by N * H over the SM count; on a 132-SM
+    H200, H = 16 and 32 split each row group's key columns over four warps, 64 runs
+    four full-width warps per block, 96 and 256 eight (256: two waves)."""
     d, g = cuda_inputs(B=1, T=200, H=H, state_dtype=torch.float32)
     e_out, e_state, _, _ = errors(d, g)
     print(f"\nH={H} on {torch.cuda.get_device_properties(0).multi_processor_count} SMs: out rel {e_out:.2e}, state rel {e_state:.2e}")
@@ -483,3 +484,20 @@ def test_bad_cu_seqlens_checked_with_env(monkeypatch):
     # Unchecked, a malformed cu_seqlens gives wrong numbers but stays in bounds.
     torch_kda.fwd(*positional(g)[:5], None, out, g["A_log"], g["dt_bias"], -5.0, cu_seqlens=bad)
     torch.cuda.synchronize()
+
+
+@pytest.mark.parametrize("bad", [[0, 6, 5], [0, 3, 100], [-5, 4, 8], [2, 2, 8], [0, 8, 0]])
+def test_malformed_cu_seqlens_read_clamped_and_non_decreasing(bad, monkeypatch):
+    """Unchecked, cu_seqlens is read clamped into [0, tokens] and made non-decreasing
+    (running maximum): bitwise the result of those sanitised offsets."""
+    monkeypatch.delenv("TORCH_KDA_CHECK", raising=False)
+    _, g = cuda_inputs(seqlens=[4, 4], H=2, state_dtype=torch.float32)
+    sane = torch.tensor(bad).clamp(0, 8).cummax(0).values
+    results = []
+    for cu in (torch.tensor(bad, device=DEV), sane.to(DEV)):
+        out = torch.full((1, 8, 2, D), float("nan"), dtype=torch.bfloat16, device=DEV)
+        final = torch.full((2, 2, D, D), float("nan"), dtype=torch.float32, device=DEV)
+        torch_kda.fwd(*positional(g)[:5], None, out, g["A_log"], g["dt_bias"], -5.0,
+                      initial_state=g["initial_state"], final_state=final, cu_seqlens=cu)
+        results.append((out.float().nan_to_num(7.0), final.nan_to_num(7.0)))
+    assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])

@@ -85,7 +85,7 @@ __global__ void __launch_bounds__(kThreads) prepare_kernel(const FwdParams p) {
 
   unsigned char* ws = reinterpret_cast<unsigned char*>(p.workspace) + (slot * H + h) * kWsChunkBytes;
   float* ws_u0 = reinterpret_cast<float*>(ws + kWsU0);
-  const float g_last = gsum[C - 1];
+  const float e_last = expf(gsum[C - 1]);
 #pragma unroll
   for (int i = 0; i < C; ++i) {
     float nq = 0.f, nk = 0.f;
@@ -96,15 +96,17 @@ __global__ void __launch_bounds__(kThreads) prepare_kernel(const FwdParams p) {
     }
     const float qn = q[i] * rsqrtf(nq + static_cast<float>(kNormEps));
     const float kn = k[i] * rsqrtf(nk + static_cast<float>(kNormEps));
-    // |G| <= 16 * 5 = 80 here, so exp(-G) <= e^80 stays finite in fp32.
+    // |G| <= 16 * 5 = 80 here: exp(G) >= e^-80 is a normal float and its
+    // reciprocal exp(-G) <= e^80 stays finite.
     const float e = expf(gsum[i]);
+    const float e_inv = __frcp_rn(e);
     sQe[i][d] = qn * e;
     sKe[i][d] = kn * e;
-    sKi[i][d] = kn * expf(-gsum[i]);
+    sKi[i][d] = kn * e_inv;
     store_split(ws + kWsQs, kPlaneBytes, plane_index(i, d), p.scale * qn * e);
-    store_split(ws + kWsKd, kPlaneBytes, plane_index(i, d), kn * expf(g_last - gsum[i]));
+    store_split(ws + kWsKd, kPlaneBytes, plane_index(i, d), kn * (e_last * e_inv));
   }
-  reinterpret_cast<float*>(ws + kWsGl)[d] = expf(g_last);
+  reinterpret_cast<float*>(ws + kWsGl)[d] = e_last;
   __syncthreads();
 
   // The 16x16 matrices: thread d computes rows i0 = d / 16 and i0 + 8 of

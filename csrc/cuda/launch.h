@@ -4,9 +4,16 @@
 
 #include <cuda_runtime_api.h>
 
+#include <cstdint>
+
 #include "cuda/params.h"
 
 namespace kda::cuda {
+
+// Varlen only, before K1: seq[0..N] and chunks[0..N] (params.h) from
+// cu_seqlens (int32 or int64, N + 1 entries, on the device).
+void launch_boundaries(const void* cu_seqlens, bool cu_int32, int64_t N, int64_t tokens, int64_t* seq,
+                       int64_t* chunks, cudaStream_t stream);
 
 // K1: token-parallel, one block per (chunk, head): gate, L2 norms, decays,
 // the chunk's matrices and the inverse; fills the workspace.

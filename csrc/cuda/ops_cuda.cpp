@@ -65,31 +65,30 @@ Problem check_all(const char* op, const Tensor& q, const Tensor& k, const Tensor
   return p;
 }
 
-// Sequence and chunk boundaries of a varlen batch on the device, built with
-// ATen ops so that nothing waits for the GPU. cu_seqlens is clamped into
-// [0, tokens] and made non-decreasing first: a malformed one gives wrong
-// numbers, never an access out of bounds. A fixed-length batch needs no
-// tensors (params.h). num_slots: the workspace's capacity in chunks.
+// Sequence and chunk offsets of a varlen batch, built on the device by one
+// kernel (boundaries.cu: cu_seqlens clamped into [0, tokens] and made
+// non-decreasing, so a malformed one gives wrong numbers, never an access out
+// of bounds). A fixed-length batch needs none (params.h). num_slots: the
+// workspace's capacity in chunks.
 struct Boundaries {
-  Tensor seq, chunks;
+  Tensor offsets;  // [2, N + 1] int64: seq, then chunks; undefined for fixed length
   int64_t num_slots = 0;
 };
 
-Boundaries sequence_boundaries(const Problem& p, const Tensor& q, const optional<Tensor>& cu_seqlens) {
+Boundaries sequence_boundaries(const Problem& p, const Tensor& q, const optional<Tensor>& cu_seqlens,
+                               cudaStream_t stream) {
   const int64_t B = concrete(p.B), T = concrete(p.T), N = concrete(p.N), tokens = B * T;
   Boundaries b;
   if (!cu_seqlens.has_value()) {
     b.num_slots = B * ((T + kChunk - 1) / kChunk);
     return b;
   }
-  auto long_opts = q.options().dtype(at::kLong);
-  Tensor seq = cu_seqlens->to(at::kLong).clamp(0, tokens);
-  b.seq = std::get<0>(at::cummax(seq, 0)).contiguous();
   // Each sequence adds at most one partial chunk, and every chunk holds a token.
   b.num_slots = std::min(tokens, (tokens + kChunk - 1) / kChunk + N);
-  Tensor lengths = b.seq.slice(0, 1) - b.seq.slice(0, 0, N);
-  Tensor chunks = at::div(lengths + (kChunk - 1), kChunk, "floor");
-  b.chunks = at::cat({at::zeros({1}, long_opts), chunks.cumsum(0)}).contiguous();
+  Tensor cu = cu_seqlens->contiguous();
+  b.offsets = at::empty({2, N + 1}, q.options().dtype(at::kLong));
+  int64_t* seq = b.offsets.data_ptr<int64_t>();
+  launch_boundaries(cu.data_ptr(), cu.scalar_type() == at::kInt, N, tokens, seq, seq + (N + 1), stream);
   return b;
 }
 
@@ -131,7 +130,8 @@ void forward_into(const Problem& p, const Tensor& q, const Tensor& k, const Tens
       init = init.clone();
     }
   }
-  Boundaries bounds = sequence_boundaries(p, q, cu_seqlens);
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(q.device().index()).stream();
+  Boundaries bounds = sequence_boundaries(p, q, cu_seqlens, stream);
   Tensor workspace = at::empty({bounds.num_slots, concrete(p.H), kWsChunkFloats}, q.options().dtype(at::kFloat));
 
   FwdParams params;
@@ -145,8 +145,8 @@ void forward_into(const Problem& p, const Tensor& q, const Tensor& k, const Tens
   params.beta = bc.data_ptr();
   params.A_log = ac.data_ptr<float>();
   params.dt_bias = dc.data_ptr<float>();
-  params.seq_offsets = bounds.seq.defined() ? bounds.seq.data_ptr<int64_t>() : nullptr;
-  params.chunk_offsets = bounds.chunks.defined() ? bounds.chunks.data_ptr<int64_t>() : nullptr;
+  params.seq_offsets = bounds.offsets.defined() ? bounds.offsets.data_ptr<int64_t>() : nullptr;
+  params.chunk_offsets = params.seq_offsets != nullptr ? params.seq_offsets + (params.N + 1) : nullptr;
   params.T = concrete(p.T);
   params.num_slots = bounds.num_slots;
   params.workspace = workspace.data_ptr<float>();
@@ -157,7 +157,7 @@ void forward_into(const Problem& p, const Tensor& q, const Tensor& k, const Tens
   params.scale = static_cast<float>(resolved_scale(p));
   params.lower_bound = static_cast<float>(p.lower_bound);
 
-  launch_forward(params, c10::cuda::getCurrentCUDAStream(q.device().index()).stream());
+  launch_forward(params, stream);
 
   if (!out_c.is_same(out)) {
     out.copy_(out_c);

@@ -1,0 +1,77 @@
+// Sequence and chunk offsets of a varlen batch from cu_seqlens, on the device
+// and in one launch (the host never reads cu_seqlens; a handful of ATen ops
+// would cost more host time than the kernels of a small batch). One block
+// walks [0, N] in tiles with two block-wide scans per tile:
+//   seq[i]    = max over j <= i of clamp(cu_seqlens[j], 0, tokens)
+//   chunks[0] = 0, chunks[i] = chunks[i-1] + ceil((seq[i] - seq[i-1]) / 16)
+// so that a malformed cu_seqlens gives wrong numbers but never an access out
+// of bounds (params.h).
+#include <c10/cuda/CUDAException.h>
+
+#include "cuda/launch.h"
+
+namespace kda::cuda {
+namespace {
+
+constexpr int kThreads = 1024;
+
+// Inclusive scan over the block with `op`; every thread calls it.
+template <typename Op>
+__device__ int64_t block_scan(int64_t x, int64_t* buf, Op op) {
+  const int tid = threadIdx.x;
+  buf[tid] = x;
+  __syncthreads();
+  for (int offset = 1; offset < kThreads; offset <<= 1) {
+    const int64_t y = tid >= offset ? op(x, buf[tid - offset]) : x;
+    __syncthreads();
+    buf[tid] = x = y;
+    __syncthreads();
+  }
+  return x;
+}
+
+__global__ void __launch_bounds__(kThreads)
+    boundaries_kernel(const void* cu, bool cu_int32, int64_t N, int64_t tokens, int64_t* seq, int64_t* chunks) {
+  __shared__ int64_t buf[kThreads];
+  const int tid = threadIdx.x;
+  int64_t carry_seq = 0, carry_chunks = 0;  // the previous tile's last values (uniform)
+  const auto max_op = [](int64_t a, int64_t b) { return a > b ? a : b; };
+  const auto sum_op = [](int64_t a, int64_t b) { return a + b; };
+  for (int64_t base = 0; base <= N; base += kThreads) {
+    const int64_t i = base + tid;
+    int64_t x = 0;  // the identity of the max-scan: values are clamped to >= 0
+    if (i <= N) {
+      x = cu_int32 ? static_cast<int64_t>(static_cast<const int32_t*>(cu)[i]) : static_cast<const int64_t*>(cu)[i];
+      x = x < 0 ? 0 : (x > tokens ? tokens : x);
+    }
+    int64_t s = block_scan(x, buf, max_op);
+    if (base > 0) {
+      s = max_op(s, carry_seq);
+    }
+    buf[tid] = s;
+    __syncthreads();
+    const int64_t prev = tid > 0 ? buf[tid - 1] : carry_seq;
+    const int64_t last_seq = buf[kThreads - 1];
+    __syncthreads();
+    const int64_t count = (i >= 1 && i <= N) ? (s - prev + kChunk - 1) / kChunk : 0;
+    const int64_t csum = block_scan(count, buf, sum_op) + carry_chunks;
+    const int64_t last_chunks = buf[kThreads - 1] + carry_chunks;
+    __syncthreads();
+    if (i <= N) {
+      seq[i] = s;
+      chunks[i] = csum;
+    }
+    carry_seq = last_seq;
+    carry_chunks = last_chunks;
+  }
+}
+
+}  // namespace
+
+void launch_boundaries(const void* cu_seqlens, bool cu_int32, int64_t N, int64_t tokens, int64_t* seq,
+                       int64_t* chunks, cudaStream_t stream) {
+  boundaries_kernel<<<1, kThreads, 0, stream>>>(cu_seqlens, cu_int32, N, tokens, seq, chunks);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+}  // namespace kda::cuda
