@@ -309,6 +309,16 @@ void check_inplace_buffers(
   }
 }
 
+void check_outputs_disjoint(const char* op, const at::Tensor& out, const std::optional<at::Tensor>& final_state) {
+  if (!final_state.has_value()) {
+    return;
+  }
+  const at::MemOverlapStatus status = at::get_overlap_status(out, *final_state);
+  TORCH_CHECK(
+      status != at::MemOverlapStatus::Full && status != at::MemOverlapStatus::Partial,
+      op, ": out and final_state must not share memory (each element is written once, by one of them)");
+}
+
 void check_backward_grads(
     const char* op,
     const Problem& p,

@@ -50,6 +50,10 @@ void check_inplace_buffers(
     const std::optional<at::Tensor>& final_state,
     const std::optional<at::Tensor>& initial_state);
 
+// out and final_state of the in-place op must not overlap (a real-kernel
+// check: it reads storage, which shape-only Meta tensors do not have).
+void check_outputs_disjoint(const char* op, const at::Tensor& out, const std::optional<at::Tensor>& final_state);
+
 // The incoming gradients of the backward.
 void check_backward_grads(
     const char* op,

@@ -358,6 +358,13 @@ class TestShape(ErrorTestCase):
         msg = str(cm.exception)
         self.assertTrue(names_argument(msg, "final_state"), f"'final_state' not named in: {msg}")
 
+    def test_out_overlaps_final_state(self):
+        # One element shared: each output element must be written once, by one of them.
+        n_out = B * T * H * V
+        buf = torch.full((n_out + B * H * V * K - 1,), float("nan"))
+        out, final_state = buf[:n_out].view(B, T, H, V), buf[n_out - 1 :].view(B, H, V, K)
+        self.assertRejects(self.fwd_(out=out, final_state=final_state), "final_state", """kda.fwd_: out and final_state must not share memory (each element is written once, by one of them)""")
+
     def test_final_state_sequences(self):
         self.assertRejects(self.fwd_(final_state=randn(B - 1, H, V, K)), "final_state", """kda.fwd_: final_state must have shape [N, H, V, K] with N = 2 at dim 0, got shape [1, 3, 6, 4]""")
 

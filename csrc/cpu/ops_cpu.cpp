@@ -95,6 +95,7 @@ void fwd_inplace(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor
   const char* op = "kda.fwd_";
   Problem p = check_forward_args(op, q, k, v, g, beta, A_log, dt_bias, scale, lower_bound, initial_state, cu_seqlens);
   check_inplace_buffers(op, p, q, out, final_state, initial_state);
+  check_outputs_disjoint(op, out, final_state);
   forward_into(op, p, q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, out, final_state);
 }
 

@@ -13,6 +13,7 @@
 #include <algorithm>
 #include <cfloat>
 #include <cmath>
+#include <string>
 
 namespace kda::cuda {
 namespace {
@@ -75,16 +76,29 @@ struct Boundaries {
   int64_t num_slots = 0;
 };
 
+// The launches' grids (K1: a block per chunk slot and head; K2: at most
+// eight per sequence and head) must fit one launch; checked before anything is
+// enqueued, so a rejected call leaves no kernel behind.
+void check_grid_sizes(const Problem& p, int64_t num_slots) {
+  const int64_t N = concrete(p.N), H = concrete(p.H);
+  TORCH_CHECK(num_slots <= INT32_MAX / std::max<int64_t>(H, 1), "kda.fwd: ", std::to_string(num_slots),
+              " chunks x ", std::to_string(H), " heads is more blocks than one launch takes");
+  TORCH_CHECK(N <= INT32_MAX / std::max<int64_t>(8 * H, 1), "kda.fwd: ", std::to_string(N), " sequences x ",
+              std::to_string(H), " heads is more blocks than one launch takes");
+}
+
 Boundaries sequence_boundaries(const Problem& p, const Tensor& q, const optional<Tensor>& cu_seqlens,
                                cudaStream_t stream) {
   const int64_t B = concrete(p.B), T = concrete(p.T), N = concrete(p.N), tokens = B * T;
   Boundaries b;
   if (!cu_seqlens.has_value()) {
     b.num_slots = B * ((T + kChunk - 1) / kChunk);
+    check_grid_sizes(p, b.num_slots);
     return b;
   }
   // Each sequence adds at most one partial chunk, and every chunk holds a token.
   b.num_slots = std::min(tokens, (tokens + kChunk - 1) / kChunk + N);
+  check_grid_sizes(p, b.num_slots);
   Tensor cu = cu_seqlens->contiguous();
   b.offsets = at::empty({2, N + 1}, q.options().dtype(at::kLong));
   int64_t* seq = b.offsets.data_ptr<int64_t>();
@@ -185,6 +199,7 @@ void fwd_inplace(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor
                  const optional<Tensor>& cu_seqlens) {
   Problem p = check_all("kda.fwd_", q, k, v, g, beta, A_log, dt_bias, scale, lower_bound, initial_state, cu_seqlens);
   check_inplace_buffers("kda.fwd_", p, q, out, final_state, initial_state);
+  check_outputs_disjoint("kda.fwd_", out, final_state);
   c10::cuda::CUDAGuard guard(q.device());
   forward_into(p, q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, out, final_state);
 }
