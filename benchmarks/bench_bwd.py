@@ -1,0 +1,141 @@
+"""Forward + backward time and peak memory of torch_kda against fla's chunk_kda,
+in the same run, on one GPU (cases 1, 4, 6, 9 and 10 of bench_fwd.py by default).
+
+One training step of the op: the forward with an fp32 initial state and the final
+state returned, then the backward of (out, final_state) against fixed random
+gradients, for every input that has a gradient (q, k, v, g, beta, A_log, dt_bias,
+initial_state). Times: CUDA events after warm-up, median of repeats. Peak memory:
+the most the caching allocator held during one step, above what it held before
+(inputs and incoming gradients are the same for both libraries and not counted).
+
+    FLA_FLASH_KDA=0 python benchmarks/bench_bwd.py [--cases 1,4,6,9,10] [--repeats 10]
+
+fla's first backward per shape autotunes for minutes; scripts/triton_cache.sh keeps
+its results between device calls.
+"""
+import argparse
+import math
+import os
+import sys
+
+os.environ.setdefault("FLA_FLASH_KDA", "0")
+
+import torch  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_fwd import CASES, LOWER_BOUND, make_case, time_ms  # noqa: E402
+
+import torch_kda  # noqa: E402
+
+
+def leaves(c, flat_dt_bias):
+    """Fresh leaf copies of the case's inputs that require gradients."""
+    names = ("q", "k", "v", "g", "beta", "A_log")
+    out = {n: c[n].detach().clone().requires_grad_() for n in names}
+    dt = c["dt_bias"].flatten() if flat_dt_bias else c["dt_bias"]
+    out["dt_bias"] = dt.detach().clone().requires_grad_()
+    out["h0"] = c["h0"].float().requires_grad_()
+    return out
+
+
+def step_torch_kda(c, grads):
+    x = leaves(c, flat_dt_bias=False)
+
+    def fn():
+        out, final = torch_kda.kda(
+            x["q"], x["k"], x["v"], x["g"], x["beta"], x["A_log"], x["dt_bias"],
+            lower_bound=LOWER_BOUND, initial_state=x["h0"], output_final_state=True, cu_seqlens=c["cu"],
+        )
+        torch.autograd.backward([out, final], grads)
+
+    return fn, x
+
+
+def step_fla(c, grads):
+    from fla.ops.kda import chunk_kda
+
+    # fla returns dt_bias's gradient flat ([H * K]), so its leaf is flat too.
+    x = leaves(c, flat_dt_bias=True)
+
+    def fn():
+        out, final = chunk_kda(
+            x["q"], x["k"], x["v"], x["g"], x["beta"], initial_state=x["h0"], output_final_state=True,
+            use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True,
+            safe_gate=True, lower_bound=LOWER_BOUND, state_v_first=True, A_log=x["A_log"], dt_bias=x["dt_bias"],
+            cu_seqlens=c["cu"],
+        )
+        torch.autograd.backward([out, final], grads)
+
+    return fn, x
+
+
+def peak_bytes(fn, x):
+    """Most the allocator held during one step, above what it held before it."""
+    for t in x.values():
+        t.grad = None
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    fn()
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated() - base
+
+
+def measure(make_step, c, grads, repeats):
+    fn, x = make_step(c, grads)
+
+    def timed():
+        for t in x.values():
+            t.grad = None
+        fn()
+
+    ms = time_ms(timed, repeats)
+    return ms, peak_bytes(fn, x)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--cases", default="1,4,6,9,10")
+    ap.add_argument("--repeats", type=int, default=10)
+    ap.add_argument("--no-fla", action="store_true")
+    args = ap.parse_args()
+
+    torch.manual_seed(0)
+    print(f"GPU: {torch.cuda.get_device_name()}  torch {torch.__version__}")
+    have_fla = not args.no_fla
+    if have_fla:
+        try:
+            import fla  # noqa: F401
+        except ImportError as exc:
+            print(f"fla not importable ({exc}): torch_kda only")
+            have_fla = False
+
+    print(f"{'#':>3} {'case':<18} {'H':>3} {'torch_kda ms':>12} {'fla ms':>8} {'speedup':>8} "
+          f"{'torch_kda GiB':>13} {'fla GiB':>8}")
+    speedups = []
+    for idx in [int(x) for x in args.cases.split(",")]:
+        name, lengths, H = CASES[idx]
+        c = make_case(lengths, H)
+        grads = [torch.randn_like(c["v"]), torch.randn(c["h0"].shape, device="cuda")]
+        try:
+            ours, ours_mem = measure(step_torch_kda, c, grads, args.repeats)
+        except NotImplementedError as exc:
+            print(f"    torch_kda backward unavailable here: {str(exc).splitlines()[0]}")
+            ours, ours_mem = float("nan"), float("nan")
+        theirs, theirs_mem = measure(step_fla, c, grads, args.repeats) if have_fla else (float("nan"), float("nan"))
+        speedup = theirs / ours
+        if have_fla and math.isfinite(speedup):
+            speedups.append(speedup)
+        gib = 1 << 30
+        print(f"{idx:>3} {name:<18} {H:>3} {ours:>12.3f} {theirs:>8.3f} {speedup:>8.2f} "
+              f"{ours_mem / gib:>13.2f} {theirs_mem / gib:>8.2f}")
+        del c, grads
+        torch.cuda.empty_cache()
+    if speedups:
+        gmean = math.exp(sum(math.log(s) for s in speedups) / len(speedups))
+        print(f"fwd+bwd speedup over chunk_kda ({len(speedups)} cases): min {min(speedups):.2f}, "
+              f"geometric mean {gmean:.2f}")
+
+
+if __name__ == "__main__":
+    main()
