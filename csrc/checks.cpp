@@ -309,6 +309,18 @@ void check_inplace_buffers(
   }
 }
 
+std::vector<int64_t> sequence_offsets(const char* op, const Problem& p, const std::optional<at::Tensor>& cu_seqlens) {
+  const int64_t B = concrete(p.B), T = concrete(p.T);
+  if (cu_seqlens.has_value()) {
+    return read_and_check_cu_seqlens(op, *cu_seqlens, T);
+  }
+  std::vector<int64_t> offsets(B + 1);
+  for (int64_t b = 0; b <= B; ++b) {
+    offsets[b] = b * T;
+  }
+  return offsets;
+}
+
 void check_outputs_disjoint(const char* op, const at::Tensor& out, const std::optional<at::Tensor>& final_state) {
   if (!final_state.has_value()) {
     return;

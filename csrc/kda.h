@@ -66,6 +66,10 @@ void check_backward_grads(
 // at 0, non-decreasing, ends at total_tokens. Returns the boundaries.
 std::vector<int64_t> read_and_check_cu_seqlens(const char* op, const at::Tensor& cu_seqlens, int64_t total_tokens);
 
+// The N + 1 token offsets of the sequences on the host: from cu_seqlens (read
+// and checked, a device sync on CUDA) or, for a fixed-length batch, b * T.
+std::vector<int64_t> sequence_offsets(const char* op, const Problem& p, const std::optional<at::Tensor>& cu_seqlens);
+
 // Numbers in error messages are formatted with these, never by inserting them
 // into a std::ostream: on the H200 machine (torch 2.11, GCC 13) streaming a
 // double from inside this extension crashed in libstdc++'s locale code.

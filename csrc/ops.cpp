@@ -35,4 +35,11 @@ TORCH_LIBRARY(kda, m) {
       "Tensor A_log, Tensor dt_bias, float? scale=None, float? lower_bound=None, Tensor? initial_state=None, "
       "Tensor? cu_seqlens=None) -> (Tensor dq, Tensor dk, Tensor dv, Tensor dg, Tensor dbeta, Tensor dA_log, "
       "Tensor ddt_bias, Tensor dinitial_state)");
+  // Not API: kda::bwd computed by the chunked ATen composition
+  // (chunked_backward.h) on any device, so that the CPU tests can check it.
+  m.def(
+      "_bwd_chunked(Tensor grad_out, Tensor? grad_final_state, Tensor q, Tensor k, Tensor v, Tensor g, "
+      "Tensor beta, Tensor A_log, Tensor dt_bias, float? scale=None, float? lower_bound=None, "
+      "Tensor? initial_state=None, Tensor? cu_seqlens=None) -> (Tensor dq, Tensor dk, Tensor dv, Tensor dg, "
+      "Tensor dbeta, Tensor dA_log, Tensor ddt_bias, Tensor dinitial_state)");
 }

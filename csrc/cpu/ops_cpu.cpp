@@ -2,7 +2,7 @@
 // for float64 inputs (so gradcheck works) and in float32 otherwise.
 #include <torch/library.h>
 
-#include "cpu/activations.h"
+#include "activations.h"
 #include "cpu/recurrence.h"
 #include "kda.h"
 
@@ -11,22 +11,6 @@ namespace {
 
 using at::Tensor;
 using std::optional;
-
-at::ScalarType accumulation_dtype(const Problem& p) {
-  return p.input_dtype == at::kDouble ? at::kDouble : at::kFloat;
-}
-
-std::vector<int64_t> sequence_offsets(const char* op, const Problem& p, const optional<Tensor>& cu_seqlens) {
-  const int64_t B = concrete(p.B), T = concrete(p.T);
-  if (cu_seqlens.has_value()) {
-    return read_and_check_cu_seqlens(op, *cu_seqlens, T);
-  }
-  std::vector<int64_t> offsets(B + 1);
-  for (int64_t b = 0; b <= B; ++b) {
-    offsets[b] = b * T;
-  }
-  return offsets;
-}
 
 template <typename T>
 RecurrenceArgs<T> recurrence_args(const Problem& p, const Activations& a, std::vector<int64_t> offsets,

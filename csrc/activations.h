@@ -1,11 +1,17 @@
-// The token-parallel parts of KDA on the CPU, written with ATen ops in the
-// accumulation dtype: L2 normalisation, the gate, the beta sigmoid, and the
-// chain rule back through them. The recurrence itself is in recurrence.h.
+// The token-parallel parts of KDA, written with ATen ops in the accumulation
+// dtype (so any device runs them): L2 normalisation, the gate, the beta
+// sigmoid, and the chain rule back through them. The CPU kernels and the
+// chunked backward (chunked_backward.h) share them.
 #pragma once
 
 #include "kda.h"
 
-namespace kda::cpu {
+namespace kda {
+
+// fp64 inputs are computed in fp64, everything else in fp32.
+inline at::ScalarType accumulation_dtype(const Problem& p) {
+  return p.input_dtype == at::kDouble ? at::kDouble : at::kFloat;
+}
 
 // Everything the recurrence reads, in the accumulation dtype, contiguous.
 struct Activations {
@@ -29,10 +35,11 @@ Activations compute_activations(
     const at::Tensor& A_log,
     const at::Tensor& dt_bias);
 
-// Gradients with respect to the activations, as the recurrence's backward
-// produces them (accumulation dtype).
+// Gradients with respect to the activations, as a recurrence backward
+// produces them (accumulation dtype): the decay's as dalpha (w.r.t. exp(lam))
+// or, when defined, dlam (w.r.t. lam itself).
 struct ActivationGrads {
-  at::Tensor dqn, dkn, dv, dalpha, dbeta;
+  at::Tensor dqn, dkn, dv, dalpha, dlam, dbeta;
 };
 
 // Chain rule from activation gradients to the op's inputs; writes into `o`.
@@ -43,4 +50,4 @@ void backprop_activations(
     const at::Tensor& A_log,
     BackwardOutputs& o);
 
-}  // namespace kda::cpu
+}  // namespace kda

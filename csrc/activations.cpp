@@ -1,6 +1,6 @@
-#include "cpu/activations.h"
+#include "activations.h"
 
-namespace kda::cpu {
+namespace kda {
 namespace {
 
 // Returns (x * r, r) with r = 1 / sqrt(sum(x^2) + eps) over the last dim.
@@ -63,7 +63,7 @@ void backprop_activations(
 
   const int64_t H = concrete(p.H);
   at::Tensor A = at::exp(A_log.to(a.lam.scalar_type())).view({1, 1, H, 1});
-  at::Tensor dlam = d.dalpha * a.alpha;
+  at::Tensor dlam = d.dlam.defined() ? d.dlam : d.dalpha * a.alpha;
   at::Tensor dx;       // gradient w.r.t. g + dt_bias
   at::Tensor dA_term;  // per element contribution to dA_log
   if (p.gate == Gate::kBounded) {
@@ -80,4 +80,4 @@ void backprop_activations(
   o.dA_log.copy_(dA_term.sum(at::IntArrayRef{0, 1, 3}));
 }
 
-}  // namespace kda::cpu
+}  // namespace kda

@@ -1,0 +1,30 @@
+// The recurrence's backward over 16-token chunks, written with ATen ops, so it
+// runs on whatever device its tensors are on: the first CUDA backward, and on
+// the CPU a check of it against the token-by-token kernel (kda::_bwd_chunked).
+// The math is torch_kda.reference.kda_chunked_backward's, batched over every
+// (sequence, head) at once and sequential over chunks.
+#pragma once
+
+#include <vector>
+
+#include "kda.h"
+
+namespace kda {
+
+// Gradients with respect to the recurrence's inputs, in their dtype and layout:
+// dqn, dkn, dlam [B, T, H, K]; dv [B, T, H, V]; dbeta [B, T, H] (of sigmoid(beta));
+// dinit [N, H, V, K], undefined without an initial state.
+struct ChunkedGrads {
+  at::Tensor dqn, dkn, dv, dlam, dbeta, dinit;
+};
+
+// qn, kn, lam [B, T, H, K], v [B, T, H, V], beta [B, T, H] (after the sigmoid),
+// init [N, H, V, K] or undefined, grad_out like v, grad_final like init or
+// undefined; all in one floating dtype on one device. offsets: the N + 1 token
+// offsets of the sequences in the flattened B * T axis, on the host.
+ChunkedGrads chunked_recurrence_backward(const std::vector<int64_t>& offsets, double scale, const at::Tensor& qn,
+                                         const at::Tensor& kn, const at::Tensor& v, const at::Tensor& lam,
+                                         const at::Tensor& beta, const at::Tensor& init, const at::Tensor& grad_out,
+                                         const at::Tensor& grad_final);
+
+}  // namespace kda
