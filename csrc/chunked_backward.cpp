@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <functional>
 
 #include "activations.h"
 
@@ -64,41 +65,58 @@ Tensor state_out(const Tensor& s, int64_t N, int64_t H, int64_t K, int64_t V) {
 
 }  // namespace
 
-ChunkedGrads chunked_recurrence_backward(const std::vector<int64_t>& offsets, double scale, const Tensor& qn,
-                                         const Tensor& kn, const Tensor& v, const Tensor& lam, const Tensor& beta,
-                                         const Tensor& init, const Tensor& grad_out, const Tensor& grad_final) {
+ChunkedGrads chunked_recurrence_backward(const std::optional<std::vector<int64_t>>& offsets, double scale,
+                                         const Tensor& qn, const Tensor& kn, const Tensor& v, const Tensor& lam,
+                                         const Tensor& beta, const Tensor& init, const Tensor& grad_out,
+                                         const Tensor& grad_final) {
   const int64_t B = qn.size(0), T = qn.size(1), H = qn.size(2), K = qn.size(3), V = v.size(3);
-  const int64_t tokens = B * T, N = static_cast<int64_t>(offsets.size()) - 1, BH = N * H;
-  int64_t longest = 0;
-  for (int64_t n = 0; n < N; ++n) {
-    longest = std::max(longest, offsets[n + 1] - offsets[n]);
+  const int64_t tokens = B * T, N = offsets.has_value() ? static_cast<int64_t>(offsets->size()) - 1 : B;
+  const int64_t BH = N * H;
+  int64_t longest = offsets.has_value() ? 0 : T;
+  for (int64_t n = 0; offsets.has_value() && n < N; ++n) {
+    longest = std::max(longest, (*offsets)[n + 1] - (*offsets)[n]);
   }
   const int64_t nc = (longest + C - 1) / C, Lp = nc * C;
 
   // Sequences padded to nc whole chunks with neutral tokens (q = k = v = 0,
   // lam = 0, beta = 0, no output gradient): they leave the state as it is and
-  // receive gradients that are dropped. Row n * Lp + i of the padded layout is
-  // token offsets[n] + i, or the zero row appended after the last token.
-  std::vector<int64_t> gather(N * Lp, tokens), scatter(tokens, 0);
-  for (int64_t n = 0; n < N; ++n) {
-    for (int64_t t = offsets[n]; t < offsets[n + 1]; ++t) {
-      gather[n * Lp + (t - offsets[n])] = t;
-      scatter[t] = n * Lp + (t - offsets[n]);
+  // receive gradients that are dropped. A fixed-length batch pads each row's
+  // tail; a varlen batch gathers row n * Lp + i from token offsets[n] + i, or
+  // from a zero row appended after the last token (index tensors built on the
+  // host from the offsets the caller read).
+  std::function<Tensor(const Tensor&)> pad, unpad;
+  if (!offsets.has_value()) {
+    pad = [=](const Tensor& x) {  // [B, T, H, F] -> [BH, nc, C, F]
+      const int64_t F = x.size(-1);
+      return at::constant_pad_nd(x, {0, 0, 0, 0, 0, Lp - T}).view({B, nc, C, H, F}).permute({0, 3, 1, 2, 4}).reshape(
+          {BH, nc, C, F});
+    };
+    unpad = [=](const Tensor& x) {  // [BH, nc, C, F] -> [B, T, H, F]
+      const int64_t F = x.size(-1);
+      return x.view({B, H, Lp, F}).permute({0, 2, 1, 3}).narrow(1, 0, T).contiguous();
+    };
+  } else {
+    std::vector<int64_t> gather(N * Lp, tokens), scatter(tokens, 0);
+    for (int64_t n = 0; n < N; ++n) {
+      for (int64_t t = (*offsets)[n]; t < (*offsets)[n + 1]; ++t) {
+        gather[n * Lp + (t - (*offsets)[n])] = t;
+        scatter[t] = n * Lp + (t - (*offsets)[n]);
+      }
     }
+    const auto host_long = at::TensorOptions().dtype(at::kLong);
+    const Tensor gidx = at::tensor(gather, host_long).to(qn.device());
+    const Tensor sidx = at::tensor(scatter, host_long).to(qn.device());
+    pad = [=](const Tensor& x) {
+      const int64_t F = x.size(-1);
+      const Tensor rows = at::cat({x.reshape({tokens, H, F}), at::zeros({1, H, F}, x.options())});
+      return rows.index_select(0, gidx).view({N, nc, C, H, F}).permute({0, 3, 1, 2, 4}).reshape({BH, nc, C, F});
+    };
+    unpad = [=](const Tensor& x) {
+      const int64_t F = x.size(-1);
+      const Tensor rows = x.view({N, H, nc, C, F}).permute({0, 2, 3, 1, 4}).reshape({N * Lp, H, F});
+      return rows.index_select(0, sidx).view({B, T, H, F});
+    };
   }
-  const auto long_opts = qn.options().dtype(at::kLong);
-  const Tensor gidx = at::tensor(gather, at::TensorOptions().dtype(at::kLong)).to(long_opts.device());
-  const Tensor sidx = at::tensor(scatter, at::TensorOptions().dtype(at::kLong)).to(long_opts.device());
-  auto pad = [&](const Tensor& x) {  // [B, T, H, F] -> [BH, nc, C, F]
-    const int64_t F = x.size(-1);
-    const Tensor rows = at::cat({x.reshape({tokens, H, F}), at::zeros({1, H, F}, x.options())});
-    return rows.index_select(0, gidx).view({N, nc, C, H, F}).permute({0, 3, 1, 2, 4}).reshape({BH, nc, C, F});
-  };
-  auto unpad = [&](const Tensor& x) {  // [BH, nc, C, F] -> [B, T, H, F]
-    const int64_t F = x.size(-1);
-    const Tensor rows = x.view({N, H, nc, C, F}).permute({0, 2, 3, 1, 4}).reshape({N * Lp, H, F});
-    return rows.index_select(0, sidx).view({B, T, H, F});
-  };
 
   const Tensor Qp = pad(qn), Kp = pad(kn), Vp = pad(v), Lam = pad(lam), dOp = pad(grad_out);
   const Tensor Bp = pad(beta.unsqueeze(-1)).squeeze(-1);  // [BH, nc, C]
@@ -182,7 +200,11 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> bwd_c
   Problem p = check_forward_args(op, q, k, v, g, beta, A_log, dt_bias, scale, lower_bound, initial_state, cu_seqlens);
   check_backward_grads(op, p, q, grad_out, grad_final_state);
   BackwardOutputs o = allocate_backward_outputs(p, q, k, v, g, beta, A_log, dt_bias, initial_state);
-  const std::vector<int64_t> offsets = sequence_offsets(op, p, cu_seqlens);
+  // Only a varlen batch needs its offsets on the host (a device sync on CUDA).
+  std::optional<std::vector<int64_t>> offsets;
+  if (cu_seqlens.has_value()) {
+    offsets = sequence_offsets(op, p, cu_seqlens);
+  }
   const at::ScalarType acc = accumulation_dtype(p);
   Activations a = compute_activations(p, acc, q, k, v, g, beta, A_log, dt_bias);
   auto to_acc = [&](const optional<Tensor>& t) { return t.has_value() ? t->to(acc).contiguous() : Tensor(); };

@@ -5,6 +5,7 @@
 // (sequence, head) at once and sequential over chunks.
 #pragma once
 
+#include <optional>
 #include <vector>
 
 #include "kda.h"
@@ -20,11 +21,13 @@ struct ChunkedGrads {
 
 // qn, kn, lam [B, T, H, K], v [B, T, H, V], beta [B, T, H] (after the sigmoid),
 // init [N, H, V, K] or undefined, grad_out like v, grad_final like init or
-// undefined; all in one floating dtype on one device. offsets: the N + 1 token
-// offsets of the sequences in the flattened B * T axis, on the host.
-ChunkedGrads chunked_recurrence_backward(const std::vector<int64_t>& offsets, double scale, const at::Tensor& qn,
-                                         const at::Tensor& kn, const at::Tensor& v, const at::Tensor& lam,
-                                         const at::Tensor& beta, const at::Tensor& init, const at::Tensor& grad_out,
-                                         const at::Tensor& grad_final);
+// undefined; all in one floating dtype on one device. offsets: for a varlen
+// batch, the N + 1 token offsets of the sequences in the flattened B * T axis,
+// on the host; absent for a fixed-length batch (N = B sequences of T tokens,
+// and then nothing is read on the host).
+ChunkedGrads chunked_recurrence_backward(const std::optional<std::vector<int64_t>>& offsets, double scale,
+                                         const at::Tensor& qn, const at::Tensor& kn, const at::Tensor& v,
+                                         const at::Tensor& lam, const at::Tensor& beta, const at::Tensor& init,
+                                         const at::Tensor& grad_out, const at::Tensor& grad_final);
 
 }  // namespace kda
