@@ -187,18 +187,11 @@ ChunkedGrads chunked_recurrence_backward(const std::optional<std::vector<int64_t
   return out;
 }
 
-namespace {
-
-// kda::_bwd_chunked: kda::bwd computed by chunked_recurrence_backward on any
-// device, in the accumulation dtype (fp64 for fp64 inputs, else fp32).
-std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> bwd_chunked(
-    const Tensor& grad_out, const optional<Tensor>& grad_final_state, const Tensor& q, const Tensor& k,
-    const Tensor& v, const Tensor& g, const Tensor& beta, const Tensor& A_log, const Tensor& dt_bias,
-    optional<double> scale, optional<double> lower_bound, const optional<Tensor>& initial_state,
-    const optional<Tensor>& cu_seqlens) {
-  const char* op = "kda._bwd_chunked";
-  Problem p = check_forward_args(op, q, k, v, g, beta, A_log, dt_bias, scale, lower_bound, initial_state, cu_seqlens);
-  check_backward_grads(op, p, q, grad_out, grad_final_state);
+BackwardTuple backward_by_chunks(const char* op, const Problem& p, const Tensor& grad_out,
+                                 const optional<Tensor>& grad_final_state, const Tensor& q, const Tensor& k,
+                                 const Tensor& v, const Tensor& g, const Tensor& beta, const Tensor& A_log,
+                                 const Tensor& dt_bias, const optional<Tensor>& initial_state,
+                                 const optional<Tensor>& cu_seqlens) {
   BackwardOutputs o = allocate_backward_outputs(p, q, k, v, g, beta, A_log, dt_bias, initial_state);
   // Only a varlen batch needs its offsets on the host (a device sync on CUDA).
   std::optional<std::vector<int64_t>> offsets;
@@ -222,6 +215,20 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> bwd_c
     o.dinitial_state.copy_(r.dinit);
   }
   return {o.dq, o.dk, o.dv, o.dg, o.dbeta, o.dA_log, o.ddt_bias, o.dinitial_state};
+}
+
+namespace {
+
+// kda::_bwd_chunked: kda::bwd by the chunked composition on any device.
+BackwardTuple bwd_chunked(const Tensor& grad_out, const optional<Tensor>& grad_final_state, const Tensor& q,
+                          const Tensor& k, const Tensor& v, const Tensor& g, const Tensor& beta, const Tensor& A_log,
+                          const Tensor& dt_bias, optional<double> scale, optional<double> lower_bound,
+                          const optional<Tensor>& initial_state, const optional<Tensor>& cu_seqlens) {
+  const char* op = "kda._bwd_chunked";
+  Problem p = check_forward_args(op, q, k, v, g, beta, A_log, dt_bias, scale, lower_bound, initial_state, cu_seqlens);
+  check_backward_grads(op, p, q, grad_out, grad_final_state);
+  return backward_by_chunks(op, p, grad_out, grad_final_state, q, k, v, g, beta, A_log, dt_bias, initial_state,
+                            cu_seqlens);
 }
 
 }  // namespace

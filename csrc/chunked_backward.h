@@ -6,6 +6,7 @@
 #pragma once
 
 #include <optional>
+#include <tuple>
 #include <vector>
 
 #include "kda.h"
@@ -29,5 +30,18 @@ ChunkedGrads chunked_recurrence_backward(const std::optional<std::vector<int64_t
                                          const at::Tensor& qn, const at::Tensor& kn, const at::Tensor& v,
                                          const at::Tensor& lam, const at::Tensor& beta, const at::Tensor& init,
                                          const at::Tensor& grad_out, const at::Tensor& grad_final);
+
+using BackwardTuple = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor,
+                                 at::Tensor, at::Tensor>;
+
+// kda::bwd's outputs by chunked_recurrence_backward, after the caller's checks:
+// activations in the accumulation dtype (fp64 for fp64 inputs, else fp32),
+// the chunked recurrence backward, the chain rule back to the inputs.
+BackwardTuple backward_by_chunks(const char* op, const Problem& p, const at::Tensor& grad_out,
+                                 const std::optional<at::Tensor>& grad_final_state, const at::Tensor& q,
+                                 const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,
+                                 const at::Tensor& beta, const at::Tensor& A_log, const at::Tensor& dt_bias,
+                                 const std::optional<at::Tensor>& initial_state,
+                                 const std::optional<at::Tensor>& cu_seqlens);
 
 }  // namespace kda
