@@ -55,14 +55,6 @@ Tensor solve_upper_transposed(const Tensor& IA, const Tensor& rhs) {
                                      /*unitriangular=*/true);
 }
 
-// [BH, K, V] from a [N, H, V, K] state, and back.
-Tensor state_in(const Tensor& s, int64_t BH, int64_t K, int64_t V) {
-  return s.reshape({BH, V, K}).transpose(1, 2).contiguous();
-}
-Tensor state_out(const Tensor& s, int64_t N, int64_t H, int64_t K, int64_t V) {
-  return s.transpose(1, 2).reshape({N, H, V, K});
-}
-
 }  // namespace
 
 ChunkedGrads chunked_recurrence_backward(const std::optional<std::vector<int64_t>>& offsets, double scale,
@@ -71,118 +63,161 @@ ChunkedGrads chunked_recurrence_backward(const std::optional<std::vector<int64_t
                                          const Tensor& grad_final) {
   const int64_t B = qn.size(0), T = qn.size(1), H = qn.size(2), K = qn.size(3), V = v.size(3);
   const int64_t tokens = B * T, N = offsets.has_value() ? static_cast<int64_t>(offsets->size()) - 1 : B;
-  const int64_t BH = N * H;
-  int64_t longest = offsets.has_value() ? 0 : T;
-  for (int64_t n = 0; offsets.has_value() && n < N; ++n) {
-    longest = std::max(longest, (*offsets)[n + 1] - (*offsets)[n]);
-  }
-  const int64_t nc = (longest + C - 1) / C, Lp = nc * C;
+  const auto opts = qn.options();
 
-  // Sequences padded to nc whole chunks with neutral tokens (q = k = v = 0,
-  // lam = 0, beta = 0, no output gradient): they leave the state as it is and
-  // receive gradients that are dropped. A fixed-length batch pads each row's
-  // tail; a varlen batch gathers row n * Lp + i from token offsets[n] + i, or
-  // from a zero row appended after the last token (index tensors built on the
-  // host from the offsets the caller read).
-  std::function<Tensor(const Tensor&)> pad, unpad;
+  // Chunk-major layout. Sequences are ranked by their number of chunks, most
+  // first, so that the sequences that still have a chunk c are ranks
+  // [0, count[c]): step c works on a prefix of the (rank, head) rows, and the
+  // work and memory follow the real chunks, not N times the longest sequence.
+  // Slot slot_begin[c] + r holds chunk c of rank r, 16 tokens; a sequence's
+  // last chunk is completed with neutral tokens (q = k = v = 0, lam = 0,
+  // beta = 0, no output gradient), which leave the state as it is and whose
+  // gradients are dropped.
+  std::vector<int64_t> len(N), order(N);
+  for (int64_t n = 0; n < N; ++n) {
+    len[n] = offsets.has_value() ? (*offsets)[n + 1] - (*offsets)[n] : T;
+    order[n] = n;
+  }
+  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return len[a] > len[b]; });
+  const int64_t nc = N > 0 ? (len[order[0]] + C - 1) / C : 0;
+  std::vector<int64_t> count(nc, 0), slot_begin(nc + 1, 0);
+  for (int64_t r = 0; r < N; ++r) {
+    for (int64_t c = 0; c * C < len[order[r]]; ++c) {
+      ++count[c];
+    }
+  }
+  for (int64_t c = 0; c < nc; ++c) {
+    slot_begin[c + 1] = slot_begin[c] + count[c];
+  }
+  const int64_t slots = slot_begin[nc];
+
+  // slotted(x): [B, T, H, F] -> [slots, C, H, F]; unslotted: back. A fixed-length
+  // batch does it with views and one copy (nothing read on the host); a varlen
+  // batch gathers rows through index tensors built here from the offsets.
+  std::function<Tensor(const Tensor&)> slotted, unslotted;
+  Tensor rank_of;  // [N] original sequence -> rank, on the device; undefined when the identity
   if (!offsets.has_value()) {
-    pad = [=](const Tensor& x) {  // [B, T, H, F] -> [BH, nc, C, F]
+    const int64_t Lp = nc * C;
+    slotted = [=](const Tensor& x) {
       const int64_t F = x.size(-1);
-      return at::constant_pad_nd(x, {0, 0, 0, 0, 0, Lp - T}).view({B, nc, C, H, F}).permute({0, 3, 1, 2, 4}).reshape(
-          {BH, nc, C, F});
+      return at::constant_pad_nd(x, {0, 0, 0, 0, 0, Lp - T}).view({B, nc, C, H, F}).transpose(0, 1).reshape(
+          {slots, C, H, F});
     };
-    unpad = [=](const Tensor& x) {  // [BH, nc, C, F] -> [B, T, H, F]
+    unslotted = [=](const Tensor& x) {
       const int64_t F = x.size(-1);
-      return x.view({B, H, Lp, F}).permute({0, 2, 1, 3}).narrow(1, 0, T).contiguous();
+      return x.view({nc, B, C, H, F}).transpose(0, 1).reshape({B, Lp, H, F}).narrow(1, 0, T).contiguous();
     };
   } else {
-    std::vector<int64_t> gather(N * Lp, tokens), scatter(tokens, 0);
-    for (int64_t n = 0; n < N; ++n) {
-      for (int64_t t = (*offsets)[n]; t < (*offsets)[n + 1]; ++t) {
-        gather[n * Lp + (t - (*offsets)[n])] = t;
-        scatter[t] = n * Lp + (t - (*offsets)[n]);
+    std::vector<int64_t> gather(slots * C, tokens), scatter(tokens, 0), rank(N);
+    for (int64_t r = 0; r < N; ++r) {
+      const int64_t n = order[r], start = (*offsets)[n];
+      rank[n] = r;
+      for (int64_t t = start; t < start + len[n]; ++t) {
+        const int64_t row = (slot_begin[(t - start) / C] + r) * C + (t - start) % C;
+        gather[row] = t;
+        scatter[t] = row;
       }
     }
     const auto host_long = at::TensorOptions().dtype(at::kLong);
     const Tensor gidx = at::tensor(gather, host_long).to(qn.device());
     const Tensor sidx = at::tensor(scatter, host_long).to(qn.device());
-    pad = [=](const Tensor& x) {
+    rank_of = at::tensor(rank, host_long).to(qn.device());
+    slotted = [=](const Tensor& x) {
       const int64_t F = x.size(-1);
       const Tensor rows = at::cat({x.reshape({tokens, H, F}), at::zeros({1, H, F}, x.options())});
-      return rows.index_select(0, gidx).view({N, nc, C, H, F}).permute({0, 3, 1, 2, 4}).reshape({BH, nc, C, F});
+      return rows.index_select(0, gidx).view({slots, C, H, F});
     };
-    unpad = [=](const Tensor& x) {
+    unslotted = [=](const Tensor& x) {
       const int64_t F = x.size(-1);
-      const Tensor rows = x.view({N, H, nc, C, F}).permute({0, 2, 3, 1, 4}).reshape({N * Lp, H, F});
-      return rows.index_select(0, sidx).view({B, T, H, F});
+      return x.view({slots * C, H, F}).index_select(0, sidx).view({B, T, H, F});
     };
   }
+  // States [N, H, V, K] <-> rows (rank, head) of [N * H, K, V].
+  auto states_in = [&](const Tensor& s) {
+    const Tensor ranked = rank_of.defined() ? at::empty_like(s).index_copy_(0, rank_of, s) : s;
+    return ranked.reshape({N * H, V, K}).transpose(1, 2).contiguous();
+  };
+  auto states_out = [&](const Tensor& s) {
+    const Tensor ranked = s.transpose(1, 2).reshape({N, H, V, K});
+    return rank_of.defined() ? ranked.index_select(0, rank_of) : ranked;
+  };
+  // Step c's rows of a slotted tensor: [count[c] * H, C, F], (rank, head) major.
+  auto step = [&](const Tensor& x, int64_t c) {
+    const int64_t F = x.size(-1);
+    return x.narrow(0, slot_begin[c], count[c]).transpose(1, 2).reshape({count[c] * H, C, F});
+  };
+  auto put = [&](Tensor& x, int64_t c, const Tensor& value) {
+    const int64_t F = x.size(-1);
+    x.narrow(0, slot_begin[c], count[c]).copy_(value.view({count[c], H, C, F}).transpose(1, 2));
+  };
 
-  const Tensor Qp = pad(qn), Kp = pad(kn), Vp = pad(v), Lam = pad(lam), dOp = pad(grad_out);
-  const Tensor Bp = pad(beta.unsqueeze(-1)).squeeze(-1);  // [BH, nc, C]
-  const auto opts = qn.options();
+  const Tensor Qs = slotted(qn), Ks = slotted(kn), Vs = slotted(v), Lams = slotted(lam), dOs = slotted(grad_out);
+  const Tensor Bs = slotted(beta.unsqueeze(-1));  // [slots, C, H, 1]
   Masks m;
   m.strict = at::ones({C, C}, opts).tril(-1);
   m.incl = at::ones({C, C}, opts).tril();
   m.excl4 = (m.incl == 0).view({1, C, C, 1});
   m.eye = at::eye(C, opts);
 
-  // Forward: the state at every chunk start.
+  // Forward: the state at every chunk start, for the sequences that have the chunk.
   std::vector<Tensor> starts;
   starts.reserve(nc);
-  Tensor S = init.defined() ? state_in(init, BH, K, V) : at::zeros({BH, K, V}, opts);
+  Tensor S = init.defined() ? states_in(init) : at::zeros({N * H, K, V}, opts);
   for (int64_t c = 0; c < nc; ++c) {
-    starts.push_back(S);
-    const Tensor bc = Bp.select(1, c);
-    const Chunk t = chunk_terms(Qp.select(1, c), Kp.select(1, c), Lam.select(1, c), bc, scale, m);
-    const Tensor U = solve_lower(t.IA, bc.unsqueeze(2) * (Vp.select(1, c) - t.Kg.bmm(S)));
-    S = t.gl.transpose(1, 2) * S + t.Kd.transpose(1, 2).bmm(U);
+    const Tensor S0 = S.narrow(0, 0, count[c] * H);
+    starts.push_back(S0);
+    const Tensor bc = step(Bs, c).squeeze(-1);
+    const Chunk t = chunk_terms(step(Qs, c), step(Ks, c), step(Lams, c), bc, scale, m);
+    const Tensor U = solve_lower(t.IA, bc.unsqueeze(2) * (step(Vs, c) - t.Kg.bmm(S0)));
+    S = t.gl.transpose(1, 2) * S0 + t.Kd.transpose(1, 2).bmm(U);
   }
 
-  // Backward over chunks, carrying dS (the gradient of the chunk-start state).
-  Tensor dS = grad_final.defined() ? state_in(grad_final, BH, K, V) : at::zeros({BH, K, V}, opts);
-  Tensor dQp = at::zeros_like(Qp), dKp = at::zeros_like(Kp), dVp = at::zeros_like(Vp), dLam = at::zeros_like(Lam);
-  Tensor dBp = at::zeros_like(Bp);
+  // Backward over chunks, carrying dS (the gradient of the chunk-start state);
+  // sequences without chunk c keep theirs.
+  // Updated in place below, so never a view of the caller's grad_final.
+  Tensor dS = grad_final.defined() ? states_in(grad_final).clone() : at::zeros({N * H, K, V}, opts);
+  Tensor dQs = at::zeros_like(Qs), dKs = at::zeros_like(Ks), dVs = at::zeros_like(Vs), dLams = at::zeros_like(Lams);
+  Tensor dBs = at::zeros_like(Bs);
   for (int64_t c = nc - 1; c >= 0; --c) {
     const Tensor& S0 = starts[c];
-    const Tensor Qc = Qp.select(1, c), Kc = Kp.select(1, c), bc = Bp.select(1, c), dO = dOp.select(1, c);
-    const Chunk t = chunk_terms(Qc, Kc, Lam.select(1, c), bc, scale, m);
-    const Tensor W = Vp.select(1, c) - t.Kg.bmm(S0);  // [BH, C, V]
+    const Tensor dS1 = dS.narrow(0, 0, count[c] * H);
+    const Tensor Qc = step(Qs, c), Kc = step(Ks, c), bc = step(Bs, c).squeeze(-1), dO = step(dOs, c);
+    const Chunk t = chunk_terms(Qc, Kc, step(Lams, c), bc, scale, m);
+    const Tensor W = step(Vs, c) - t.Kg.bmm(S0);  // [rows, C, V]
     const Tensor U = solve_lower(t.IA, bc.unsqueeze(2) * W);
-    const Tensor dU = t.Aqk.transpose(1, 2).bmm(dO) + t.Kd.bmm(dS);
+    const Tensor dU = t.Aqk.transpose(1, 2).bmm(dO) + t.Kd.bmm(dS1);
     const Tensor dR = solve_upper_transposed(t.IA, dU);
     const Tensor dA = -dR.bmm(U.transpose(1, 2)) * m.strict;
     const Tensor dPq = dO.bmm(U.transpose(1, 2)) * m.incl * scale;
     const Tensor dP = bc.unsqueeze(2) * dA;
     const Tensor dW = bc.unsqueeze(2) * dR;
-    dBp.select(1, c).copy_((dR * W).sum(2) + (dA * t.P).sum(2));
-    dVp.select(1, c).copy_(dW);
+    put(dBs, c, ((dR * W).sum(2) + (dA * t.P).sum(2)).unsqueeze(-1));
+    put(dVs, c, dW);
     const Tensor S0t = S0.transpose(1, 2);
-    const Tensor dKg = -dW.bmm(S0t), dQg = dO.bmm(S0t) * scale, dKd = U.bmm(dS.transpose(1, 2));
-    const Tensor dS0 = -t.Kg.transpose(1, 2).bmm(dW) + t.Qg.transpose(1, 2).bmm(dO) * scale + t.gl.transpose(1, 2) * dS;
-    const Tensor dgl = (S0 * dS).sum(2);  // [BH, K]
+    const Tensor dKg = -dW.bmm(S0t), dQg = dO.bmm(S0t) * scale, dKd = U.bmm(dS1.transpose(1, 2));
+    const Tensor dS0 =
+        -t.Kg.transpose(1, 2).bmm(dW) + t.Qg.transpose(1, 2).bmm(dO) * scale + t.gl.transpose(1, 2) * dS1;
+    const Tensor dgl = (S0 * dS1).sum(2);  // [rows, K]
     // P_ij = sum_d k_id k_jd D_ijd and Aqk_ij / scale = sum_d q_id k_jd D_ijd.
-    const Tensor wq = dPq.unsqueeze(3) * t.D, wk = dP.unsqueeze(3) * t.D;  // [BH, i, j, K]
+    const Tensor wq = dPq.unsqueeze(3) * t.D, wk = dP.unsqueeze(3) * t.D;  // [rows, i, j, K]
     const Tensor Qi = Qc.unsqueeze(2), Ki = Kc.unsqueeze(2), Kj = Kc.unsqueeze(1);
-    Tensor dQ = (wq * Kj).sum(2) + t.E * dQg;
-    Tensor dK = (wq * Qi).sum(1) + (wk * Ki).sum(1) + (wk * Kj).sum(2) + t.E * dKg + t.Ed * dKd;
+    put(dQs, c, (wq * Kj).sum(2) + t.E * dQg);
+    put(dKs, c, (wq * Qi).sum(1) + (wk * Ki).sum(1) + (wk * Kj).sum(2) + t.E * dKg + t.Ed * dKd);
     const Tensor terms = (wq * Qi + wk * Ki) * Kj;  // d/dG_i of exp(G_i - G_j), times the rest
     Tensor dG = terms.sum(2) - terms.sum(1) + t.Kg * dKg + t.Qg * dQg - t.Kd * dKd;
     dG.select(1, C - 1).add_((t.Kd * dKd).sum(1) + t.gl.squeeze(1) * dgl);
-    dQp.select(1, c).copy_(dQ);
-    dKp.select(1, c).copy_(dK);
-    dLam.select(1, c).copy_(dG.flip({1}).cumsum(1).flip({1}));  // G = cumsum(lam)
-    dS = dS0;
+    put(dLams, c, dG.flip({1}).cumsum(1).flip({1}));  // G = cumsum(lam)
+    dS.narrow(0, 0, count[c] * H).copy_(dS0);
   }
 
   ChunkedGrads out;
-  out.dqn = unpad(dQp);
-  out.dkn = unpad(dKp);
-  out.dv = unpad(dVp);
-  out.dlam = unpad(dLam);
-  out.dbeta = unpad(dBp.unsqueeze(-1)).squeeze(-1);
+  out.dqn = unslotted(dQs);
+  out.dkn = unslotted(dKs);
+  out.dv = unslotted(dVs);
+  out.dlam = unslotted(dLams);
+  out.dbeta = unslotted(dBs).squeeze(-1);
   if (init.defined()) {
-    out.dinit = state_out(dS, N, H, K, V);
+    out.dinit = states_out(dS);
   }
   return out;
 }
@@ -192,6 +227,8 @@ BackwardTuple backward_by_chunks(const char* op, const Problem& p, const Tensor&
                                  const Tensor& v, const Tensor& g, const Tensor& beta, const Tensor& A_log,
                                  const Tensor& dt_bias, const optional<Tensor>& initial_state,
                                  const optional<Tensor>& cu_seqlens) {
+  // SPEC 4 asks for fp32 products; a global TF32 setting must not reach them.
+  at::NoTF32Guard no_tf32;
   BackwardOutputs o = allocate_backward_outputs(p, q, k, v, g, beta, A_log, dt_bias, initial_state);
   // Only a varlen batch needs its offsets on the host (a device sync on CUDA).
   std::optional<std::vector<int64_t>> offsets;
