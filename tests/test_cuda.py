@@ -329,6 +329,16 @@ def test_inplace_state_overlaps():
     assert rel(buf[1:], ref_final) <= FP32_STATE_TOL
 
 
+def test_inplace_out_overlapping_final_state_is_rejected():
+    _, g = cuda_inputs(B=1, T=16, H=2, state_dtype=torch.float32)
+    buf = torch.empty(16 * 2 * D + 2 * D * D, dtype=torch.float32, device=DEV)
+    out = buf[: 16 * 2 * D].view(torch.bfloat16)[: 16 * 2 * D].view(1, 16, 2, D)
+    final = buf[8 * D:8 * D + 2 * D * D].view(1, 2, D, D)  # starts inside out's bytes
+    with pytest.raises(RuntimeError, match="out and final_state must not share memory"):
+        torch_kda.fwd(*positional(g)[:5], None, out, g["A_log"], g["dt_bias"], -5.0,
+                      initial_state=g["initial_state"], final_state=final)
+
+
 def test_inplace_misaligned_views():
     """Views that start mid-vector (the kernels move 16-byte vectors) are staged, not misread."""
     d, g = cuda_inputs(seqlens=[20, 37], H=2, state_dtype=torch.float32)

@@ -19,9 +19,10 @@ void launch_boundaries(const void* cu_seqlens, bool cu_int32, int64_t N, int64_t
 // the chunk's matrices and the inverse; fills the workspace.
 void launch_prepare(const FwdParams& params, cudaStream_t stream);
 
-// K2: sequential over chunks, one warp per (sequence, head, 16 value rows) and
-// one to eight such warps per block: carries the fp32 state on chip in
-// tensor-core accumulators, writes out and final_state.
+// K2: sequential over chunks; a row group of 16 value rows of one (sequence,
+// head) per warp, or per four warps when its key columns are split; blocks of
+// four or eight warps. Carries the fp32 state on chip in tensor-core
+// accumulators, writes out and final_state.
 void launch_recurrence(const FwdParams& params, cudaStream_t stream);
 
 inline void launch_forward(const FwdParams& params, cudaStream_t stream) {
