@@ -156,12 +156,13 @@ def main():
     header = f"{'#':>3} {'case':<18} {'H':>3} {'torch_kda ms':>12} {'fla ms':>8} {'speedup':>8} {'floor ms':>9} {'x floor':>8}"
     print(header)
     speedups = []
+    fla_cases = None if args.fla_cases is None else {int(x) for x in args.fla_cases.split(",")}
     for idx in [int(x) for x in args.cases.split(",")]:
         name, lengths, H = CASES[idx]
         c = make_case(lengths, H)
         ours = time_ms(run_torch_kda(c), args.repeats)
         floor = floor_bytes(c) / bw * 1e3
-        with_fla = have_fla and (args.fla_cases is None or idx in [int(x) for x in args.fla_cases.split(",")])
+        with_fla = have_fla and (fla_cases is None or idx in fla_cases)
         theirs = time_ms(run_fla(c), args.repeats) if with_fla else float("nan")
         speedup = theirs / ours
         if with_fla:

@@ -63,7 +63,7 @@ void backprop_activations(
 
   const int64_t H = concrete(p.H);
   at::Tensor A = at::exp(A_log.to(a.lam.scalar_type())).view({1, 1, H, 1});
-  at::Tensor dlam = d.dlam.defined() ? d.dlam : d.dalpha * a.alpha;
+  const at::Tensor& dlam = d.dlam;
   at::Tensor dx;       // gradient w.r.t. g + dt_bias
   at::Tensor dA_term;  // per element contribution to dA_log
   if (p.gate == Gate::kBounded) {

@@ -13,6 +13,11 @@ inline at::ScalarType accumulation_dtype(const Problem& p) {
   return p.input_dtype == at::kDouble ? at::kDouble : at::kFloat;
 }
 
+// An optional tensor in the accumulation dtype, contiguous; undefined when absent.
+inline at::Tensor to_acc(const std::optional<at::Tensor>& t, at::ScalarType acc) {
+  return t.has_value() ? t->to(acc).contiguous() : at::Tensor();
+}
+
 // Everything the recurrence reads, in the accumulation dtype, contiguous.
 struct Activations {
   at::Tensor qn, kn;          // [B, T, H, K] L2-normalised q and k
@@ -35,11 +40,10 @@ Activations compute_activations(
     const at::Tensor& A_log,
     const at::Tensor& dt_bias);
 
-// Gradients with respect to the activations, as a recurrence backward
-// produces them (accumulation dtype): the decay's as dalpha (w.r.t. exp(lam))
-// or, when defined, dlam (w.r.t. lam itself).
+// Gradients with respect to the activations (accumulation dtype); the decay's
+// with respect to the log decay lam.
 struct ActivationGrads {
-  at::Tensor dqn, dkn, dv, dalpha, dlam, dbeta;
+  at::Tensor dqn, dkn, dv, dlam, dbeta;
 };
 
 // Chain rule from activation gradients to the op's inputs; writes into `o`.

@@ -91,7 +91,8 @@ ChunkedGrads chunked_recurrence_backward(const std::optional<std::vector<int64_t
   }
   const int64_t slots = slot_begin[nc];
 
-  // slotted(x): [B, T, H, F] -> [slots, C, H, F]; unslotted: back. A fixed-length
+  // slotted(x): [B, T, H, F] -> [slots, H, C, F], laid out once so that every
+  // step's rows are a plain view; unslotted: back. A fixed-length
   // batch does it with views and one copy (nothing read on the host); a varlen
   // batch gathers rows through index tensors built here from the offsets.
   std::function<Tensor(const Tensor&)> slotted, unslotted;
@@ -100,12 +101,15 @@ ChunkedGrads chunked_recurrence_backward(const std::optional<std::vector<int64_t
     const int64_t Lp = nc * C;
     slotted = [=](const Tensor& x) {
       const int64_t F = x.size(-1);
-      return at::constant_pad_nd(x, {0, 0, 0, 0, 0, Lp - T}).view({B, nc, C, H, F}).transpose(0, 1).reshape(
-          {slots, C, H, F});
+      return at::constant_pad_nd(x, {0, 0, 0, 0, 0, Lp - T})
+          .view({B, nc, C, H, F})
+          .permute({1, 0, 3, 2, 4})
+          .reshape({slots, H, C, F})
+          .contiguous();
     };
     unslotted = [=](const Tensor& x) {
       const int64_t F = x.size(-1);
-      return x.view({nc, B, C, H, F}).transpose(0, 1).reshape({B, Lp, H, F}).narrow(1, 0, T).contiguous();
+      return x.view({nc, B, H, C, F}).permute({1, 0, 3, 2, 4}).reshape({B, Lp, H, F}).narrow(1, 0, T).contiguous();
     };
   } else {
     std::vector<int64_t> gather(slots * C, tokens), scatter(tokens, 0), rank(N);
@@ -125,11 +129,11 @@ ChunkedGrads chunked_recurrence_backward(const std::optional<std::vector<int64_t
     slotted = [=](const Tensor& x) {
       const int64_t F = x.size(-1);
       const Tensor rows = at::cat({x.reshape({tokens, H, F}), at::zeros({1, H, F}, x.options())});
-      return rows.index_select(0, gidx).view({slots, C, H, F});
+      return rows.index_select(0, gidx).view({slots, C, H, F}).transpose(1, 2).contiguous();
     };
     unslotted = [=](const Tensor& x) {
       const int64_t F = x.size(-1);
-      return x.view({slots * C, H, F}).index_select(0, sidx).view({B, T, H, F});
+      return x.transpose(1, 2).reshape({slots * C, H, F}).index_select(0, sidx).view({B, T, H, F});
     };
   }
   // States [N, H, V, K] <-> rows (rank, head) of [N * H, K, V].
@@ -141,34 +145,37 @@ ChunkedGrads chunked_recurrence_backward(const std::optional<std::vector<int64_t
     const Tensor ranked = s.transpose(1, 2).reshape({N, H, V, K});
     return rank_of.defined() ? ranked.index_select(0, rank_of) : ranked;
   };
-  // Step c's rows of a slotted tensor: [count[c] * H, C, F], (rank, head) major.
+  // Step c's rows of a slotted tensor, a view: [count[c] * H, C, F], (rank, head) major.
   auto step = [&](const Tensor& x, int64_t c) {
-    const int64_t F = x.size(-1);
-    return x.narrow(0, slot_begin[c], count[c]).transpose(1, 2).reshape({count[c] * H, C, F});
-  };
-  auto put = [&](Tensor& x, int64_t c, const Tensor& value) {
-    const int64_t F = x.size(-1);
-    x.narrow(0, slot_begin[c], count[c]).copy_(value.view({count[c], H, C, F}).transpose(1, 2));
+    return x.narrow(0, slot_begin[c], count[c]).view({count[c] * H, C, x.size(-1)});
   };
 
   const Tensor Qs = slotted(qn), Ks = slotted(kn), Vs = slotted(v), Lams = slotted(lam), dOs = slotted(grad_out);
-  const Tensor Bs = slotted(beta.unsqueeze(-1));  // [slots, C, H, 1]
+  const Tensor Bs = slotted(beta.unsqueeze(-1));  // [slots, H, C, 1]
   Masks m;
   m.strict = at::ones({C, C}, opts).tril(-1);
   m.incl = at::ones({C, C}, opts).tril();
   m.excl4 = (m.incl == 0).view({1, C, C, 1});
   m.eye = at::eye(C, opts);
 
-  // Forward: the state at every chunk start, for the sequences that have the chunk.
-  std::vector<Tensor> starts;
+  // Forward: the state at every chunk start, for the sequences that have the
+  // chunk, and each chunk's W = V - Kg S0 and U (the backward reads them back;
+  // the chunk terms are recomputed instead, since their decay tensor D is as
+  // large as 16 token-sized tensors).
+  std::vector<Tensor> starts, Ws, Us;
   starts.reserve(nc);
+  Ws.reserve(nc);
+  Us.reserve(nc);
   Tensor S = init.defined() ? states_in(init) : at::zeros({N * H, K, V}, opts);
   for (int64_t c = 0; c < nc; ++c) {
     const Tensor S0 = S.narrow(0, 0, count[c] * H);
-    starts.push_back(S0);
     const Tensor bc = step(Bs, c).squeeze(-1);
     const Chunk t = chunk_terms(step(Qs, c), step(Ks, c), step(Lams, c), bc, scale, m);
-    const Tensor U = solve_lower(t.IA, bc.unsqueeze(2) * (step(Vs, c) - t.Kg.bmm(S0)));
+    const Tensor W = step(Vs, c) - t.Kg.bmm(S0);  // [rows, C, V]
+    const Tensor U = solve_lower(t.IA, bc.unsqueeze(2) * W);
+    starts.push_back(S0);
+    Ws.push_back(W);
+    Us.push_back(U);
     S = t.gl.transpose(1, 2) * S0 + t.Kd.transpose(1, 2).bmm(U);
   }
 
@@ -183,16 +190,15 @@ ChunkedGrads chunked_recurrence_backward(const std::optional<std::vector<int64_t
     const Tensor dS1 = dS.narrow(0, 0, count[c] * H);
     const Tensor Qc = step(Qs, c), Kc = step(Ks, c), bc = step(Bs, c).squeeze(-1), dO = step(dOs, c);
     const Chunk t = chunk_terms(Qc, Kc, step(Lams, c), bc, scale, m);
-    const Tensor W = step(Vs, c) - t.Kg.bmm(S0);  // [rows, C, V]
-    const Tensor U = solve_lower(t.IA, bc.unsqueeze(2) * W);
+    const Tensor &W = Ws[c], &U = Us[c];
     const Tensor dU = t.Aqk.transpose(1, 2).bmm(dO) + t.Kd.bmm(dS1);
     const Tensor dR = solve_upper_transposed(t.IA, dU);
     const Tensor dA = -dR.bmm(U.transpose(1, 2)) * m.strict;
     const Tensor dPq = dO.bmm(U.transpose(1, 2)) * m.incl * scale;
     const Tensor dP = bc.unsqueeze(2) * dA;
     const Tensor dW = bc.unsqueeze(2) * dR;
-    put(dBs, c, ((dR * W).sum(2) + (dA * t.P).sum(2)).unsqueeze(-1));
-    put(dVs, c, dW);
+    step(dBs, c).copy_(((dR * W).sum(2) + (dA * t.P).sum(2)).unsqueeze(-1));
+    step(dVs, c).copy_(dW);
     const Tensor S0t = S0.transpose(1, 2);
     const Tensor dKg = -dW.bmm(S0t), dQg = dO.bmm(S0t) * scale, dKd = U.bmm(dS1.transpose(1, 2));
     const Tensor dS0 =
@@ -201,12 +207,12 @@ ChunkedGrads chunked_recurrence_backward(const std::optional<std::vector<int64_t
     // P_ij = sum_d k_id k_jd D_ijd and Aqk_ij / scale = sum_d q_id k_jd D_ijd.
     const Tensor wq = dPq.unsqueeze(3) * t.D, wk = dP.unsqueeze(3) * t.D;  // [rows, i, j, K]
     const Tensor Qi = Qc.unsqueeze(2), Ki = Kc.unsqueeze(2), Kj = Kc.unsqueeze(1);
-    put(dQs, c, (wq * Kj).sum(2) + t.E * dQg);
-    put(dKs, c, (wq * Qi).sum(1) + (wk * Ki).sum(1) + (wk * Kj).sum(2) + t.E * dKg + t.Ed * dKd);
+    step(dQs, c).copy_((wq * Kj).sum(2) + t.E * dQg);
+    step(dKs, c).copy_((wq * Qi).sum(1) + (wk * Ki).sum(1) + (wk * Kj).sum(2) + t.E * dKg + t.Ed * dKd);
     const Tensor terms = (wq * Qi + wk * Ki) * Kj;  // d/dG_i of exp(G_i - G_j), times the rest
     Tensor dG = terms.sum(2) - terms.sum(1) + t.Kg * dKg + t.Qg * dQg - t.Kd * dKd;
     dG.select(1, C - 1).add_((t.Kd * dKd).sum(1) + t.gl.squeeze(1) * dgl);
-    put(dLams, c, dG.flip({1}).cumsum(1).flip({1}));  // G = cumsum(lam)
+    step(dLams, c).copy_(dG.flip({1}).cumsum(1).flip({1}));  // G = cumsum(lam)
     dS.narrow(0, 0, count[c] * H).copy_(dS0);
   }
 
@@ -237,10 +243,9 @@ BackwardTuple backward_by_chunks(const char* op, const Problem& p, const Tensor&
   }
   const at::ScalarType acc = accumulation_dtype(p);
   Activations a = compute_activations(p, acc, q, k, v, g, beta, A_log, dt_bias);
-  auto to_acc = [&](const optional<Tensor>& t) { return t.has_value() ? t->to(acc).contiguous() : Tensor(); };
   ChunkedGrads r = chunked_recurrence_backward(offsets, resolved_scale(p), a.qn, a.kn, a.v, a.lam, a.beta,
-                                               to_acc(initial_state), grad_out.to(acc).contiguous(),
-                                               to_acc(grad_final_state));
+                                               to_acc(initial_state, acc), grad_out.to(acc).contiguous(),
+                                               to_acc(grad_final_state, acc));
   ActivationGrads d;
   d.dqn = r.dqn;
   d.dkn = r.dkn;

@@ -5,11 +5,12 @@
 # those into .tcache/ for the next call).
 export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/kda_triton_cache} TRITON_CACHE_AUTOTUNING=1
 
-triton_cache_restore() {
+triton_cache_restore() {  # once per cache directory (gpu_check.sh and gpu_bench.sh both call it)
   mkdir -p "$TRITON_CACHE_DIR"
-  if ls .tcache/tcache.part.* >/dev/null 2>&1; then
+  if [ ! -e "$TRITON_CACHE_DIR/.restored" ] && ls .tcache/tcache.part.* >/dev/null 2>&1; then
     cat .tcache/tcache.part.* | tar xzf - -C "$TRITON_CACHE_DIR" --strip-components=1
   fi
+  touch "$TRITON_CACHE_DIR/.restored"
 }
 
 triton_cache_save() {

@@ -30,10 +30,6 @@ RecurrenceArgs<T> recurrence_args(const Problem& p, const Activations& a, std::v
   return r;
 }
 
-Tensor to_acc(const optional<Tensor>& t, at::ScalarType acc) {
-  return t.has_value() ? t->to(acc).contiguous() : Tensor();
-}
-
 // Computes the forward and writes it into `out` and, if given, `final_state`.
 // Results go through temporaries, so the destinations may be any strided
 // tensors and may even overlap the inputs.
@@ -103,7 +99,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> bwd(
   d.dqn = at::empty_like(a.qn);
   d.dkn = at::empty_like(a.kn);
   d.dv = at::empty_like(a.v);
-  d.dalpha = at::empty_like(a.alpha);
+  Tensor dalpha = at::empty_like(a.alpha);  // the token kernel's: w.r.t. exp(lam)
   d.dbeta = at::empty_like(a.beta);
   Tensor dinit = init.defined() ? at::empty_like(init) : Tensor();
   AT_DISPATCH_FLOATING_TYPES(acc, "kda_cpu_backward", [&] {
@@ -113,11 +109,12 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> bwd(
     r.dqn = d.dqn.data_ptr<scalar_t>();
     r.dkn = d.dkn.data_ptr<scalar_t>();
     r.dv = d.dv.data_ptr<scalar_t>();
-    r.dalpha = d.dalpha.data_ptr<scalar_t>();
+    r.dalpha = dalpha.data_ptr<scalar_t>();
     r.dbeta = d.dbeta.data_ptr<scalar_t>();
     r.dinitial_state = dinit.defined() ? dinit.data_ptr<scalar_t>() : nullptr;
     recurrence_backward<scalar_t>(recurrence_args<scalar_t>(p, a, std::move(offsets), init), r);
   });
+  d.dlam = dalpha * a.alpha;
   backprop_activations(p, a, d, A_log, o);
   if (dinit.defined()) {
     o.dinitial_state.copy_(dinit);

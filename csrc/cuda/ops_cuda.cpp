@@ -81,10 +81,11 @@ struct Boundaries {
 // enqueued, so a rejected call leaves no kernel behind.
 void check_grid_sizes(const Problem& p, int64_t num_slots) {
   const int64_t N = concrete(p.N), H = concrete(p.H);
-  TORCH_CHECK(num_slots <= INT32_MAX / std::max<int64_t>(H, 1), "kda.fwd: ", std::to_string(num_slots),
-              " chunks x ", std::to_string(H), " heads is more blocks than one launch takes");
-  TORCH_CHECK(N <= INT32_MAX / std::max<int64_t>(8 * H, 1), "kda.fwd: ", std::to_string(N), " sequences x ",
-              std::to_string(H), " heads is more blocks than one launch takes");
+  TORCH_CHECK(num_slots <= INT32_MAX / std::max<int64_t>(H, 1), "kda.fwd: q (with cu_seqlens, if given) makes ",
+              std::to_string(num_slots), " chunks of 16 tokens x ", std::to_string(H),
+              " heads, more blocks than one launch takes");
+  TORCH_CHECK(N <= INT32_MAX / std::max<int64_t>(8 * H, 1), "kda.fwd: q (with cu_seqlens, if given) makes ",
+              std::to_string(N), " sequences x ", std::to_string(H), " heads, more blocks than one launch takes");
 }
 
 Boundaries sequence_boundaries(const Problem& p, const Tensor& q, const optional<Tensor>& cu_seqlens,
