@@ -131,6 +131,17 @@ def test_every_block_width_matches_reference(H):
     assert e_out <= 5e-3 and e_state <= 1e-4
 
 
+def test_fp32_state_does_not_drift_over_long_small_beta_sequences():
+    """Small beta: the delta rule corrects the state only over ~100 / beta tokens, so a
+    rounding bias in the state update (the tensor cores' fp32 accumulation truncates)
+    would add up over the sequence instead of washing out."""
+    d, g = cuda_inputs(B=1, T=65536, H=2, state_dtype=torch.float32)
+    _hard_case("small_beta", d, g)
+    e_out, e_state, _, _ = errors(d, g, -5.0)
+    print(f"\nsmall_beta lb=-5.0 T=65536 state=float32: out rel {e_out:.2e}, state rel {e_state:.2e}")
+    assert e_state <= 1e-4
+
+
 def test_fp32_state_is_accumulated_in_fp32():
     """Under weak decay the state sums thousands of updates; rounding it to
     bf16 on chip would show as a state error near bf16's resolution."""

@@ -307,15 +307,10 @@ __global__ void __launch_bounds__(kWarps * 32) recurrence_kernel(const FwdParams
       }
     }
 
-    // S <- S diag(gl) + U^T Kd; ldmatrix.trans turns Kd's rows (tokens) into the k dimension.
-#pragma unroll
-    for (int j = 0; j < kNt; ++j) {
-      const float2 decay = *reinterpret_cast<const float2*>(&st.gl[8 * (j0 + j) + 2 * t]);
-      s[j][0] *= decay.x;
-      s[j][1] *= decay.y;
-      s[j][2] *= decay.x;
-      s[j][3] *= decay.y;
-    }
+    // S <- S diag(gl) + U^T Kd; ldmatrix.trans turns Kd's rows (tokens) into the
+    // k dimension. The products go into zeroed accumulators and reach the state
+    // through one fp32 FMA: the tensor cores' own fp32 additions are reported to
+    // truncate, which would pull the state towards zero a little every chunk.
 #pragma unroll
     for (int jj = 0; jj < kNt / 2; ++jj) {
       // Matrices: tokens 0-7 | 8-15 (k dimension) x key columns 8(j0+2jj).. | +8.. (n-tiles)
@@ -323,8 +318,18 @@ __global__ void __launch_bounds__(kWarps * 32) recurrence_kernel(const FwdParams
       uint32_t kh[4], kl[4];
       ldmatrix_x4_trans(kh, plane_piece(st.mat[kKdHi], row, piece));
       ldmatrix_x4_trans(kl, plane_piece(st.mat[kKdLo], row, piece));
-      mma_bf16x3(s[2 * jj], ua_hi, ua_lo, kh[0], kh[1], kl[0], kl[1]);
-      mma_bf16x3(s[2 * jj + 1], ua_hi, ua_lo, kh[2], kh[3], kl[2], kl[3]);
+      float upd[2][4] = {};
+      mma_bf16x3(upd[0], ua_hi, ua_lo, kh[0], kh[1], kl[0], kl[1]);
+      mma_bf16x3(upd[1], ua_hi, ua_lo, kh[2], kh[3], kl[2], kl[3]);
+#pragma unroll
+      for (int h2 = 0; h2 < 2; ++h2) {
+        const int j = 2 * jj + h2;
+        const float2 decay = *reinterpret_cast<const float2*>(&st.gl[8 * (j0 + j) + 2 * t]);
+        s[j][0] = fmaf(s[j][0], decay.x, upd[h2][0]);
+        s[j][1] = fmaf(s[j][1], decay.y, upd[h2][1]);
+        s[j][2] = fmaf(s[j][2], decay.x, upd[h2][2]);
+        s[j][3] = fmaf(s[j][3], decay.y, upd[h2][3]);
+      }
     }
     __syncthreads();  // the stage, the out tile and the partial sums are rewritten next iteration
   }
