@@ -123,8 +123,8 @@ def test_hard_case_long_sequence():
 @pytest.mark.parametrize("H", [16, 32, 64, 96, 256])
 def test_every_block_width_matches_reference(H):
     """The recurrence picks its block shape by N * H over the SM count; on a 132-SM
-    H200, H = 16 and 32 split each row group's key columns over four warps, 64 runs
-    four full-width warps per block, 96 and 256 eight (256: two waves)."""
+    H200, H = 16 splits each row group's key columns over four warps, 32 runs two
+    full-width warps per block, 64 four, 96 and 256 eight (256: two waves)."""
     d, g = cuda_inputs(B=1, T=200, H=H, state_dtype=torch.float32)
     e_out, e_state, _, _ = errors(d, g)
     print(f"\nH={H} on {torch.cuda.get_device_properties(0).multi_processor_count} SMs: out rel {e_out:.2e}, state rel {e_state:.2e}")
