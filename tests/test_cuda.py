@@ -90,6 +90,8 @@ def test_random_case_accuracy(state_dtype, state_tol):
 
 
 def _hard_case(name, d, g):
+    if name == "random":
+        return
     if name == "weak_decay":
         g["A_log"].fill_(2.0)
         g["dt_bias"].fill_(-8.0)
@@ -516,8 +518,10 @@ def test_malformed_cu_seqlens_read_clamped_and_non_decreasing(bad, monkeypatch):
 # --------------------------------------------------------------------------
 
 GRAD_NAMES = ("dq", "dk", "dv", "dg", "dbeta", "dA_log", "ddt_bias", "dinitial_state")
-# The issue's targets: 1e-2 for dq, dk, dv, dh0; 2e-2 for the gate and beta gradients.
-GRAD_TOL = dict(dq=1e-2, dk=1e-2, dv=1e-2, dinitial_state=1e-2, dg=2e-2, dbeta=2e-2, dA_log=2e-2, ddt_bias=2e-2)
+# The issue's targets are 1e-2 (dq, dk, dv, dh0) and 2e-2 (dg, dbeta, dA_log, ddt_bias);
+# the tests hold the fp32 computation to what it reaches, so that a bug cannot hide
+# under them: bf16 gradients are rounded outputs (~2e-3), fp32 ones are ~1e-6.
+GRAD_TOL = dict(dq=5e-3, dk=5e-3, dv=5e-3, dg=5e-3, dbeta=5e-3, dA_log=1e-4, ddt_bias=1e-4, dinitial_state=1e-4)
 
 
 def cuda_and_reference_grads(d, g, with_final=True):
@@ -534,16 +538,48 @@ def cuda_and_reference_grads(d, g, with_final=True):
     return got, ref
 
 
-@pytest.mark.parametrize("varlen", [False, True])
-def test_backward_matches_float64_reference(varlen):
-    kw = dict(seqlens=[1024, 300, 0, 777]) if varlen else dict(B=2, T=1024)
-    d, g = cuda_inputs(H=4, state_dtype=torch.float32, **kw)
-    got, ref = cuda_and_reference_grads(d, g)
+def check_grads(label, got, ref):
     for name, x, r in zip(GRAD_NAMES, got, ref):
+        if r.numel() == 0:
+            assert x.numel() == 0, name
+            continue
         e = rel(x.cpu(), r)
-        print(f"\n{'varlen' if varlen else 'fixed'} {name}: rel {e:.2e}", end="")
+        print(f"\n{label} {name}: rel {e:.2e}", end="")
         assert torch.isfinite(x).all(), name
         assert e <= GRAD_TOL[name], f"{name}: rel {e:.2e}"
+
+
+@pytest.mark.parametrize("varlen", [False, True])
+def test_backward_matches_float64_reference(varlen):
+    kw = dict(seqlens=[1024, 300, 0, 777, 1]) if varlen else dict(B=2, T=1024)
+    d, g = cuda_inputs(H=4, state_dtype=torch.float32, **kw)
+    got, ref = cuda_and_reference_grads(d, g)
+    check_grads("varlen" if varlen else "fixed", got, ref)
+
+
+@pytest.mark.parametrize("with_state", [False, True])
+@pytest.mark.parametrize("case", ["random", "weak_decay", "small_beta"])
+def test_backward_odd_length_and_hard_cases(with_state, case):
+    d, g = cuda_inputs(B=3, T=37, H=2, state_dtype=torch.float32 if with_state else None)
+    _hard_case(case, d, g)
+    grad_out = torch.randn(*g["v"].shape, device=DEV).to(torch.bfloat16)
+    got = torch.ops.kda.bwd(grad_out, None, *positional(g), lower_bound=-5.0, initial_state=g["initial_state"])
+    d64 = {n: (t.cpu().double() if t is not None and t.is_floating_point() else t) for n, t in g.items()}
+    ref = torch.ops.kda.bwd(grad_out.cpu().double(), None, *positional(d64), lower_bound=-5.0,
+                            initial_state=d64["initial_state"])
+    check_grads(case, got, ref)
+
+
+def test_opcheck_cuda_bwd():
+    for seqlens, state in (([10, 0, 33], torch.float32), (None, None)):
+        kw = {"seqlens": seqlens} if seqlens else {"B": 2, "T": 21}
+        _, g = cuda_inputs(H=2, state_dtype=state, **kw)
+        grad_out = torch.randn(*g["v"].shape, device=DEV).to(torch.bfloat16)
+        gf = torch.randn(*g["initial_state"].shape, device=DEV) if state is not None else None
+        torch.library.opcheck(
+            torch.ops.kda.bwd.default, (grad_out, gf, *positional(g)),
+            {"lower_bound": -5.0, "initial_state": g["initial_state"], "cu_seqlens": g["cu_seqlens"]},
+        )
 
 
 def test_backward_agrees_with_fla_chunk_kda():
@@ -595,6 +631,9 @@ def test_opcheck_cuda_with_gradients():
 
 
 def test_compiled_training_step_equals_eager():
+    """torch.compile(fullgraph=True) of the layer, forward and backward, against eager.
+    Inductor fuses the bf16 roundings differently unless told to emulate eager's casts."""
+    from torch._inductor import config as inductor_config
     from torch_kda.nn import KimiDeltaAttention
 
     torch.manual_seed(0)
@@ -604,13 +643,14 @@ def test_compiled_training_step_equals_eager():
     def step(module):
         module.zero_grad(set_to_none=True)
         with torch.autocast("cuda", dtype=torch.bfloat16):
-            y = module(x)
+            y, _ = module(x)
         y.float().square().mean().backward()
         return y.detach().float(), [p.grad.detach().float().clone() for p in module.parameters()]
 
     y_eager, g_eager = step(layer)
-    compiled = torch.compile(layer, fullgraph=True)
-    y_comp, g_comp = step(compiled)
-    assert rel(y_comp, y_eager) <= 1e-2
+    with inductor_config.patch(emulate_precision_casts=True):
+        compiled = torch.compile(layer, fullgraph=True)
+        y_comp, g_comp = step(compiled)
+    assert rel(y_comp, y_eager) <= 1e-3
     for ge, gc in zip(g_eager, g_comp):
-        assert rel(gc, ge) <= 2e-2
+        assert rel(gc, ge) <= 5e-3

@@ -1,7 +1,9 @@
 // CUDA registrations of kda::fwd, kda::fwd_ and kda::bwd: the shared argument
 // checks, the limits of the CUDA kernels, then the launch on the current
-// stream of the tensors' device. No host synchronisation happens here unless
-// TORCH_KDA_CHECK=1 asks for the contents of cu_seqlens to be checked.
+// stream of the tensors' device. The forward never synchronises with the host
+// unless TORCH_KDA_CHECK=1 asks for the contents of cu_seqlens to be checked;
+// the backward's first version reads a varlen batch's cu_seqlens on the host
+// (one sync; fixed-length batches need none).
 #include <ATen/MemoryOverlap.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
