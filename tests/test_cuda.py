@@ -90,6 +90,8 @@ def test_random_case_accuracy(state_dtype, state_tol):
 
 
 def _hard_case(name, d, g):
+    if name == "random":
+        return
     if name == "weak_decay":
         g["A_log"].fill_(2.0)
         g["dt_bias"].fill_(-8.0)
@@ -490,10 +492,6 @@ def test_cuda_limits_are_errors():
         torch_kda.kda(*(t.to(DEV) for t in positional(small)), lower_bound=-5.0)
     with pytest.raises(RuntimeError, match="must be on the same device as q"):
         torch_kda.kda(*args[:5], g["A_log"].cpu(), g["dt_bias"], lower_bound=-5.0)
-    with pytest.raises(NotImplementedError, match="CUDA backward"):
-        q = g["q"].clone().requires_grad_(True)
-        out, _ = torch_kda.kda(q, *args[1:], lower_bound=-5.0)
-        out.float().sum().backward()
 
 
 def test_bad_cu_seqlens_checked_with_env(monkeypatch):
@@ -524,3 +522,146 @@ def test_malformed_cu_seqlens_read_clamped_and_non_decreasing(bad, monkeypatch):
                       initial_state=g["initial_state"], final_state=final, cu_seqlens=cu)
         results.append((out.float().nan_to_num(7.0), final.nan_to_num(7.0)))
     assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])
+
+
+# --------------------------------------------------------------------------
+# Backward (the first CUDA version: the chunked ATen composition)
+# --------------------------------------------------------------------------
+
+GRAD_NAMES = ("dq", "dk", "dv", "dg", "dbeta", "dA_log", "ddt_bias", "dinitial_state")
+# The issue's targets are 1e-2 (dq, dk, dv, dh0) and 2e-2 (dg, dbeta, dA_log, ddt_bias);
+# the tests hold the fp32 computation to what it reaches, so that a bug cannot hide
+# under them: bf16 gradients are rounded outputs (~2e-3), fp32 ones are ~1e-6.
+GRAD_TOL = dict(dq=5e-3, dk=5e-3, dv=5e-3, dg=5e-3, dbeta=5e-3, dA_log=1e-4, ddt_bias=1e-4, dinitial_state=1e-4)
+
+
+def cuda_and_reference_grads(d, g, with_final=True):
+    """kda.bwd on the GPU (bf16 inputs) and on the CPU in float64 from the same values."""
+    grad_out = torch.randn(*g["v"].shape, device=DEV).to(torch.bfloat16)
+    gf = torch.randn(*g["initial_state"].shape, device=DEV) if with_final else None
+    kw = dict(lower_bound=-5.0, cu_seqlens=g["cu_seqlens"])
+    got = torch.ops.kda.bwd(grad_out, gf, *positional(g), initial_state=g["initial_state"], **kw)
+    d64 = {n: (t.cpu().double() if t is not None and t.is_floating_point() else (t.cpu() if t is not None else None))
+           for n, t in g.items()}
+    kw["cu_seqlens"] = d64["cu_seqlens"]
+    ref = torch.ops.kda.bwd(grad_out.cpu().double(), gf.cpu().double() if gf is not None else None,
+                            *positional(d64), initial_state=d64["initial_state"], **kw)
+    return got, ref
+
+
+def check_grads(label, got, ref):
+    for name, x, r in zip(GRAD_NAMES, got, ref):
+        if r.numel() == 0:
+            assert x.numel() == 0, name
+            continue
+        e = rel(x.cpu(), r)
+        print(f"\n{label} {name}: rel {e:.2e}", end="")
+        assert torch.isfinite(x).all(), name
+        assert e <= GRAD_TOL[name], f"{name}: rel {e:.2e}"
+
+
+@pytest.mark.parametrize("varlen", [False, True])
+def test_backward_matches_float64_reference(varlen):
+    kw = dict(seqlens=[1024, 300, 0, 777, 1]) if varlen else dict(B=2, T=1024)
+    d, g = cuda_inputs(H=4, state_dtype=torch.float32, **kw)
+    got, ref = cuda_and_reference_grads(d, g)
+    check_grads("varlen" if varlen else "fixed", got, ref)
+
+
+@pytest.mark.parametrize("with_state", [False, True])
+@pytest.mark.parametrize("case", ["random", "weak_decay", "small_beta"])
+def test_backward_odd_length_and_hard_cases(with_state, case):
+    d, g = cuda_inputs(B=3, T=37, H=2, state_dtype=torch.float32 if with_state else None)
+    _hard_case(case, d, g)
+    grad_out = torch.randn(*g["v"].shape, device=DEV).to(torch.bfloat16)
+    got = torch.ops.kda.bwd(grad_out, None, *positional(g), lower_bound=-5.0, initial_state=g["initial_state"])
+    d64 = {n: (t.cpu().double() if t is not None and t.is_floating_point() else t) for n, t in g.items()}
+    ref = torch.ops.kda.bwd(grad_out.cpu().double(), None, *positional(d64), lower_bound=-5.0,
+                            initial_state=d64["initial_state"])
+    check_grads(case, got, ref)
+
+
+def test_opcheck_cuda_bwd():
+    for seqlens, state in (([10, 0, 33], torch.float32), (None, None)):
+        kw = {"seqlens": seqlens} if seqlens else {"B": 2, "T": 21}
+        _, g = cuda_inputs(H=2, state_dtype=state, **kw)
+        grad_out = torch.randn(*g["v"].shape, device=DEV).to(torch.bfloat16)
+        gf = torch.randn(*g["initial_state"].shape, device=DEV) if state is not None else None
+        torch.library.opcheck(
+            torch.ops.kda.bwd.default, (grad_out, gf, *positional(g)),
+            {"lower_bound": -5.0, "initial_state": g["initial_state"], "cu_seqlens": g["cu_seqlens"]},
+        )
+
+
+def test_backward_agrees_with_fla_chunk_kda():
+    fla_kda = pytest.importorskip("fla.ops.kda")
+    d, g = cuda_inputs(B=2, T=1024, H=4, state_dtype=torch.float32)
+    leaves = {n: g[n].detach().clone().requires_grad_() for n in ("q", "k", "v", "g", "beta", "A_log")}
+    leaves["dt_bias"] = g["dt_bias"].flatten().detach().clone().requires_grad_()  # fla takes it flat
+    leaves["h0"] = g["initial_state"].detach().clone().requires_grad_()
+    out, _ = fla_kda.chunk_kda(
+        leaves["q"], leaves["k"], leaves["v"], leaves["g"], leaves["beta"], initial_state=leaves["h0"],
+        output_final_state=True, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
+        use_beta_sigmoid_in_kernel=True, safe_gate=True, lower_bound=-5.0, state_v_first=True,
+        A_log=leaves["A_log"], dt_bias=leaves["dt_bias"])
+    grad_out = torch.randn_like(out)
+    out.backward(grad_out)
+    ours = torch.ops.kda.bwd(grad_out, None, *positional(g), lower_bound=-5.0, initial_state=g["initial_state"])
+    theirs = [leaves[n].grad for n in ("q", "k", "v", "g", "beta", "A_log")]
+    theirs += [leaves["dt_bias"].grad.view(g["dt_bias"].shape), leaves["h0"].grad]
+    for name, x, y in zip(GRAD_NAMES, ours, theirs):
+        e = rel(x.float(), y.float())
+        print(f"\n{name}: torch_kda vs chunk_kda rel {e:.2e}", end="")
+        assert e <= 5e-2, f"{name}: rel {e:.2e}"
+
+
+def test_backward_varlen_gradients_stay_inside_their_sequence():
+    d, g = cuda_inputs(seqlens=[40, 13, 70], H=2, state_dtype=torch.float32)
+    grad_out = torch.zeros(*g["v"].shape, device=DEV, dtype=torch.bfloat16)
+    grad_out[:, 40:53] = torch.randn(1, 13, 2, D, device=DEV).to(torch.bfloat16)
+    dq, dk, dv, dg, dbeta, _, _, dinit = torch.ops.kda.bwd(
+        grad_out, None, *positional(g), lower_bound=-5.0, initial_state=g["initial_state"], cu_seqlens=g["cu_seqlens"])
+    for t in (dq, dk, dv, dg, dbeta):
+        assert torch.count_nonzero(t[:, :40]) == 0 and torch.count_nonzero(t[:, 53:]) == 0
+        assert torch.count_nonzero(t[:, 40:53]) > 0
+    assert torch.count_nonzero(dinit[0]) == 0 and torch.count_nonzero(dinit[2]) == 0
+    assert torch.count_nonzero(dinit[1]) > 0
+
+
+def test_opcheck_cuda_with_gradients():
+    for seqlens, state in (([10, 0, 33], torch.float32), (None, torch.bfloat16)):
+        kw = {"seqlens": seqlens} if seqlens else {"B": 2, "T": 21}
+        _, g = cuda_inputs(H=2, state_dtype=state, **kw)
+        args = [t.detach().requires_grad_() if n in ("q", "k", "v", "g", "beta", "A_log", "dt_bias") else t
+                for n, t in zip(("q", "k", "v", "g", "beta", "A_log", "dt_bias"), positional(g))]
+        init = g["initial_state"].detach().requires_grad_()
+        torch.library.opcheck(
+            torch.ops.kda.fwd.default, tuple(args),
+            {"lower_bound": -5.0, "initial_state": init, "output_final_state": True, "cu_seqlens": g["cu_seqlens"]},
+        )
+
+
+def test_compiled_training_step_equals_eager():
+    """torch.compile(fullgraph=True) of the layer, forward and backward, against eager.
+    Inductor fuses the bf16 roundings differently unless told to emulate eager's casts."""
+    from torch._inductor import config as inductor_config
+    from torch_kda.nn import KimiDeltaAttention
+
+    torch.manual_seed(0)
+    layer = KimiDeltaAttention(hidden_size=256, num_heads=2, head_dim=D, lower_bound=-5.0).to(DEV)
+    x = torch.randn(2, 64, 256, device=DEV)
+
+    def step(module):
+        module.zero_grad(set_to_none=True)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            y, _ = module(x)
+        y.float().square().mean().backward()
+        return y.detach().float(), [p.grad.detach().float().clone() for p in module.parameters()]
+
+    y_eager, g_eager = step(layer)
+    with inductor_config.patch(emulate_precision_casts=True):
+        compiled = torch.compile(layer, fullgraph=True)
+        y_comp, g_comp = step(compiled)
+    assert rel(y_comp, y_eager) <= 1e-3
+    for ge, gc in zip(g_eager, g_comp):
+        assert rel(gc, ge) <= 5e-3

@@ -1,12 +1,15 @@
 // CUDA registrations of kda::fwd, kda::fwd_ and kda::bwd: the shared argument
 // checks, the limits of the CUDA kernels, then the launch on the current
-// stream of the tensors' device. No host synchronisation happens here unless
-// TORCH_KDA_CHECK=1 asks for the contents of cu_seqlens to be checked.
+// stream of the tensors' device. The forward never synchronises with the host
+// unless TORCH_KDA_CHECK=1 asks for the contents of cu_seqlens to be checked;
+// the backward's first version reads a varlen batch's cu_seqlens on the host
+// (one sync; fixed-length batches need none).
 #include <ATen/MemoryOverlap.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
 
+#include "chunked_backward.h"
 #include "cuda/launch.h"
 #include "kda.h"
 
@@ -212,11 +215,12 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> bwd(
     const optional<Tensor>& cu_seqlens) {
   Problem p = check_all("kda.bwd", q, k, v, g, beta, A_log, dt_bias, scale, lower_bound, initial_state, cu_seqlens);
   check_backward_grads("kda.bwd", p, q, grad_out, grad_final_state);
-  TORCH_CHECK_NOT_IMPLEMENTED(
-      false,
-      "kda.bwd: the CUDA backward kernels are not implemented yet in this version of torch_kda; "
-      "train with CPU tensors for now");
-  return {};
+  c10::cuda::CUDAGuard guard(q.device());
+  // First version: the chunked backward composed of ATen ops (chunked_backward.h),
+  // correct but far from the kernels' speed; varlen batches read cu_seqlens on
+  // the host (one sync).
+  return backward_by_chunks("kda.bwd", p, grad_out, grad_final_state, q, k, v, g, beta, A_log, dt_bias,
+                            initial_state, cu_seqlens);
 }
 
 }  // namespace
