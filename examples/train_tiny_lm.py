@@ -414,11 +414,12 @@ def _train(args, device, rank, world, mesh, head_dim, lower_bound, log):
         # cannot compile as one graph: with --fsdp the graph breaks at each FSDP unit's hooks.
         step_fn = torch.compile(model, fullgraph=not args.fsdp)
 
-    losses, accs = [], []
+    losses, accs, step_times = [], [], []
     tokens_per_step = args.batch_size * args.seq_len
     start = time.perf_counter()
     timed_from = None  # the rate leaves out step 1 (warm-up, and compilation with --compile)
     for step in range(1, args.steps + 1):
+        step_start = time.perf_counter()
         tokens, targets = next_batch()
         with autocast:
             logits = step_fn(tokens)
@@ -451,7 +452,8 @@ def _train(args, device, rank, world, mesh, head_dim, lower_bound, log):
         if not math.isfinite(loss_value):
             log()
             raise RuntimeError(f"loss is {loss_value} at step {step}")
-        now = time.perf_counter()
+        now = time.perf_counter()  # after .tolist() above, which waits for the device
+        step_times.append(now - step_start)
         if step == 1:
             timed_from = now
         rate = tokens_per_step * (step - 1) / (now - timed_from) if step > 1 else None
@@ -471,6 +473,7 @@ def _train(args, device, rank, world, mesh, head_dim, lower_bound, log):
             "loss": losses,
             "recall_accuracy": accs,
             "tokens_per_s": rate,
+            "step_time_s": step_times,
             "gate_params": {"initial": initial_gates, "final": final_gates},
             "args": vars(args),
         }
