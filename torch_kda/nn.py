@@ -80,7 +80,13 @@ class ShortConvolution(nn.Module):
             return torch.where(pos >= 0, inside, before).clamp(0, last)
 
         t = torch.arange(L, device=x.device)
-        seq = torch.searchsorted(offsets[1:], t, right=True).clamp(0, max(N - 1, 0))  # [L]
+        # seq[t] = the number of inner boundaries at or before t, counted by a scatter and a
+        # cumsum rather than searchsorted: inductor's GPU lowering of searchsorted fails on a
+        # sliced boundary tensor (torch 2.11: "NotImplementedError: SliceView").
+        marks = torch.zeros(L + 1, dtype=torch.int64, device=x.device)
+        inner = offsets[1:N].to(torch.int64).clamp(0, L)
+        marks = marks.index_add(0, inner, torch.ones_like(inner))
+        seq = marks.cumsum(0)[:L].clamp(0, max(N - 1, 0))  # [L]
         pos = t - offsets[seq]
         weight = self.weight.to(x.dtype)
         y = torch.zeros(L, C, dtype=x.dtype, device=x.device)
