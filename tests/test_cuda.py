@@ -307,6 +307,82 @@ def test_inplace_writes_every_element(state_dtype):
         assert torch.equal(t, g[n]), f"{n} was modified"
 
 
+# --------------------------------------------------------------------------
+# Windows (forward_schedule.h): K1 of window w + 1 beside K2 of window w
+# --------------------------------------------------------------------------
+
+
+def run_windowed(g, window, monkeypatch, **kw):
+    monkeypatch.setenv("TORCH_KDA_WINDOW_SLOTS", str(window))
+    try:
+        return run_cuda(g, **kw)
+    finally:
+        monkeypatch.delenv("TORCH_KDA_WINDOW_SLOTS")
+
+
+WINDOW_CASES = {
+    # name: (inputs, windows in slots); slots are 16-token chunks
+    "fixed": (dict(B=2, T=300, H=2), [1, 3, 7, 19]),
+    "varlen": (dict(seqlens=[5, 16, 0, 31, 1, 47, 0, 33], H=2), [1, 2, 3, 5]),
+    "varlen_empty_ends": (dict(seqlens=[0, 0, 17, 0, 16, 0], H=3), [1, 2]),
+    "eight_warp_blocks": (dict(B=1, T=200, H=96), [2, 5]),
+}
+
+
+@pytest.mark.parametrize("state_dtype", [torch.bfloat16, torch.float32, None])
+@pytest.mark.parametrize("case", list(WINDOW_CASES))
+def test_windows_are_bitwise_one_pass(case, state_dtype, monkeypatch):
+    """Windows split the call but not the arithmetic: the states wait between
+    windows in fp32, as they do on chip, so every window size gives the
+    one-pass result bit for bit; sequences start, end and are empty at and
+    across window edges."""
+    kw, windows = WINDOW_CASES[case]
+    d, g = cuda_inputs(state_dtype=state_dtype or torch.float32, **kw)
+    if state_dtype is None:
+        g["initial_state"] = None
+    one_out, one_final = run_windowed(g, 0, monkeypatch)
+    for window in windows:
+        out, final = run_windowed(g, window, monkeypatch)
+        assert torch.equal(out, one_out), window
+        assert torch.equal(final, one_final), window
+
+
+def test_windows_write_every_element_and_allow_inplace_state(monkeypatch):
+    """Poisoned outputs, and final_state given as the initial state's own buffer:
+    window 0 reads it, the last window writes it."""
+    d, g = cuda_inputs(seqlens=[3, 40, 0, 45, 19], H=2, state_dtype=torch.float32)
+    ref_out, ref_final = run_reference(d, lower_bound=-5.0)
+    state = g["initial_state"].clone()
+    out = torch.full((1, 107, 2, D), float("nan"), dtype=torch.bfloat16, device=DEV)
+    monkeypatch.setenv("TORCH_KDA_WINDOW_SLOTS", "2")
+    torch_kda.fwd(g["q"], g["k"], g["v"], g["g"], g["beta"], None, out, g["A_log"], g["dt_bias"], -5.0,
+                  initial_state=state, final_state=state, cu_seqlens=g["cu_seqlens"])
+    torch.cuda.synchronize()
+    assert torch.isfinite(out.float()).all()
+    assert rel(out.cpu(), ref_out) <= 5e-3
+    assert rel(state.cpu(), ref_final) <= FP32_STATE_TOL
+
+
+@pytest.mark.parametrize("H", [4, 16, 32])
+def test_automatic_windows_match_reference(H, monkeypatch):
+    """Few heads and 8192 tokens: the call runs in windows by itself (K2 gives
+    each SM at most two warps); same bits as one pass, and the reference's values."""
+    monkeypatch.delenv("TORCH_KDA_WINDOW_SLOTS", raising=False)
+    d, g = cuda_inputs(B=1, T=8192, H=H, state_dtype=torch.float32)
+    e_out, e_state, out, final = errors(d, g)
+    print(f"H={H} in windows: out rel {e_out:.2e}, state rel {e_state:.2e}")
+    assert e_out <= 5e-3 and e_state <= FP32_STATE_TOL
+    one_out, one_final = run_windowed(g, 0, monkeypatch)
+    assert torch.equal(out, one_out) and torch.equal(final, one_final)
+
+
+def test_window_setting_is_checked(monkeypatch):
+    d, g = cuda_inputs(B=1, T=40, H=2)
+    monkeypatch.setenv("TORCH_KDA_WINDOW_SLOTS", "three")
+    with pytest.raises(RuntimeError, match="TORCH_KDA_WINDOW_SLOTS must be a non-negative integer, got 'three'"):
+        run_cuda(g)
+
+
 @pytest.mark.parametrize("final_dtype", [torch.bfloat16, torch.float32, torch.float64])
 def test_inplace_final_state_without_initial_state(final_dtype):
     """The first prefill of the flash_kda drop-in: no initial state, a final_state buffer
@@ -390,7 +466,11 @@ def test_deterministic():
 # --------------------------------------------------------------------------
 
 
-def test_cuda_graph_capture_and_replay():
+@pytest.mark.parametrize("window", ["0", "3"])
+def test_cuda_graph_capture_and_replay(window, monkeypatch):
+    """window "3": the call runs in windows of 3 chunk slots, K1 on a side stream
+    that the capture must fork and join."""
+    monkeypatch.setenv("TORCH_KDA_WINDOW_SLOTS", window)
     d, g = cuda_inputs(seqlens=[40, 0, 100, 17], H=2, state_dtype=torch.float32)
     out = torch.empty(1, 157, 2, D, dtype=torch.bfloat16, device=DEV)
     final = torch.empty(4, 2, D, D, dtype=torch.float32, device=DEV)

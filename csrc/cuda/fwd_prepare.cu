@@ -29,7 +29,7 @@ __global__ void __launch_bounds__(kThreads) prepare_kernel(const FwdParams p) {
   __shared__ float sBeta[C];
 
   const int64_t H = p.H;
-  const int64_t slot = blockIdx.x / H;
+  const int64_t slot = p.slot_begin + blockIdx.x / H;
   const int64_t h = blockIdx.x % H;
   const int64_t total_chunks = chunk_offset(p, p.N);
   // The grid covers the capacity; the live chunks are fewer when sequences end
@@ -83,7 +83,7 @@ __global__ void __launch_bounds__(kThreads) prepare_kernel(const FwdParams p) {
   }
   __syncthreads();
 
-  unsigned char* ws = reinterpret_cast<unsigned char*>(p.workspace) + (slot * H + h) * kWsChunkBytes;
+  unsigned char* ws = reinterpret_cast<unsigned char*>(p.workspace) + ((slot - p.slot_begin) * H + h) * kWsChunkBytes;
   float* ws_u0 = reinterpret_cast<float*>(ws + kWsU0);
   const float e_last = expf(gsum[C - 1]);
 #pragma unroll
@@ -157,11 +157,12 @@ __global__ void __launch_bounds__(kThreads) prepare_kernel(const FwdParams p) {
 }  // namespace
 
 void launch_prepare(const FwdParams& p, cudaStream_t stream) {
-  if (p.num_slots == 0 || p.H == 0) {
+  const int64_t slots = p.slot_end - p.slot_begin;
+  if (slots <= 0 || p.H == 0) {
     return;
   }
-  const int64_t blocks = p.num_slots * p.H;
-  TORCH_CHECK(blocks <= INT32_MAX, "kda.fwd: ", std::to_string(p.num_slots), " chunks x ", std::to_string(p.H),
+  const int64_t blocks = slots * p.H;
+  TORCH_CHECK(blocks <= INT32_MAX, "kda.fwd: ", std::to_string(slots), " chunks x ", std::to_string(p.H),
               " heads is more blocks than one launch takes");
   prepare_kernel<<<static_cast<unsigned int>(blocks), kThreads, 0, stream>>>(p);
   C10_CUDA_KERNEL_LAUNCH_CHECK();

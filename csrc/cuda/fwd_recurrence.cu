@@ -152,10 +152,23 @@ __global__ void __launch_bounds__(kWarps * 32) recurrence_kernel(const FwdParams
   const int64_t seq_bos = seq_offset(p, n), seq_eos = seq_offset(p, n + 1);
   const int64_t c_begin = chunk_offset(p, n);
   const int64_t c_end = min64(chunk_offset(p, n + 1), p.num_slots);
-  const int64_t nchunks = c_end > c_begin ? c_end - c_begin : 0;
-  // Record of chunk c of this sequence: first + c * stride.
-  const unsigned char* first = reinterpret_cast<const unsigned char*>(p.workspace) + (c_begin * H + h) * kWsChunkBytes;
+  // The sequence's part of this launch's window of slots. Its state comes from
+  // initial_state in the window where the sequence starts (an empty one: where
+  // its offset falls, the last window for one at the very end) and goes to
+  // final_state in the window where it ends; in between it waits in the carry.
+  const bool last_window = p.slot_end >= p.num_slots;
+  const bool starts_here = c_begin >= p.slot_begin && (c_begin < p.slot_end || last_window);
+  const bool ends_here = c_end <= p.slot_end || last_window;
+  const int64_t lo = c_begin > p.slot_begin ? c_begin : p.slot_begin;
+  const int64_t nchunks = min64(c_end, p.slot_end) > lo ? min64(c_end, p.slot_end) - lo : 0;
+  if (nchunks == 0 && !starts_here) {
+    return;  // the whole block: nothing of this sequence here
+  }
+  // Record of chunk c of this window's part: first + c * stride.
+  const unsigned char* first =
+      reinterpret_cast<const unsigned char*>(p.workspace) + ((lo - p.slot_begin) * H + h) * kWsChunkBytes;
   const int64_t stride = H * kWsChunkBytes;
+  const int64_t part_bos = seq_bos + (lo - c_begin) * C;  // the part's first token
 
 #pragma unroll
   for (int s = 0; s < kSt - 1; ++s) {
@@ -169,13 +182,15 @@ __global__ void __launch_bounds__(kWarps * 32) recurrence_kernel(const FwdParams
   // columns 8(j0 + j) + 2t (e even) and + 1 (e odd); [n, h, v, k] layout.
   const int64_t row_g = ((n * H + h) * D + v0 + g) * D;
   const int64_t row_g8 = row_g + 8 * D;
+  const void* state_in = starts_here ? p.initial_state : p.carry;
+  const bool in_fp32 = starts_here ? p.state_fp32 : true;
   float s[kNt][4];
 #pragma unroll
   for (int j = 0; j < kNt; ++j) {
     const int k0 = 8 * (j0 + j) + 2 * t;
-    if (p.initial_state != nullptr) {
-      load_state_pair(p.initial_state, row_g + k0, p.state_fp32, s[j][0], s[j][1]);
-      load_state_pair(p.initial_state, row_g8 + k0, p.state_fp32, s[j][2], s[j][3]);
+    if (state_in != nullptr) {
+      load_state_pair(state_in, row_g + k0, in_fp32, s[j][0], s[j][1]);
+      load_state_pair(state_in, row_g8 + k0, in_fp32, s[j][2], s[j][3]);
     } else {
       s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.f;
     }
@@ -280,7 +295,7 @@ __global__ void __launch_bounds__(kWarps * 32) recurrence_kernel(const FwdParams
     // O^T += U^T Aqk^T for the token n-tiles nt with nt % kSplit == ks (Aqk
     // stored [i][j] is Aqk^T's B fragment as it stands); out leaves through the
     // row group's tile, each token row as two 16-byte stores.
-    const int64_t bos = seq_bos + c * C;
+    const int64_t bos = part_bos + c * C;
     const int len = static_cast<int>(min64(C, seq_eos - bos));
     auto& tile = out_tile[rg];
     if (ks < 2) {
@@ -334,18 +349,20 @@ __global__ void __launch_bounds__(kWarps * 32) recurrence_kernel(const FwdParams
     __syncthreads();  // the stage, the out tile and the partial sums are rewritten next iteration
   }
 
-  if (p.final_state != nullptr) {
+  void* state_out = ends_here ? p.final_state : p.carry;
+  const bool out_fp32 = ends_here ? p.state_fp32 : true;
+  if (state_out != nullptr) {
 #pragma unroll
     for (int j = 0; j < kNt; ++j) {
       const int k0 = 8 * (j0 + j) + 2 * t;
-      store_state_pair(p.final_state, row_g + k0, p.state_fp32, s[j][0], s[j][1]);
-      store_state_pair(p.final_state, row_g8 + k0, p.state_fp32, s[j][2], s[j][3]);
+      store_state_pair(state_out, row_g + k0, out_fp32, s[j][0], s[j][1]);
+      store_state_pair(state_out, row_g8 + k0, out_fp32, s[j][2], s[j][3]);
     }
   }
 }
 
 template <int kWarps, int kSplit>
-void launch(const FwdParams& p, cudaStream_t stream) {
+void launch(const FwdParams& p, cudaStream_t stream, int priority) {
   using Cfg = Config<kWarps, kSplit>;
   static_assert(Cfg::kSmem <= 227 * 1024, "over the per-block shared memory of sm_90");
   auto* kernel = recurrence_kernel<kWarps, kSplit>;
@@ -354,13 +371,22 @@ void launch(const FwdParams& p, cudaStream_t stream) {
   const int64_t blocks = p.N * p.H * (D / Cfg::kCols);
   TORCH_CHECK(blocks <= INT32_MAX, "kda.fwd: ", std::to_string(p.N), " sequences x ", std::to_string(p.H),
               " heads is more blocks than one launch takes");
-  kernel<<<static_cast<unsigned int>(blocks), Cfg::kThreads, Cfg::kSmem, stream>>>(p);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  cudaLaunchConfig_t config = {};
+  config.gridDim = dim3(static_cast<unsigned int>(blocks));
+  config.blockDim = dim3(Cfg::kThreads);
+  config.dynamicSmemBytes = Cfg::kSmem;
+  config.stream = stream;
+  cudaLaunchAttribute attribute[1];
+  attribute[0].id = cudaLaunchAttributePriority;
+  attribute[0].val.priority = priority;
+  config.attrs = attribute;
+  config.numAttrs = priority != 0 ? 1 : 0;
+  C10_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, p));
 }
 
 }  // namespace
 
-void launch_recurrence(const FwdParams& p, cudaStream_t stream) {
+void launch_recurrence(const FwdParams& p, cudaStream_t stream, int priority) {
   if (p.N == 0 || p.H == 0) {
     return;
   }
@@ -371,15 +397,15 @@ void launch_recurrence(const FwdParams& p, cudaStream_t stream) {
   // each SM would idle while a single warp walks the sequence: four warps split
   // the row group's key columns instead. (At two per SM the split measured
   // slower than two full-width warps: 0.597 vs 0.555 ms, H200, 8192 x 32.)
-  const int64_t warps_per_sm = (p.N * p.H * (D / 16) + p.num_sms - 1) / p.num_sms;
+  const int64_t warps_per_sm = recurrence_warps_per_sm(p);
   if (warps_per_sm > 4) {
-    launch<8, 1>(p, stream);
+    launch<8, 1>(p, stream, priority);
   } else if (warps_per_sm > 2) {
-    launch<4, 1>(p, stream);
+    launch<4, 1>(p, stream, priority);
   } else if (warps_per_sm > 1) {
-    launch<2, 1>(p, stream);
+    launch<2, 1>(p, stream, priority);
   } else {
-    launch<4, 4>(p, stream);
+    launch<4, 4>(p, stream, priority);
   }
 }
 

@@ -21,13 +21,16 @@ void launch_prepare(const FwdParams& params, cudaStream_t stream);
 
 // K2: sequential over chunks; a row group of 16 value rows of one (sequence,
 // head) per warp, or per four warps when its key columns are split; blocks of
-// four or eight warps. Carries the fp32 state on chip in tensor-core
-// accumulators, writes out and final_state.
-void launch_recurrence(const FwdParams& params, cudaStream_t stream);
+// two, four or eight warps. Carries the fp32 state on chip in tensor-core
+// accumulators, writes out and final_state. priority != 0: the launch's
+// scheduling priority (lower is more urgent), for a K2 that shares the GPU with
+// the next window's K1.
+void launch_recurrence(const FwdParams& params, cudaStream_t stream, int priority = 0);
 
-inline void launch_forward(const FwdParams& params, cudaStream_t stream) {
-  launch_prepare(params, stream);
-  launch_recurrence(params, stream);
+// The warps that K2 gives each SM when every (sequence, head) has its eight row
+// groups resident at once; its block shape follows from this.
+inline int64_t recurrence_warps_per_sm(const FwdParams& p) {
+  return (p.N * p.H * (kHeadDim / 16) + p.num_sms - 1) / p.num_sms;
 }
 
 }  // namespace kda::cuda

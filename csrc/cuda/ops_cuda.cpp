@@ -10,6 +10,7 @@
 #include <torch/library.h>
 
 #include "chunked_backward.h"
+#include "cuda/forward_schedule.h"
 #include "cuda/launch.h"
 #include "kda.h"
 
@@ -150,7 +151,6 @@ void forward_into(const Problem& p, const Tensor& q, const Tensor& k, const Tens
   }
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(q.device().index()).stream();
   Boundaries bounds = sequence_boundaries(p, q, cu_seqlens, stream);
-  Tensor workspace = at::empty({bounds.num_slots, concrete(p.H), kWsChunkFloats}, q.options().dtype(at::kFloat));
 
   FwdParams params;
   params.H = concrete(p.H);
@@ -167,7 +167,6 @@ void forward_into(const Problem& p, const Tensor& q, const Tensor& k, const Tens
   params.chunk_offsets = params.seq_offsets != nullptr ? params.seq_offsets + (params.N + 1) : nullptr;
   params.T = concrete(p.T);
   params.num_slots = bounds.num_slots;
-  params.workspace = workspace.data_ptr<float>();
   params.initial_state = init.defined() ? init.data_ptr() : nullptr;
   params.final_state = final_c.defined() ? final_c.data_ptr() : nullptr;
   params.state_fp32 = p.state_dtype == at::kFloat;
@@ -175,7 +174,7 @@ void forward_into(const Problem& p, const Tensor& q, const Tensor& k, const Tens
   params.scale = static_cast<float>(resolved_scale(p));
   params.lower_bound = static_cast<float>(p.lower_bound);
 
-  launch_forward(params, stream);
+  run_forward(params, q);
 
   if (!out_c.is_same(out)) {
     out.copy_(out_c);

@@ -61,8 +61,16 @@ struct FwdParams {
   const int64_t* seq_offsets = nullptr;
   const int64_t* chunk_offsets = nullptr;
   int64_t T = 0;  // tokens per sequence when the offsets are null
-  int64_t num_slots = 0;        // workspace capacity in chunks (per head)
-  float* workspace = nullptr;   // [num_slots, H] records of kWsChunkBytes
+  int64_t num_slots = 0;        // chunk slots of the whole call (per head)
+
+  // The launch's window of chunk slots [slot_begin, slot_end): K1 prepares
+  // these, K2 advances every state through them. One window spans the call;
+  // several let K1 fill window w + 1 while K2 walks window w (forward_schedule.h).
+  int64_t slot_begin = 0;
+  int64_t slot_end = 0;
+  float* workspace = nullptr;   // [slot_end - slot_begin, H] records of kWsChunkBytes
+  // fp32 [N, H, V, K]: the states between windows; null with one window.
+  float* carry = nullptr;
 
   // States [N, H, V, K] (V-first), both in one dtype, bf16 or fp32; null when absent.
   const void* initial_state = nullptr;
