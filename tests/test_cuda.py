@@ -363,17 +363,39 @@ def test_windows_write_every_element_and_allow_inplace_state(monkeypatch):
     assert rel(state.cpu(), ref_final) <= FP32_STATE_TOL
 
 
-@pytest.mark.parametrize("H", [4, 16, 32])
+@pytest.mark.parametrize("H", [16, 32])
 def test_automatic_windows_match_reference(H, monkeypatch):
-    """Few heads and 8192 tokens: the call runs in windows by itself (K2 gives
-    each SM at most two warps); same bits as one pass, and the reference's values."""
+    """Few heads and 32768 tokens: a one-pass workspace of 1.1 to 2.2 GB, so the
+    call runs in windows by itself (test_automatic_windows_bound_memory); same
+    bits as one pass, and the reference's values."""
     monkeypatch.delenv("TORCH_KDA_WINDOW_SLOTS", raising=False)
-    d, g = cuda_inputs(B=1, T=8192, H=H, state_dtype=torch.float32)
+    T = 32768
+    d, g = cuda_inputs(B=1, T=T, H=H, state_dtype=torch.float32)
     e_out, e_state, out, final = errors(d, g)
     print(f"H={H} in windows: out rel {e_out:.2e}, state rel {e_state:.2e}")
     assert e_out <= 5e-3 and e_state <= FP32_STATE_TOL
     one_out, one_final = run_windowed(g, 0, monkeypatch)
     assert torch.equal(out, one_out) and torch.equal(final, one_final)
+
+
+def test_automatic_windows_bound_memory(monkeypatch):
+    monkeypatch.delenv("TORCH_KDA_WINDOW_SLOTS", raising=False)
+    T, H = 32768, 16
+    d, g = cuda_inputs(B=1, T=T, H=H, state_dtype=torch.float32)
+    one_pass_workspace = (T // 16) * H * 34304
+    peaks = {}
+    for window in (None, 0):
+        if window is not None:
+            monkeypatch.setenv("TORCH_KDA_WINDOW_SLOTS", str(window))
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        run_cuda(g)
+        torch.cuda.synchronize()
+        peaks[window] = torch.cuda.max_memory_allocated() - base
+    print(f"peak: automatic {peaks[None] / 2**20:.0f} MiB, one pass {peaks[0] / 2**20:.0f} MiB")
+    assert peaks[0] >= one_pass_workspace
+    assert peaks[None] < peaks[0] / 2  # ring of two 2048-token windows + out, vs 1.1 GB + out
 
 
 def test_window_setting_is_checked(monkeypatch):

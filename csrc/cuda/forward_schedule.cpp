@@ -16,12 +16,17 @@
 namespace kda::cuda {
 namespace {
 
-// Windows of at least 2048 tokens keep the per-window costs (a launch each, K2
-// reloading its state and refilling its staging) small against the work; at
-// most 16 of them bound those costs for long sequences. With fewer than two
-// windows' worth of slots the call runs in one pass.
+// Windows bound the workspace where it grows large and K2 leaves room on the
+// SMs for K1 beside it. They were meant to hide K1's time too, but measured
+// none: beside K1, K2 ran 42% slower and K1 81% (H200, 65536 x 16 heads; both
+// kernels issue-bound, see benchmarks/RESULTS.md). So windows only where the
+// one-pass workspace would pass 1 GiB; there they cost ~2% of the time. Windows
+// of 2048 to 8192 tokens keep the per-window costs (two launches, K2 reloading
+// its state and refilling its staging) small against the work.
+constexpr int64_t kOnePassWorkspaceLimit = int64_t{1} << 30;
 constexpr int64_t kMinWindowSlots = 128;
-constexpr int64_t kMaxWindows = 16;
+constexpr int64_t kMaxWindowSlots = 512;
+constexpr int64_t kTargetWindows = 16;
 constexpr int kRing = 2;  // K1 one window ahead of K2
 
 // TORCH_KDA_WINDOW_SLOTS=n forces windows of n slots on every call (tests use
@@ -35,10 +40,10 @@ int64_t window_slots(const FwdParams& p) {
                 "kda.fwd: TORCH_KDA_WINDOW_SLOTS must be a non-negative integer, got '", env, "'");
     return n == 0 ? p.num_slots : std::min<int64_t>(n, p.num_slots);
   }
-  if (recurrence_warps_per_sm(p) > 2) {
+  if (recurrence_warps_per_sm(p) > 2 || p.num_slots * p.H * kWsChunkBytes <= kOnePassWorkspaceLimit) {
     return p.num_slots;
   }
-  const int64_t w = std::max(kMinWindowSlots, (p.num_slots + kMaxWindows - 1) / kMaxWindows);
+  const int64_t w = std::clamp((p.num_slots + kTargetWindows - 1) / kTargetWindows, kMinWindowSlots, kMaxWindowSlots);
   return 2 * w <= p.num_slots ? w : p.num_slots;
 }
 

@@ -1,14 +1,14 @@
 // How one forward call's two kernels are enqueued, and the memory between them.
 //
 // In one pass, K1 fills a record for every chunk slot of the call (34,304 bytes
-// per chunk and head), then K2 walks them, and K1's time adds to K2's. When K2
-// leaves most of each SM idle (few (sequence, head) pairs: at most two of its
-// warps per SM) and the call has enough chunks, the slots are cut into windows
-// instead: K1 prepares window w + 1 on a side stream while K2 advances the
-// states through window w on the caller's stream, launched at a higher priority
-// so that its blocks are placed ahead of K1's waiting ones. Records then live in
-// a ring of two windows and the states between windows in an fp32 carry, so
-// the results are bitwise those of one pass.
+// per chunk and head), then K2 walks them. When that workspace would pass
+// 1 GiB and K2 leaves room on the SMs (few (sequence, head) pairs: at most two
+// of its warps per SM), the slots are cut into windows instead: K1 prepares
+// window w + 1 on a side stream while K2 advances the states through window w
+// on the caller's stream, launched at a higher priority so that its blocks are
+// placed ahead of K1's waiting ones. Records then live in a ring of two
+// windows and the states between windows in an fp32 carry, so the results are
+// bitwise those of one pass.
 #pragma once
 
 #include <ATen/core/Tensor.h>

@@ -14,18 +14,23 @@ namespace {
 constexpr int C = kChunk;
 constexpr int D = kHeadDim;
 constexpr int kThreads = D;
-constexpr int kWarps = kThreads / 32;
 static_assert(kThreads == C * C / 2, "two entries of each 16x16 matrix per thread");
 // Row stride of the shared tiles: 16-byte aligned rows, and the 8 rows that a
 // quarter warp reads with 16-byte loads fall in distinct banks.
 constexpr int kPad = D + 4;
 
-__global__ void __launch_bounds__(kThreads) prepare_kernel(const FwdParams p) {
+// Six blocks per SM (at most 85 registers a thread): the block's single
+// round trip to memory hides behind the other blocks' arithmetic.
+constexpr int kMinBlocksPerSm = 6;
+
+__global__ void __launch_bounds__(kThreads, kMinBlocksPerSm) prepare_kernel(const FwdParams p) {
+  // sQe and sKe first hold the raw q and k rows (for the norms), then q^ exp(G)
+  // and k^ exp(G).
   __shared__ __align__(16) float sQe[C][kPad];  // q^ exp(G)
   __shared__ __align__(16) float sKe[C][kPad];  // k^ exp(G)
   __shared__ __align__(16) float sKi[C][kPad];  // k^ exp(-G)
   __shared__ float sA[C][C + 1];    // A_kk, strictly lower
-  __shared__ float sSq[2][C][kWarps];
+  __shared__ float sInvNorm[2][C];  // 1 / ||q_i||, 1 / ||k_i|| (with the epsilon)
   __shared__ float sBeta[C];
 
   const int64_t H = p.H;
@@ -42,32 +47,20 @@ __global__ void __launch_bounds__(kThreads) prepare_kernel(const FwdParams p) {
   const int len = static_cast<int>(min64(C, seq_offset(p, n + 1) - bos));
 
   const int d = threadIdx.x;
-  const int warp = d / 32, lane = d % 32;
 
   // Every global load up front: the block's latency is one memory round trip.
-  float q[C], k[C], gsum[C], v[C];
+  float gsum[C], v[C];
 #pragma unroll
   for (int i = 0; i < C; ++i) {
     const int64_t idx = ((bos + i) * H + h) * D + d;
     const bool valid = i < len;
-    q[i] = valid ? load_bf16(p.q, idx) : 0.f;
-    k[i] = valid ? load_bf16(p.k, idx) : 0.f;
+    sQe[i][d] = valid ? load_bf16(p.q, idx) : 0.f;
+    sKe[i][d] = valid ? load_bf16(p.k, idx) : 0.f;
     gsum[i] = valid ? load_bf16(p.g, idx) : 0.f;
     v[i] = valid ? load_bf16(p.v, idx) : 0.f;
   }
   if (d < C) {
     sBeta[d] = d < len ? 1.f / (1.f + expf(-load_bf16(p.beta, (bos + d) * H + h))) : 0.f;
-  }
-
-  // Squared norms of q_i and k_i: warp partial sums, then across warps.
-#pragma unroll
-  for (int i = 0; i < C; ++i) {
-    const float sq = warp_sum(q[i] * q[i]);
-    const float sk = warp_sum(k[i] * k[i]);
-    if (lane == 0) {
-      sSq[0][i][warp] = sq;
-      sSq[1][i][warp] = sk;
-    }
   }
 
   // Gate: lambda = lower_bound * sigmoid(exp(A_log) (g + dt_bias)); padded
@@ -77,29 +70,45 @@ __global__ void __launch_bounds__(kThreads) prepare_kernel(const FwdParams p) {
   float acc = 0.f;
 #pragma unroll
   for (int i = 0; i < C; ++i) {
-    const float lam = i < len ? p.lower_bound / (1.f + expf(-A * (gsum[i] + bias))) : 0.f;
+    const float lam = i < len ? __fdividef(p.lower_bound, 1.f + expf(-A * (gsum[i] + bias))) : 0.f;
     acc += lam;
     gsum[i] = acc;  // now G_i, the cumulative log decay
+  }
+  __syncthreads();
+
+  // Squared norms of the 32 rows (q's 16, then k's): four threads per row
+  // (lanes 8 apart), each every fourth 16-byte piece of it, then two shuffles;
+  // far fewer instructions than a warp reduction per row. The eight lanes of a
+  // quarter warp read eight rows, 4 banks apart (kPad): no bank conflicts.
+  {
+    const int row = (d / 32) * 8 + d % 8, part = (d % 32) / 8;
+    const float* src = row < C ? &sQe[row][0] : &sKe[row - C][0];
+    float sq = 0.f;
+#pragma unroll
+    for (int m = 0; m < D / 16; ++m) {
+      const float4 x = *reinterpret_cast<const float4*>(src + m * 16 + part * 4);
+      sq += x.x * x.x + x.y * x.y + x.z * x.z + x.w * x.w;
+    }
+    sq += __shfl_xor_sync(0xffffffffu, sq, 8);
+    sq += __shfl_xor_sync(0xffffffffu, sq, 16);
+    if (part == 0) {
+      sInvNorm[row / C][row % C] = rsqrtf(sq + static_cast<float>(kNormEps));
+    }
   }
   __syncthreads();
 
   unsigned char* ws = reinterpret_cast<unsigned char*>(p.workspace) + ((slot - p.slot_begin) * H + h) * kWsChunkBytes;
   float* ws_u0 = reinterpret_cast<float*>(ws + kWsU0);
   const float e_last = expf(gsum[C - 1]);
+  // Column d of every tile is this thread's alone until the next barrier.
 #pragma unroll
   for (int i = 0; i < C; ++i) {
-    float nq = 0.f, nk = 0.f;
-#pragma unroll
-    for (int w = 0; w < kWarps; ++w) {
-      nq += sSq[0][i][w];
-      nk += sSq[1][i][w];
-    }
-    const float qn = q[i] * rsqrtf(nq + static_cast<float>(kNormEps));
-    const float kn = k[i] * rsqrtf(nk + static_cast<float>(kNormEps));
+    const float qn = sQe[i][d] * sInvNorm[0][i];
+    const float kn = sKe[i][d] * sInvNorm[1][i];
     // |G| <= 16 * 5 = 80 here: exp(G) >= e^-80 is a normal float and its
     // reciprocal exp(-G) <= e^80 stays finite.
     const float e = expf(gsum[i]);
-    const float e_inv = __frcp_rn(e);
+    const float e_inv = __fdividef(1.f, e);
     sQe[i][d] = qn * e;
     sKe[i][d] = kn * e;
     sKi[i][d] = kn * e_inv;
