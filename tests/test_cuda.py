@@ -133,6 +133,24 @@ def test_every_block_width_matches_reference(H):
     assert e_out <= 5e-3 and e_state <= 1e-4
 
 
+@pytest.mark.parametrize("shape", ["8x1", "4x1", "2x1", "4x4"])
+def test_forced_block_shapes_match_reference(shape, monkeypatch):
+    """TORCH_KDA_RECURRENCE_BLOCK (a measurement knob) runs any block shape on any
+    problem: each on a varlen batch with an empty sequence and a partial chunk."""
+    monkeypatch.setenv("TORCH_KDA_RECURRENCE_BLOCK", shape)
+    d, g = cuda_inputs(seqlens=[5, 40, 0, 77], H=3, state_dtype=torch.float32)
+    e_out, e_state, _, _ = errors(d, g)
+    print(f"block {shape}: out rel {e_out:.2e}, state rel {e_state:.2e}")
+    assert e_out <= 5e-3 and e_state <= FP32_STATE_TOL
+
+
+def test_forced_block_shape_is_checked(monkeypatch):
+    d, g = cuda_inputs(B=1, T=40, H=2)
+    monkeypatch.setenv("TORCH_KDA_RECURRENCE_BLOCK", "16x1")
+    with pytest.raises(RuntimeError, match="TORCH_KDA_RECURRENCE_BLOCK must be one of 8x1, 4x1, 2x1, 4x4, got '16x1'"):
+        run_cuda(g)
+
+
 def test_fp32_state_does_not_drift_over_long_small_beta_sequences():
     """Small beta: the delta rule corrects the state only over ~100 / beta tokens, so a
     rounding bias in the state update (the tensor cores' fp32 accumulation truncates)

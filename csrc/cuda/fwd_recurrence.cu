@@ -19,6 +19,7 @@
 #include <c10/cuda/CUDAException.h>
 
 #include <cstddef>
+#include <cstdlib>
 #include <string>
 
 #include "cuda/device_utils.cuh"
@@ -397,6 +398,23 @@ void launch_recurrence(const FwdParams& p, cudaStream_t stream, int priority) {
   // each SM would idle while a single warp walks the sequence: four warps split
   // the row group's key columns instead. (At two per SM the split measured
   // slower than two full-width warps: 0.597 vs 0.555 ms, H200, 8192 x 32.)
+  // TORCH_KDA_RECURRENCE_BLOCK=WxS forces blocks of W warps splitting key
+  // columns S ways (8x1, 4x1, 2x1 or 4x4), for measurements and tests.
+  if (const char* env = std::getenv("TORCH_KDA_RECURRENCE_BLOCK"); env != nullptr && *env != '\0') {
+    const std::string shape(env);
+    if (shape == "8x1") {
+      launch<8, 1>(p, stream, priority);
+    } else if (shape == "4x1") {
+      launch<4, 1>(p, stream, priority);
+    } else if (shape == "2x1") {
+      launch<2, 1>(p, stream, priority);
+    } else if (shape == "4x4") {
+      launch<4, 4>(p, stream, priority);
+    } else {
+      TORCH_CHECK(false, "kda.fwd: TORCH_KDA_RECURRENCE_BLOCK must be one of 8x1, 4x1, 2x1, 4x4, got '", shape, "'");
+    }
+    return;
+  }
   const int64_t warps_per_sm = recurrence_warps_per_sm(p);
   if (warps_per_sm > 4) {
     launch<8, 1>(p, stream, priority);
