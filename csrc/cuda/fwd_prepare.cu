@@ -7,7 +7,6 @@
 
 #include "cuda/device_utils.cuh"
 #include "cuda/launch.h"
-#include "cuda/mma.cuh"
 
 namespace kda::cuda {
 namespace {
@@ -119,46 +118,29 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm) prepare_kernel(cons
   reinterpret_cast<float*>(ws + kWsGl)[d] = e_last;
   __syncthreads();
 
-  // The 16x16 matrices on the tensor cores, one 16x8 tile per warp: warps 0
-  // and 1 the columns 0-7 and 8-15 of (k^ exp(G)) (k^ exp(-G))^T, warps 2 and
-  // 3 those of (q^ exp(G)) (k^ exp(-G))^T; bf16x3 products (mma.cuh), as in
-  // the recurrence. Entries above the diagonal are finite (|G| <= 80) and
-  // dropped.
+  // The 16x16 matrices: thread d computes rows i0 = d / 16 and i0 + 8 of
+  // column j = d % 16, so that each piece of row j of k^ exp(-G) it reads
+  // serves four dot products. Entries above the diagonal are finite (|G| <= 80)
+  // and dropped.
   {
-    const int warp = d / 32, lane = d % 32, g = lane / 4, t = lane % 4;
-    const int nt = warp % 2;
-    const float(*rows)[kPad] = warp < 2 ? sKe : sQe;
-    const float* cols = &sKi[8 * nt + g][0];
-    float acc[3][4] = {};
-#pragma unroll
-    for (int k0 = 0; k0 < D; k0 += 16) {
-      const float2 a0 = *reinterpret_cast<const float2*>(&rows[g][k0 + 2 * t]);
-      const float2 a1 = *reinterpret_cast<const float2*>(&rows[g + 8][k0 + 2 * t]);
-      const float2 a2 = *reinterpret_cast<const float2*>(&rows[g][k0 + 2 * t + 8]);
-      const float2 a3 = *reinterpret_cast<const float2*>(&rows[g + 8][k0 + 2 * t + 8]);
-      const float2 b0 = *reinterpret_cast<const float2*>(cols + k0 + 2 * t);
-      const float2 b1 = *reinterpret_cast<const float2*>(cols + k0 + 2 * t + 8);
-      uint32_t ah[4], al[4], bh0, bl0, bh1, bl1;
-      split_pack(a0.x, a0.y, ah[0], al[0]);
-      split_pack(a1.x, a1.y, ah[1], al[1]);
-      split_pack(a2.x, a2.y, ah[2], al[2]);
-      split_pack(a3.x, a3.y, ah[3], al[3]);
-      split_pack(b0.x, b0.y, bh0, bl0);
-      split_pack(b1.x, b1.y, bh1, bl1);
-      mma_bf16(acc[0], al, bh0, bh1);
-      mma_bf16(acc[1], ah, bl0, bl1);
-      mma_bf16(acc[2], ah, bh0, bh1);
+    const int j = d % C, i0 = d / C, i1 = i0 + C / 2;
+    float kk0 = 0.f, kk1 = 0.f, qk0 = 0.f, qk1 = 0.f;
+#pragma unroll 4
+    for (int c = 0; c < D; c += 4) {
+      const float4 ki = *reinterpret_cast<const float4*>(&sKi[j][c]);
+      const float4 ke0 = *reinterpret_cast<const float4*>(&sKe[i0][c]);
+      const float4 ke1 = *reinterpret_cast<const float4*>(&sKe[i1][c]);
+      const float4 qe0 = *reinterpret_cast<const float4*>(&sQe[i0][c]);
+      const float4 qe1 = *reinterpret_cast<const float4*>(&sQe[i1][c]);
+      kk0 += ke0.x * ki.x + ke0.y * ki.y + ke0.z * ki.z + ke0.w * ki.w;
+      kk1 += ke1.x * ki.x + ke1.y * ki.y + ke1.z * ki.z + ke1.w * ki.w;
+      qk0 += qe0.x * ki.x + qe0.y * ki.y + qe0.z * ki.z + qe0.w * ki.w;
+      qk1 += qe1.x * ki.x + qe1.y * ki.y + qe1.z * ki.z + qe1.w * ki.w;
     }
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      const int i = g + 8 * (e / 2), j = 8 * nt + 2 * t + e % 2;
-      const float x = (acc[0][e] + acc[1][e]) + acc[2][e];  // the small terms first
-      if (warp < 2) {
-        sA[i][j] = j < i ? sBeta[i] * x : 0.f;
-      } else {
-        store_split(ws + kWsAqk, kAqkPlaneBytes, i * C + j, j <= i ? p.scale * x : 0.f);
-      }
-    }
+    sA[i0][j] = j < i0 ? sBeta[i0] * kk0 : 0.f;
+    sA[i1][j] = j < i1 ? sBeta[i1] * kk1 : 0.f;
+    store_split(ws + kWsAqk, kAqkPlaneBytes, i0 * C + j, j <= i0 ? p.scale * qk0 : 0.f);
+    store_split(ws + kWsAqk, kAqkPlaneBytes, i1 * C + j, j <= i1 ? p.scale * qk1 : 0.f);
   }
   __syncthreads();
 

@@ -391,13 +391,15 @@ void launch_recurrence(const FwdParams& p, cudaStream_t stream, int priority) {
   if (p.N == 0 || p.H == 0) {
     return;
   }
-  // A step takes as long as the busiest SM needs for it. With full-width warps
-  // (one per 16 value rows of a head) an SM runs at most eight at once
-  // (registers): the blocks get as many as each SM must run, so that they
-  // share staged chunks as widely as the balance allows. At one per SM, most of
-  // each SM would idle while a single warp walks the sequence: four warps split
-  // the row group's key columns instead. (At two per SM the split measured
-  // slower than two full-width warps: 0.597 vs 0.555 ms, H200, 8192 x 32.)
+  // A step takes as long as the busiest SM needs for it. Full-width warps (one
+  // per 16 value rows of a head) go four to a block, two blocks per SM by
+  // registers: measured faster than eight-warp blocks, which share a staged
+  // chunk twice as widely (K2 1.110 -> 1.053 ms at 8192 x 96, 0.868 -> 0.815 at
+  // 8 x 1024 x 96, 2.360 -> 2.189 at 8 x 8192 x 32; H200). Where each SM must
+  // run only two, two-warp blocks (the key-column split measured slower there:
+  // 0.597 vs 0.555 ms at 8192 x 32). At one per SM, most of each SM would idle
+  // while a single warp walks the sequence: four warps split the row group's
+  // key columns instead.
   // TORCH_KDA_RECURRENCE_BLOCK=WxS forces blocks of W warps splitting key
   // columns S ways (8x1, 4x1, 2x1 or 4x4), for measurements and tests.
   if (const char* env = std::getenv("TORCH_KDA_RECURRENCE_BLOCK"); env != nullptr && *env != '\0') {
@@ -416,9 +418,7 @@ void launch_recurrence(const FwdParams& p, cudaStream_t stream, int priority) {
     return;
   }
   const int64_t warps_per_sm = recurrence_warps_per_sm(p);
-  if (warps_per_sm > 4) {
-    launch<8, 1>(p, stream, priority);
-  } else if (warps_per_sm > 2) {
+  if (warps_per_sm > 2) {
     launch<4, 1>(p, stream, priority);
   } else if (warps_per_sm > 1) {
     launch<2, 1>(p, stream, priority);
