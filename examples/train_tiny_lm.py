@@ -51,7 +51,8 @@ NotImplementedError, which the script reports and re-raises.
 --compile wraps the model in torch.compile(model, fullgraph=True). With --fsdp it
 drops fullgraph: FSDP2 keeps its hooks out of dynamo, so the graph breaks at them.
 
---loss-file PATH writes the per-step losses (and recall accuracies) as JSON, from rank 0.
+--loss-file PATH writes the per-step losses, recall accuracies and step times (seconds,
+wall clock; each step ends in a host read of its loss) as JSON, from rank 0.
 """
 import argparse
 import json
