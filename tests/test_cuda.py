@@ -207,12 +207,12 @@ def test_varlen_matches_reference(cu_dtype):
     assert e_out <= 5e-3 and e_state <= 1e-3
 
 
-def test_varlen_equals_separate_calls_bitwise():
+def test_varlen_equals_separate_calls_bitwise(monkeypatch):
     """Each sequence computed alone gives bitwise the varlen result: the padded
     tail rows of a partial chunk never leak into the next sequence. (Both calls
-    have so few heads that the recurrence runs the same block shape, the key-column
-    split: N * H * 8 row groups <= one per SM; across shapes the low bits may
-    differ, see docs/ARCHITECTURE.md.)"""
+    run one block shape, forced: across shapes the low bits may differ, see
+    docs/ARCHITECTURE.md.)"""
+    monkeypatch.setenv("TORCH_KDA_RECURRENCE_BLOCK", "4x4")
     seqlens = [5, 16, 0, 31, 1, 47]
     d, g = cuda_inputs(seqlens=seqlens, H=2)
     out, final = run_cuda(g)
@@ -366,6 +366,52 @@ def test_windows_are_bitwise_one_pass(case, state_dtype, monkeypatch):
         assert torch.equal(final, one_final), window
 
 
+def recurrence_launches(fn):
+    """How many times fn launches the recurrence kernel and the prepare kernel."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    names = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    return sum("recurrence_kernel" in n for n in names), sum("prepare_kernel" in n for n in names)
+
+
+def test_window_setting_makes_windows(monkeypatch):
+    """The setting really cuts the call: 2 x 300 tokens are 38 slots, so windows of
+    7 slots are 6 launches of each kernel; 0 is one pass."""
+    d, g = cuda_inputs(B=2, T=300, H=2)
+    monkeypatch.setenv("TORCH_KDA_WINDOW_SLOTS", "7")
+    assert recurrence_launches(lambda: run_cuda(g)) == (6, 6)
+    monkeypatch.setenv("TORCH_KDA_WINDOW_SLOTS", "0")
+    assert recurrence_launches(lambda: run_cuda(g)) == (1, 1)
+
+
+def test_windows_with_eight_warp_blocks(monkeypatch):
+    d, g = cuda_inputs(seqlens=[70, 0, 33, 129], H=3, state_dtype=torch.float32)
+    monkeypatch.setenv("TORCH_KDA_RECURRENCE_BLOCK", "8x1")
+    one_out, one_final = run_windowed(g, 0, monkeypatch)
+    out, final = run_windowed(g, 4, monkeypatch)
+    assert torch.equal(out, one_out) and torch.equal(final, one_final)
+
+
+def test_outputs_overlapping_inputs_keep_one_pass(monkeypatch):
+    """out may share memory with the inputs (one pass reads every input before it
+    writes): with windows forced, a later window's K1 would read q where an earlier
+    window's K2 had written out, so the call stays in one pass."""
+    T, S, H = 200, 64, 2
+    d, g = cuda_inputs(B=1, T=T, H=H, state_dtype=torch.float32)
+    clean_out, clean_final = run_windowed(g, 0, monkeypatch)
+    buf = torch.empty(1, T + S, H, D, dtype=torch.bfloat16, device=DEV)
+    buf[:, :T] = g["q"]
+    q_view, out_view = buf[:, :T], buf[:, S:]
+    final = torch.full_like(clean_final, float("nan"))
+    monkeypatch.setenv("TORCH_KDA_WINDOW_SLOTS", "2")
+    torch_kda.fwd(q_view, g["k"], g["v"], g["g"], g["beta"], None, out_view, g["A_log"], g["dt_bias"], -5.0,
+                  initial_state=g["initial_state"], final_state=final)
+    torch.cuda.synchronize()
+    assert torch.equal(out_view, clean_out)
+    assert torch.equal(final, clean_final)
+
+
 def test_windows_write_every_element_and_allow_inplace_state(monkeypatch):
     """Poisoned outputs, and final_state given as the initial state's own buffer:
     window 0 reads it, the last window writes it."""
@@ -422,6 +468,20 @@ def test_window_setting_is_checked(monkeypatch):
     monkeypatch.setenv("TORCH_KDA_WINDOW_SLOTS", "three")
     with pytest.raises(RuntimeError, match="TORCH_KDA_WINDOW_SLOTS must be a non-negative integer, got 'three'"):
         run_cuda(g)
+
+
+def test_bad_block_setting_in_windows_raises_before_any_launch(monkeypatch):
+    """Both settings are read before anything is enqueued: no side stream left
+    unjoined, no kernel of the failed call behind."""
+    d, g = cuda_inputs(B=1, T=200, H=2)
+    monkeypatch.setenv("TORCH_KDA_WINDOW_SLOTS", "3")
+    monkeypatch.setenv("TORCH_KDA_RECURRENCE_BLOCK", "16x1")
+
+    def call():
+        with pytest.raises(RuntimeError, match="TORCH_KDA_RECURRENCE_BLOCK must be one of"):
+            run_cuda(g)
+
+    assert recurrence_launches(call) == (0, 0)
 
 
 @pytest.mark.parametrize("final_dtype", [torch.bfloat16, torch.float32, torch.float64])

@@ -55,10 +55,11 @@ int greatest_stream_priority() {
 
 }  // namespace
 
-void run_forward(FwdParams p, const at::Tensor& like) {
+void run_forward(FwdParams p, const at::Tensor& like, bool may_window) {
   const c10::cuda::CUDAStream stream = c10::cuda::getCurrentCUDAStream(like.device().index());
   const auto options = like.options().dtype(at::kFloat);
-  const int64_t window = window_slots(p);
+  forced_recurrence_block();  // raises on a bad setting before anything is enqueued
+  const int64_t window = may_window ? window_slots(p) : p.num_slots;
   if (window >= p.num_slots) {
     at::Tensor workspace = at::empty({p.num_slots, p.H, kWsChunkFloats}, options);
     p.slot_begin = 0;
@@ -93,19 +94,32 @@ void run_forward(FwdParams p, const at::Tensor& like) {
   std::array<at::cuda::CUDAEvent, kRing> done;  // K2 of the window that last used each ring slot
   fork.record(stream);
   fork.block(side);
-  launch_prepare(window_params(0), side);
-  ready.record(side);
-  for (int64_t w = 0; w < windows; ++w) {
-    ready.block(stream);  // waits on the record made before this call: K1 of window w
-    launch_recurrence(window_params(w), stream, priority);
-    done[w % kRing].record(stream);
-    if (w + 1 < windows) {
-      if (w + 1 >= kRing) {
-        done[(w + 1) % kRing].block(side);
+  try {
+    launch_prepare(window_params(0), side);
+    ready.record(side);
+    for (int64_t w = 0; w < windows; ++w) {
+      ready.block(stream);  // waits on the record made before this call: K1 of window w
+      launch_recurrence(window_params(w), stream, priority);
+      done[w % kRing].record(stream);
+      if (w + 1 < windows) {
+        if (w + 1 >= kRing) {
+          done[(w + 1) % kRing].block(side);
+        }
+        launch_prepare(window_params(w + 1), side);
+        ready.record(side);
       }
-      launch_prepare(window_params(w + 1), side);
-      ready.record(side);
     }
+  } catch (...) {
+    // Join the side stream before the ring goes back to the allocator, on a best-effort
+    // basis (the error being reported may be the device's own).
+    cudaEvent_t join = nullptr;
+    if (cudaEventCreateWithFlags(&join, cudaEventDisableTiming) == cudaSuccess) {
+      if (cudaEventRecord(join, side) == cudaSuccess) {
+        (void)cudaStreamWaitEvent(stream, join, 0);
+      }
+      (void)cudaEventDestroy(join);
+    }
+    throw;
   }
 }
 

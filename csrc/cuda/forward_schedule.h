@@ -18,7 +18,10 @@
 namespace kda::cuda {
 
 // Allocates the workspace (and carry), fills the window fields of `params` and
-// enqueues the kernels on the current stream of `like`'s device.
-void run_forward(FwdParams params, const at::Tensor& like);
+// enqueues the kernels on the current stream of `like`'s device. may_window =
+// false keeps the call in one pass: the caller's outputs share memory with its
+// inputs, which a later window's K1 would read after an earlier window's K2
+// wrote there (one pass reads every input before it writes anything).
+void run_forward(FwdParams params, const at::Tensor& like, bool may_window);
 
 }  // namespace kda::cuda

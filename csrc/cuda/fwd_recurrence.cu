@@ -387,6 +387,17 @@ void launch(const FwdParams& p, cudaStream_t stream, int priority) {
 
 }  // namespace
 
+std::string forced_recurrence_block() {
+  const char* env = std::getenv("TORCH_KDA_RECURRENCE_BLOCK");
+  if (env == nullptr || *env == '\0') {
+    return {};
+  }
+  const std::string shape(env);
+  TORCH_CHECK(shape == "8x1" || shape == "4x1" || shape == "2x1" || shape == "4x4",
+              "kda.fwd: TORCH_KDA_RECURRENCE_BLOCK must be one of 8x1, 4x1, 2x1, 4x4, got '", shape, "'");
+  return shape;
+}
+
 void launch_recurrence(const FwdParams& p, cudaStream_t stream, int priority) {
   if (p.N == 0 || p.H == 0) {
     return;
@@ -400,21 +411,18 @@ void launch_recurrence(const FwdParams& p, cudaStream_t stream, int priority) {
   // 0.597 vs 0.555 ms at 8192 x 32). At one per SM, most of each SM would idle
   // while a single warp walks the sequence: four warps split the row group's
   // key columns instead.
-  // TORCH_KDA_RECURRENCE_BLOCK=WxS forces blocks of W warps splitting key
-  // columns S ways (8x1, 4x1, 2x1 or 4x4), for measurements and tests.
-  if (const char* env = std::getenv("TORCH_KDA_RECURRENCE_BLOCK"); env != nullptr && *env != '\0') {
-    const std::string shape(env);
-    if (shape == "8x1") {
-      launch<8, 1>(p, stream, priority);
-    } else if (shape == "4x1") {
-      launch<4, 1>(p, stream, priority);
-    } else if (shape == "2x1") {
-      launch<2, 1>(p, stream, priority);
-    } else if (shape == "4x4") {
-      launch<4, 4>(p, stream, priority);
-    } else {
-      TORCH_CHECK(false, "kda.fwd: TORCH_KDA_RECURRENCE_BLOCK must be one of 8x1, 4x1, 2x1, 4x4, got '", shape, "'");
-    }
+  const std::string shape = forced_recurrence_block();
+  if (shape == "8x1") {
+    launch<8, 1>(p, stream, priority);
+    return;
+  } else if (shape == "4x1") {
+    launch<4, 1>(p, stream, priority);
+    return;
+  } else if (shape == "2x1") {
+    launch<2, 1>(p, stream, priority);
+    return;
+  } else if (shape == "4x4") {
+    launch<4, 4>(p, stream, priority);
     return;
   }
   const int64_t warps_per_sm = recurrence_warps_per_sm(p);

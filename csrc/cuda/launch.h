@@ -5,6 +5,7 @@
 #include <cuda_runtime_api.h>
 
 #include <cstdint>
+#include <string>
 
 #include "cuda/params.h"
 
@@ -26,6 +27,12 @@ void launch_prepare(const FwdParams& params, cudaStream_t stream);
 // scheduling priority (lower is more urgent), for a K2 that shares the GPU with
 // the next window's K1.
 void launch_recurrence(const FwdParams& params, cudaStream_t stream, int priority = 0);
+
+// TORCH_KDA_RECURRENCE_BLOCK=WxS forces K2's blocks to W warps splitting key
+// columns S ways (8x1, 4x1, 2x1 or 4x4), for measurements and tests: the shape,
+// or "" when unset; raises on any other value. The schedule calls it before it
+// enqueues anything, so a bad value leaves no kernel behind.
+std::string forced_recurrence_block();
 
 // The warps that K2 gives each SM when every (sequence, head) has its eight row
 // groups resident at once; its block shape follows from this.
