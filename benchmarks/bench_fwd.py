@@ -8,6 +8,12 @@ torch_kda over that floor. CUDA events, warm-up first, median of repeats.
 
 --stages adds torch_kda's time per kernel (prepare K1, recurrence K2) from the
 profiler, to show which stage a change moved.
+
+--graphs times each call as the replay of a CUDA graph that captured it, which takes
+the host's launch time out: fla's forward is several Triton launches from Python,
+and at 8192 tokens its eager time moved by up to 2x between machines of the same
+kind. Where a call cannot be captured (fla's varlen path reads cu_seqlens on the
+host), it is timed eagerly and its row says so.
 """
 import argparse
 import math
@@ -53,6 +59,26 @@ def time_ms(fn, repeats, warmup=3):
         end.synchronize()
         times.append(start.elapsed_time(end))
     return statistics.median(times)
+
+
+def graphed(fn, label):
+    """fn captured in a CUDA graph after a warm-up (on a side stream, as capture
+    requires), returned as the graph's replay; fn itself where capture fails."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.graph(graph):
+            fn()
+    except Exception as exc:  # a host sync inside fn, typically
+        torch.cuda.synchronize()
+        print(f"    ({label}: not capturable, timed eagerly: {type(exc).__name__}: {str(exc)[:80]})")
+        return fn, False
+    return graph.replay, True
 
 
 def copy_bandwidth():
@@ -138,6 +164,7 @@ def main():
     ap.add_argument("--fla-cases", default=None,
                     help="time fla on these cases only (its first call per shape autotunes for minutes)")
     ap.add_argument("--stages", action="store_true", help="print torch_kda's time per kernel")
+    ap.add_argument("--graphs", action="store_true", help="time CUDA graph replays (no host launch time)")
     args = ap.parse_args()
 
     torch.manual_seed(0)
@@ -160,10 +187,20 @@ def main():
     for idx in [int(x) for x in args.cases.split(",")]:
         name, lengths, H = CASES[idx]
         c = make_case(lengths, H)
-        ours = time_ms(run_torch_kda(c), args.repeats)
+        ours_fn, theirs_fn = run_torch_kda(c), None
         floor = floor_bytes(c) / bw * 1e3
         with_fla = have_fla and (fla_cases is None or idx in fla_cases)
-        theirs = time_ms(run_fla(c), args.repeats) if with_fla else float("nan")
+        if with_fla:
+            theirs_fn = run_fla(c)
+        mark = ""
+        if args.graphs:
+            ours_fn, ok = graphed(ours_fn, "torch_kda")
+            mark += "" if ok else " (torch_kda eager)"
+            if with_fla:
+                theirs_fn, ok = graphed(theirs_fn, "fla")
+                mark += "" if ok else " (fla eager)"
+        ours = time_ms(ours_fn, args.repeats)
+        theirs = time_ms(theirs_fn, args.repeats) if with_fla else float("nan")
         speedup = theirs / ours
         if with_fla:
             speedups.append(speedup)
@@ -171,7 +208,7 @@ def main():
         if args.stages:
             st = stage_ms(run_torch_kda(c))
             row += f"   K1 {st.get('prepare', float('nan')):.3f} K2 {st.get('recurrence', float('nan')):.3f}"
-        print(row)
+        print(row + mark)
         del c
         torch.cuda.empty_cache()
     if speedups:
