@@ -45,7 +45,7 @@ Devices: on CPU the model runs in fp32 (with --fsdp, in --dtype). On CUDA the
 operator needs head_dim 128 and bf16 q, k, v, g, beta, so there the head dim
 defaults to 128 (--head-dim) and, without --fsdp, the model runs under bf16
 autocast. The operator's CUDA backward is a first, slow version (ATen ops over
-16-token chunks); a build without it stops at the first backward with
+16-token chunks); builds from before it stop at the first backward with
 NotImplementedError, which the script reports and re-raises.
 
 --compile wraps the model in torch.compile(model, fullgraph=True). With --fsdp it

@@ -20,7 +20,7 @@ namespace {
 // SMs for K1 beside it. They were meant to hide K1's time too, but measured
 // none: beside K1, K2 ran 42% slower and K1 81% (H200, 65536 x 16 heads; both
 // kernels issue-bound, see benchmarks/RESULTS.md). So windows only where the
-// one-pass workspace would pass 1 GiB; there they cost ~2% of the time. Windows
+// one-pass workspace would pass 1 GiB; there they cost ~5 % of the time. Windows
 // of 2048 to 8192 tokens keep the per-window costs (two launches, K2 reloading
 // its state and refilling its staging) small against the work.
 constexpr int64_t kOnePassWorkspaceLimit = int64_t{1} << 30;

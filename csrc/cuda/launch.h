@@ -22,7 +22,7 @@ void launch_prepare(const FwdParams& params, cudaStream_t stream);
 
 // K2: sequential over chunks; a row group of 16 value rows of one (sequence,
 // head) per warp, or per four warps when its key columns are split; blocks of
-// two, four or eight warps. Carries the fp32 state on chip in tensor-core
+// two or four warps (eight only with TORCH_KDA_RECURRENCE_BLOCK=8x1). Carries the fp32 state on chip in tensor-core
 // accumulators, writes out and final_state. priority != 0: the launch's
 // scheduling priority (lower is more urgent), for a K2 that shares the GPU with
 // the next window's K1.

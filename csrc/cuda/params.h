@@ -53,7 +53,8 @@ struct FwdParams {
   const float* dt_bias = nullptr;  // [H, 128]
 
   // Sequence n spans tokens [seq_offsets[n], seq_offsets[n+1]) and chunk slots
-  // [chunk_offsets[n], chunk_offsets[n+1]) of the workspace. Both are int64
+  // [chunk_offsets[n], chunk_offsets[n+1]) of the call (the workspace holds the
+  // launch's window of them). Both are int64
   // [N + 1], non-decreasing and within bounds by construction on the host,
   // whatever the caller's cu_seqlens held. Fixed-length batches pass neither
   // (null): sequence n is then tokens [n * T, (n + 1) * T), and no tensor has
