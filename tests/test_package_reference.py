@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from conftest import make_inputs, positional, reference_kda, rel
+from torch_kda import reference
 from torch_kda.reference import kda_chunked, kda_chunked_backward, kda_recurrent
 
 
@@ -54,3 +55,75 @@ def test_chunked_backward_matches_autograd(lower_bound, strong, chunk_size, with
         assert rel(g, e) <= tol, name
     if not with_state:
         assert got[7] is None
+
+
+# --------------------------------------------------------------------------
+# The forward kernels' record and the backward of one chunk step in its terms
+# --------------------------------------------------------------------------
+
+
+def _chunk_inputs(C, K=8, V=6, lower_bound=-5.0):
+    q, k = torch.randn(C, K, dtype=torch.float64), torch.randn(C, K, dtype=torch.float64)
+    qn = q / q.norm(dim=-1, keepdim=True)
+    kn = k / k.norm(dim=-1, keepdim=True)
+    v = torch.randn(C, V, dtype=torch.float64)
+    lam = lower_bound * torch.rand(C, K, dtype=torch.float64)
+    b = torch.rand(C, dtype=torch.float64)
+    return qn, kn, v, lam, b
+
+
+@pytest.mark.parametrize("lower_bound", [-5.0, None])
+def test_chunk_records_compose_to_the_recurrence(lower_bound):
+    """Record + step, chunk after chunk, is the token-by-token recurrence (a last
+    partial chunk included)."""
+    B, T, H, K, V = 1, 37, 2, 8, 6
+    q, k, v, g = (torch.randn(B, T, H, d, dtype=torch.float64) for d in (K, K, V, K))
+    beta, A_log, dt_bias = torch.randn(B, T, H, dtype=torch.float64), torch.rand(H, dtype=torch.float64), \
+        torch.rand(H, K, dtype=torch.float64)
+    h0 = torch.randn(1, H, V, K, dtype=torch.float64)
+    ref_out, ref_final = reference.kda_recurrent(q, k, v, g, beta, A_log, dt_bias, lower_bound=lower_bound,
+                                                 initial_state=h0)
+    qn, kn, lam, b = reference.activations(q, k, g, beta, A_log, dt_bias, lower_bound)
+    scale = K ** -0.5
+    out = torch.full_like(ref_out, float("nan"))
+    for h in range(H):
+        S = h0[0, h].clone()
+        for s in range(0, T, 16):
+            e = min(T, s + 16)
+            rec = reference.chunk_record(qn[0, s:e, h], kn[0, s:e, h], v[0, s:e, h], lam[0, s:e, h], b[0, s:e, h],
+                                         scale)
+            out[0, s:e, h], S, _ = reference.chunk_step(S, rec)
+        assert torch.allclose(S, ref_final[0, h], rtol=1e-10, atol=1e-12)
+    assert torch.allclose(out, ref_out, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("C", [16, 5])
+def test_chunk_step_backward_matches_autograd(C):
+    K, V = 8, 6
+    S = torch.randn(V, K, dtype=torch.float64, requires_grad=True)
+    rec = dict(Qs=torch.randn(C, K), W=torch.randn(C, K), Kd=torch.randn(C, K), Aqk=torch.randn(C, C).tril(),
+               U0=torch.randn(C, V), gl=torch.rand(K))
+    rec = {n: t.double().requires_grad_() for n, t in rec.items()}
+    dO, dS1 = torch.randn(C, V, dtype=torch.float64), torch.randn(V, K, dtype=torch.float64)
+    O, S1, U = reference.chunk_step(S, rec)
+    names = list(rec)
+    grads = torch.autograd.grad((O * dO).sum() + (S1 * dS1).sum(), [S] + [rec[n] for n in names])
+    dS, drec = reference.chunk_step_backward(S.detach(), {n: t.detach() for n, t in rec.items()}, U.detach(), dO,
+                                             dS1)
+    assert torch.allclose(dS, grads[0], rtol=1e-12, atol=1e-12)
+    for n, g in zip(names, grads[1:]):
+        assert torch.allclose(drec[n], g, rtol=1e-12, atol=1e-12), n
+
+
+@pytest.mark.parametrize("C", [16, 5])
+@pytest.mark.parametrize("lower_bound", [-5.0, -0.1])
+def test_chunk_record_backward_matches_autograd(C, lower_bound):
+    inputs = [t.requires_grad_() for t in _chunk_inputs(C, lower_bound=lower_bound)]
+    scale = 8 ** -0.5
+    rec = reference.chunk_record(*inputs, scale)
+    drec = {n: torch.randn_like(t) for n, t in rec.items()}
+    loss = sum((rec[n] * drec[n]).sum() for n in rec)
+    grads = torch.autograd.grad(loss, inputs)
+    mine = reference.chunk_record_backward(*(t.detach() for t in inputs), scale, drec)
+    for name, a, g in zip(("dqn", "dkn", "dv", "dlam", "db"), mine, grads):
+        assert torch.allclose(a, g, rtol=1e-10, atol=1e-10), name

@@ -1,7 +1,8 @@
 """Plain PyTorch evaluations of KDA (SPEC section 1), for documentation,
 benchmarks' accuracy reports and debugging, and the hand-derived gradients of
 the chunked form (kda_chunked_backward), the blueprint for chunked backward
-kernels. Slow on purpose: one token (or one chunk) at a time, in whatever dtype
+kernels, and (chunk_record, chunk_step and their backwards) the forward kernels'
+per-chunk record with the backward of one chunk step written in its terms. Slow on purpose: one token (or one chunk) at a time, in whatever dtype
 the caller passes (use float64 for a reference). The test suite keeps its own
 independent copy of the math.
 """
@@ -184,3 +185,86 @@ def kda_chunked_backward(q, k, v, g, beta, A_log, dt_bias, grad_out, grad_final_
     dq, dk, dg, dbeta, dA_log, ddt_bias = torch.autograd.grad(
         (qn, kn, lam, b), leaves, (dqn, dkn, dlam, db), allow_unused=True)
     return dq, dk, dv, dg, dbeta, dA_log, ddt_bias, (dinit if initial_state is not None else None)
+
+
+# --------------------------------------------------------------------------
+# The forward kernels' per-chunk record (csrc/cuda/params.h) and the backward of
+# one chunk step in its terms: the blueprint for backward kernels that reuse the
+# forward's records. One chunk of one head; states are V-first, S[v, k].
+# --------------------------------------------------------------------------
+
+
+def chunk_record(qn, kn, v, lam, b, scale):
+    """The record K1 writes for one chunk: qn, kn [C, K]; v [C, V]; lam [C, K]
+    (log decays); b [C] (beta). Formed as K1 forms it, from exp(G) and exp(-G)
+    (finite for 16-token chunks with lower_bound >= -5). Returns a dict with Qs, W,
+    Kd [C, K]; Aqk [C, C]; U0 [C, V]; gl [K]."""
+    C = qn.shape[0]
+    G = lam.cumsum(0)
+    E, Ei = torch.exp(G), torch.exp(-G)
+    strict = torch.tril(torch.ones(C, C, dtype=torch.bool, device=qn.device), -1)
+    incl = torch.tril(torch.ones(C, C, dtype=torch.bool, device=qn.device))
+    Ke, Ki, Qe = E * kn, Ei * kn, E * qn
+    A = b[:, None] * ((Ke @ Ki.T) * strict)
+    eye = torch.eye(C, dtype=qn.dtype, device=qn.device)
+    W = torch.linalg.solve_triangular(eye + A, b[:, None] * Ke, upper=False, unitriangular=True)
+    U0 = torch.linalg.solve_triangular(eye + A, b[:, None] * v, upper=False, unitriangular=True)
+    gl = torch.exp(G[-1])
+    return dict(Qs=scale * Qe, W=W, Kd=gl * Ei * kn, Aqk=scale * (Qe @ Ki.T) * incl, U0=U0, gl=gl)
+
+
+def chunk_step(S, rec):
+    """K2's step: the chunk's output O [C, V] and the next state S1 [V, K] from the
+    chunk-start state S [V, K]; also U [C, V], which the backward reuses."""
+    U = rec["U0"] - rec["W"] @ S.T
+    O = rec["Qs"] @ S.T + rec["Aqk"] @ U
+    S1 = S * rec["gl"] + U.T @ rec["Kd"]
+    return O, S1, U
+
+
+def chunk_step_backward(S, rec, U, dO, dS1):
+    """The backward of chunk_step: from dO [C, V] and dS1 [V, K], the chunk-start
+    state's gradient dS [V, K] and the record's (dQs, dW, dKd, dAqk, dU0, dgl).
+    dU, dS and dU0 stay per value row; dQs, dW, dKd, dAqk and dgl sum over the
+    value rows (across a kernel's row groups)."""
+    dU = rec["Aqk"].T @ dO + rec["Kd"] @ dS1.T
+    dS = dS1 * rec["gl"] + dO.T @ rec["Qs"] - dU.T @ rec["W"]
+    drec = dict(Qs=dO @ S, W=-dU @ S, Kd=U @ dS1, Aqk=dO @ U.T, U0=dU, gl=(S * dS1).sum(0))
+    return dS, drec
+
+
+def chunk_record_backward(qn, kn, v, lam, b, scale, drec):
+    """The backward of chunk_record: from the record's gradients (a dict as
+    chunk_step_backward returns, summed over value rows), dqn, dkn [C, K], dv [C, V],
+    dlam [C, K] and db [C]. Entries of dAqk above the diagonal, and of the
+    implied dA on and above it, do not reach the inputs (they are structural zeros)."""
+    C = qn.shape[0]
+    G = lam.cumsum(0)
+    E, Ei = torch.exp(G), torch.exp(-G)
+    strict = torch.tril(torch.ones(C, C, dtype=torch.bool, device=qn.device), -1)
+    incl = torch.tril(torch.ones(C, C, dtype=torch.bool, device=qn.device))
+    Ke, Ki, Qe = E * kn, Ei * kn, E * qn
+    P = (Ke @ Ki.T) * strict
+    eye = torch.eye(C, dtype=qn.dtype, device=qn.device)
+    IA = eye + b[:, None] * P
+    W = torch.linalg.solve_triangular(IA, b[:, None] * Ke, upper=False, unitriangular=True)
+    U0 = torch.linalg.solve_triangular(IA, b[:, None] * v, upper=False, unitriangular=True)
+    gl = torch.exp(G[-1])
+    # W = T diag(b) Ke and U0 = T diag(b) v with T = (I + A)^-1.
+    dRw = torch.linalg.solve_triangular(IA.T, drec["W"], upper=True, unitriangular=True)
+    dRu = torch.linalg.solve_triangular(IA.T, drec["U0"], upper=True, unitriangular=True)
+    dA = -(dRw @ W.T + dRu @ U0.T) * strict
+    db = (dRw * Ke).sum(1) + (dRu * v).sum(1) + (dA * P).sum(1)
+    dv = b[:, None] * dRu
+    dP = b[:, None] * dA
+    dPq = scale * drec["Aqk"] * incl
+    dKe = b[:, None] * dRw + dP @ Ki
+    dKi = dP.T @ Ke + dPq.T @ Qe
+    dQe = scale * drec["Qs"] + dPq @ Ki
+    dKd = drec["Kd"]
+    dqn = E * dQe
+    dkn = E * dKe + Ei * dKi + gl * Ei * dKd
+    dG = E * (qn * dQe + kn * dKe) - Ei * (kn * dKi + gl * kn * dKd)
+    dG[-1] += gl * (drec["gl"] + (Ei * kn * dKd).sum(0))
+    dlam = dG.flip(0).cumsum(0).flip(0)  # G = cumsum(lam)
+    return dqn, dkn, dv, dlam, db
