@@ -194,23 +194,32 @@ def kda_chunked_backward(q, k, v, g, beta, A_log, dt_bias, grad_out, grad_final_
 # --------------------------------------------------------------------------
 
 
-def chunk_record(qn, kn, v, lam, b, scale):
-    """The record K1 writes for one chunk: qn, kn [C, K]; v [C, V]; lam [C, K]
-    (log decays); b [C] (beta). Formed as K1 forms it, from exp(G) and exp(-G)
-    (finite for 16-token chunks with lower_bound >= -5). Returns a dict with Qs, W,
-    Kd [C, K]; Aqk [C, C]; U0 [C, V]; gl [K]."""
+def _record_terms(qn, kn, v, lam, b):
+    """What K1 computes on the way to a chunk's record (chunk_record), formed as K1
+    forms it, from exp(G) and exp(-G) (finite for 16-token chunks with
+    lower_bound >= -5): a dict with E = exp(G), Ei = exp(-G), Ke, Ki, Qe, the masks,
+    P (strictly lower), I + A, W, U0 and gl."""
     C = qn.shape[0]
     G = lam.cumsum(0)
     E, Ei = torch.exp(G), torch.exp(-G)
     strict = torch.tril(torch.ones(C, C, dtype=torch.bool, device=qn.device), -1)
     incl = torch.tril(torch.ones(C, C, dtype=torch.bool, device=qn.device))
     Ke, Ki, Qe = E * kn, Ei * kn, E * qn
-    A = b[:, None] * ((Ke @ Ki.T) * strict)
-    eye = torch.eye(C, dtype=qn.dtype, device=qn.device)
-    W = torch.linalg.solve_triangular(eye + A, b[:, None] * Ke, upper=False, unitriangular=True)
-    U0 = torch.linalg.solve_triangular(eye + A, b[:, None] * v, upper=False, unitriangular=True)
-    gl = torch.exp(G[-1])
-    return dict(Qs=scale * Qe, W=W, Kd=gl * Ei * kn, Aqk=scale * (Qe @ Ki.T) * incl, U0=U0, gl=gl)
+    P = (Ke @ Ki.T) * strict
+    IA = torch.eye(C, dtype=qn.dtype, device=qn.device) + b[:, None] * P
+    W = torch.linalg.solve_triangular(IA, b[:, None] * Ke, upper=False, unitriangular=True)
+    U0 = torch.linalg.solve_triangular(IA, b[:, None] * v, upper=False, unitriangular=True)
+    return dict(E=E, Ei=Ei, Ke=Ke, Ki=Ki, Qe=Qe, strict=strict, incl=incl, P=P, IA=IA, W=W, U0=U0,
+                gl=torch.exp(G[-1]))
+
+
+def chunk_record(qn, kn, v, lam, b, scale):
+    """The record K1 writes for one chunk: qn, kn [C, K]; v [C, V]; lam [C, K]
+    (log decays); b [C] (beta). Returns a dict with Qs, W, Kd [C, K]; Aqk [C, C];
+    U0 [C, V]; gl [K]."""
+    t = _record_terms(qn, kn, v, lam, b)
+    return dict(Qs=scale * t["Qe"], W=t["W"], Kd=t["gl"] * t["Ei"] * kn, Aqk=scale * (t["Qe"] @ t["Ki"].T) * t["incl"],
+                U0=t["U0"], gl=t["gl"])
 
 
 def chunk_step(S, rec):
@@ -238,18 +247,9 @@ def chunk_record_backward(qn, kn, v, lam, b, scale, drec):
     chunk_step_backward returns, summed over value rows), dqn, dkn [C, K], dv [C, V],
     dlam [C, K] and db [C]. Entries of dAqk above the diagonal, and of the
     implied dA on and above it, do not reach the inputs (they are structural zeros)."""
-    C = qn.shape[0]
-    G = lam.cumsum(0)
-    E, Ei = torch.exp(G), torch.exp(-G)
-    strict = torch.tril(torch.ones(C, C, dtype=torch.bool, device=qn.device), -1)
-    incl = torch.tril(torch.ones(C, C, dtype=torch.bool, device=qn.device))
-    Ke, Ki, Qe = E * kn, Ei * kn, E * qn
-    P = (Ke @ Ki.T) * strict
-    eye = torch.eye(C, dtype=qn.dtype, device=qn.device)
-    IA = eye + b[:, None] * P
-    W = torch.linalg.solve_triangular(IA, b[:, None] * Ke, upper=False, unitriangular=True)
-    U0 = torch.linalg.solve_triangular(IA, b[:, None] * v, upper=False, unitriangular=True)
-    gl = torch.exp(G[-1])
+    t = _record_terms(qn, kn, v, lam, b)
+    E, Ei, Ke, Ki, Qe, P, IA, W, U0, gl = (t[n] for n in ("E", "Ei", "Ke", "Ki", "Qe", "P", "IA", "W", "U0", "gl"))
+    strict, incl = t["strict"], t["incl"]
     # W = T diag(b) Ke and U0 = T diag(b) v with T = (I + A)^-1.
     dRw = torch.linalg.solve_triangular(IA.T, drec["W"], upper=True, unitriangular=True)
     dRu = torch.linalg.solve_triangular(IA.T, drec["U0"], upper=True, unitriangular=True)
