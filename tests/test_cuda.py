@@ -327,7 +327,7 @@ def test_inplace_writes_every_element(state_dtype):
 
 
 # --------------------------------------------------------------------------
-# Windows (forward_schedule.h): K1 of window w + 1 beside K2 of window w
+# Windows (forward_schedule.h): K1 and K2 window by window, states carried in fp32
 # --------------------------------------------------------------------------
 
 
@@ -460,7 +460,7 @@ def test_automatic_windows_bound_memory(monkeypatch):
         peaks[window] = torch.cuda.max_memory_allocated() - base
     print(f"peak: automatic {peaks[None] / 2**20:.0f} MiB, one pass {peaks[0] / 2**20:.0f} MiB")
     assert peaks[0] >= one_pass_workspace
-    assert peaks[None] < peaks[0] / 2  # ring of two 2048-token windows + out, vs 1.1 GB + out
+    assert peaks[None] < peaks[0] / 2  # one 2048-token window + carry + out, vs 1.1 GB + out
 
 
 def test_window_setting_is_checked(monkeypatch):
@@ -471,8 +471,8 @@ def test_window_setting_is_checked(monkeypatch):
 
 
 def test_bad_block_setting_in_windows_raises_before_any_launch(monkeypatch):
-    """Both settings are read before anything is enqueued: no side stream left
-    unjoined, no kernel of the failed call behind."""
+    """Both settings are read before anything is enqueued: no kernel of the
+    failed call behind."""
     d, g = cuda_inputs(B=1, T=200, H=2)
     monkeypatch.setenv("TORCH_KDA_WINDOW_SLOTS", "3")
     monkeypatch.setenv("TORCH_KDA_RECURRENCE_BLOCK", "16x1")
@@ -569,8 +569,8 @@ def test_deterministic():
 
 @pytest.mark.parametrize("window", ["0", "3"])
 def test_cuda_graph_capture_and_replay(window, monkeypatch):
-    """window "3": the call runs in windows of 3 chunk slots, K1 on a side stream
-    that the capture must fork and join."""
+    """window "3": the call runs in windows of 3 chunk slots, so the graph holds
+    several launches of each kernel and the carry between them."""
     monkeypatch.setenv("TORCH_KDA_WINDOW_SLOTS", window)
     d, g = cuda_inputs(seqlens=[40, 0, 100, 17], H=2, state_dtype=torch.float32)
     out = torch.empty(1, 157, 2, D, dtype=torch.bfloat16, device=DEV)

@@ -363,7 +363,7 @@ __global__ void __launch_bounds__(kWarps * 32) recurrence_kernel(const FwdParams
 }
 
 template <int kWarps, int kSplit>
-void launch(const FwdParams& p, cudaStream_t stream, int priority) {
+void launch(const FwdParams& p, cudaStream_t stream) {
   using Cfg = Config<kWarps, kSplit>;
   static_assert(Cfg::kSmem <= 227 * 1024, "over the per-block shared memory of sm_90");
   auto* kernel = recurrence_kernel<kWarps, kSplit>;
@@ -372,33 +372,27 @@ void launch(const FwdParams& p, cudaStream_t stream, int priority) {
   const int64_t blocks = p.N * p.H * (D / Cfg::kCols);
   TORCH_CHECK(blocks <= INT32_MAX, "kda.fwd: ", std::to_string(p.N), " sequences x ", std::to_string(p.H),
               " heads is more blocks than one launch takes");
-  cudaLaunchConfig_t config = {};
-  config.gridDim = dim3(static_cast<unsigned int>(blocks));
-  config.blockDim = dim3(Cfg::kThreads);
-  config.dynamicSmemBytes = Cfg::kSmem;
-  config.stream = stream;
-  cudaLaunchAttribute attribute[1];
-  attribute[0].id = cudaLaunchAttributePriority;
-  attribute[0].val.priority = priority;
-  config.attrs = attribute;
-  config.numAttrs = priority != 0 ? 1 : 0;
-  C10_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, p));
+  kernel<<<static_cast<unsigned int>(blocks), Cfg::kThreads, Cfg::kSmem, stream>>>(p);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
 }  // namespace
 
-std::string forced_recurrence_block() {
+RecurrenceBlock forced_recurrence_block() {
   const char* env = std::getenv("TORCH_KDA_RECURRENCE_BLOCK");
   if (env == nullptr || *env == '\0') {
-    return {};
+    return RecurrenceBlock::kAuto;
   }
   const std::string shape(env);
   TORCH_CHECK(shape == "8x1" || shape == "4x1" || shape == "2x1" || shape == "4x4",
               "kda.fwd: TORCH_KDA_RECURRENCE_BLOCK must be one of 8x1, 4x1, 2x1, 4x4, got '", shape, "'");
-  return shape;
+  return shape == "8x1"   ? RecurrenceBlock::k8x1
+         : shape == "4x1" ? RecurrenceBlock::k4x1
+         : shape == "2x1" ? RecurrenceBlock::k2x1
+                          : RecurrenceBlock::k4x4;
 }
 
-void launch_recurrence(const FwdParams& p, cudaStream_t stream, int priority) {
+void launch_recurrence(const FwdParams& p, cudaStream_t stream, RecurrenceBlock block) {
   if (p.N == 0 || p.H == 0) {
     return;
   }
@@ -411,27 +405,23 @@ void launch_recurrence(const FwdParams& p, cudaStream_t stream, int priority) {
   // 0.597 vs 0.555 ms at 8192 x 32). At one per SM, most of each SM would idle
   // while a single warp walks the sequence: four warps split the row group's
   // key columns instead.
-  const std::string shape = forced_recurrence_block();
-  if (shape == "8x1") {
-    launch<8, 1>(p, stream, priority);
-    return;
-  } else if (shape == "4x1") {
-    launch<4, 1>(p, stream, priority);
-    return;
-  } else if (shape == "2x1") {
-    launch<2, 1>(p, stream, priority);
-    return;
-  } else if (shape == "4x4") {
-    launch<4, 4>(p, stream, priority);
-    return;
+  if (block == RecurrenceBlock::kAuto) {
+    const int64_t warps_per_sm = recurrence_warps_per_sm(p);
+    block = warps_per_sm > 2 ? RecurrenceBlock::k4x1 : warps_per_sm > 1 ? RecurrenceBlock::k2x1 : RecurrenceBlock::k4x4;
   }
-  const int64_t warps_per_sm = recurrence_warps_per_sm(p);
-  if (warps_per_sm > 2) {
-    launch<4, 1>(p, stream, priority);
-  } else if (warps_per_sm > 1) {
-    launch<2, 1>(p, stream, priority);
-  } else {
-    launch<4, 4>(p, stream, priority);
+  switch (block) {
+    case RecurrenceBlock::k8x1:
+      launch<8, 1>(p, stream);
+      break;
+    case RecurrenceBlock::k4x1:
+      launch<4, 1>(p, stream);
+      break;
+    case RecurrenceBlock::k2x1:
+      launch<2, 1>(p, stream);
+      break;
+    default:
+      launch<4, 4>(p, stream);
+      break;
   }
 }
 

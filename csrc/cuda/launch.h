@@ -20,19 +20,21 @@ void launch_boundaries(const void* cu_seqlens, bool cu_int32, int64_t N, int64_t
 // the chunk's matrices and the inverse; fills the workspace.
 void launch_prepare(const FwdParams& params, cudaStream_t stream);
 
+// K2's block shapes: W warps splitting each row group's key columns S ways.
+// kAuto lets the launcher choose by recurrence_warps_per_sm.
+enum class RecurrenceBlock { kAuto, k8x1, k4x1, k2x1, k4x4 };
+
 // K2: sequential over chunks; a row group of 16 value rows of one (sequence,
 // head) per warp, or per four warps when its key columns are split; blocks of
-// two or four warps (eight only with TORCH_KDA_RECURRENCE_BLOCK=8x1). Carries the fp32 state on chip in tensor-core
-// accumulators, writes out and final_state. priority != 0: the launch's
-// scheduling priority (lower is more urgent), for a K2 that shares the GPU with
-// the next window's K1.
-void launch_recurrence(const FwdParams& params, cudaStream_t stream, int priority = 0);
+// two or four warps (eight only when forced). Carries the fp32 state on chip in
+// tensor-core accumulators, writes out and final_state.
+void launch_recurrence(const FwdParams& params, cudaStream_t stream, RecurrenceBlock block);
 
-// TORCH_KDA_RECURRENCE_BLOCK=WxS forces K2's blocks to W warps splitting key
-// columns S ways (8x1, 4x1, 2x1 or 4x4), for measurements and tests: the shape,
-// or "" when unset; raises on any other value. The schedule calls it before it
-// enqueues anything, so a bad value leaves no kernel behind.
-std::string forced_recurrence_block();
+// TORCH_KDA_RECURRENCE_BLOCK=WxS forces K2's block shape (8x1, 4x1, 2x1 or
+// 4x4), for measurements and tests: the shape, or kAuto when unset; raises on
+// any other value. Read once per call, before anything is enqueued, so a bad
+// value leaves no kernel behind.
+RecurrenceBlock forced_recurrence_block();
 
 // The warps that K2 gives each SM when every (sequence, head) has its eight row
 // groups resident at once; its block shape follows from this.

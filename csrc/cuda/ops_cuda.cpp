@@ -175,14 +175,21 @@ void forward_into(const Problem& p, const Tensor& q, const Tensor& k, const Tens
   params.scale = static_cast<float>(resolved_scale(p));
   params.lower_bound = static_cast<float>(p.lower_bound);
 
-  // Windows (forward_schedule.h) write outputs before they read every input: only
-  // when no output shares memory with an input.
-  bool outputs_clear = true;
-  for (const Tensor* input : {&qc, &kc, &vc, &gc, &bc, &ac, &dc}) {
-    outputs_clear = outputs_clear && at::get_overlap_status(*input, out_c) == at::MemOverlapStatus::No &&
-                    !(final_c.defined() && at::get_overlap_status(*input, final_c) != at::MemOverlapStatus::No);
+  // Both settings are read before anything is enqueued, so a bad one leaves no kernel behind.
+  const RecurrenceBlock block = forced_recurrence_block();
+  int64_t window = window_slots(params);
+  // Windows (forward_schedule.h) write outputs before they read every input:
+  // only when no output shares memory with an input.
+  if (window < params.num_slots) {
+    for (const Tensor* input : {&qc, &kc, &vc, &gc, &bc, &ac, &dc}) {
+      if (at::get_overlap_status(*input, out_c) != at::MemOverlapStatus::No ||
+          (final_c.defined() && at::get_overlap_status(*input, final_c) != at::MemOverlapStatus::No)) {
+        window = params.num_slots;
+        break;
+      }
+    }
   }
-  run_forward(params, q, outputs_clear);
+  run_forward(params, q, window, block);
 
   if (!out_c.is_same(out)) {
     out.copy_(out_c);
