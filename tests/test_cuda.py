@@ -847,3 +847,46 @@ def test_compiled_training_step_equals_eager():
     assert rel(y_comp, y_eager) <= 1e-3
     for ge, gc in zip(g_eager, g_comp):
         assert rel(gc, ge) <= 5e-3
+
+
+# --------------------------------------------------------------------------
+# Backward kernels, piece by piece (branch next/bwd-prepare)
+# --------------------------------------------------------------------------
+
+
+def test_prepare_backward_matches_reference():
+    """K1's backward alone (kda._prepare_bwd) against reference.chunk_record_backward
+    in float64, chunk by chunk, on random record gradients; the last chunk of each
+    sequence is partial (the padding rows' gradients must not leak into it)."""
+    from torch_kda import reference
+
+    B, T, H = 2, 37, 3
+    d, g = cuda_inputs(B=B, T=T, H=H)
+    nch = (T + 15) // 16
+    d_record = torch.randn(B * nch, H, 8576, device=DEV)
+    got = torch.ops.kda._prepare_bwd(g["q"], g["k"], g["v"], g["g"], g["beta"], g["A_log"], g["dt_bias"], d_record,
+                                     None, -5.0)
+    torch.cuda.synchronize()
+    x = {n: g[n].double().cpu() for n in ("q", "k", "v", "g", "beta", "A_log", "dt_bias")}
+    qn, kn, lam, b = reference.activations(x["q"], x["k"], x["g"], x["beta"], x["A_log"], x["dt_bias"], -5.0)
+    rec = d_record.double().cpu()
+    names = ("dqn", "dkn", "dv", "dlam", "dbeta")
+    want = [torch.zeros(B, T, H, D, dtype=torch.float64) for _ in range(4)] + [torch.zeros(B, T, H, dtype=torch.float64)]
+    for bb in range(B):
+        for ci in range(nch):
+            s, e = 16 * ci, min(T, 16 * ci + 16)
+            L = e - s
+            for h in range(H):
+                r = rec[bb * nch + ci, h]
+                drec = dict(Qs=r[0:2048].view(16, D)[:L], W=r[2048:4096].view(16, D)[:L],
+                            Kd=r[4096:6144].view(16, D)[:L], Aqk=r[6144:6400].view(16, 16)[:L, :L],
+                            U0=r[6400:8448].view(16, D)[:L], gl=r[8448:8576])
+                res = reference.chunk_record_backward(qn[bb, s:e, h], kn[bb, s:e, h], x["v"][bb, s:e, h],
+                                                      lam[bb, s:e, h], b[bb, s:e, h], D ** -0.5, drec)
+                for w, t in zip(want, res):
+                    w[bb, s:e, h] = t
+    for name, w, t in zip(names, want, got):
+        err = rel(t.cpu(), w)
+        print(f"{name}: rel {err:.2e}")
+        assert torch.isfinite(t).all(), name
+        assert err <= 1e-4, name

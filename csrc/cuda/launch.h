@@ -28,6 +28,10 @@ void launch_prepare(const FwdParams& params, cudaStream_t stream);
 // the next window's K1.
 void launch_recurrence(const FwdParams& params, cudaStream_t stream, int priority = 0);
 
+// K1's backward (bwd_prepare.cu): one block per (chunk slot, head) of the
+// window; from the record gradients to those of q^, k^, v, lambda, sigmoid(beta).
+void launch_prepare_backward(const PrepareBwdParams& params, cudaStream_t stream);
+
 // TORCH_KDA_RECURRENCE_BLOCK=WxS forces K2's blocks to W warps splitting key
 // columns S ways (8x1, 4x1, 2x1 or 4x4), for measurements and tests: the shape,
 // or "" when unset; raises on any other value. The schedule calls it before it

@@ -230,12 +230,62 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> bwd(
                             initial_state, cu_seqlens);
 }
 
+// kda::_prepare_bwd (not API): K1's backward alone, for its GPU test.
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> prepare_bwd(const Tensor& q, const Tensor& k, const Tensor& v,
+                                                               const Tensor& g, const Tensor& beta,
+                                                               const Tensor& A_log, const Tensor& dt_bias,
+                                                               const Tensor& d_record, optional<double> scale,
+                                                               double lower_bound) {
+  const char* op = "kda._prepare_bwd";
+  Problem p = check_all(op, q, k, v, g, beta, A_log, dt_bias, scale, lower_bound, std::nullopt, std::nullopt);
+  const int64_t B = concrete(p.B), T = concrete(p.T), H = concrete(p.H);
+  const int64_t slots = B * ((T + kChunk - 1) / kChunk);
+  TORCH_CHECK(d_record.device() == q.device() && d_record.scalar_type() == at::kFloat && d_record.is_contiguous() &&
+                  d_record.dim() == 3 && d_record.size(0) == slots && d_record.size(1) == H &&
+                  d_record.size(2) == kDRecFloats,
+              op, ": d_record must be a contiguous float32 tensor on q's device of shape [", int_str(slots), ", ",
+              int_str(H), ", ", int_str(kDRecFloats), "]");
+  c10::cuda::CUDAGuard guard(q.device());
+  Tensor qc = q.contiguous(), kc = k.contiguous(), vc = v.contiguous(), gc = g.contiguous();
+  Tensor bc = beta.contiguous(), ac = A_log.contiguous(), dc = dt_bias.contiguous();
+  const auto f32 = q.options().dtype(at::kFloat);
+  Tensor dqn = at::empty({B, T, H, kHeadDim}, f32), dkn = at::empty({B, T, H, kHeadDim}, f32);
+  Tensor dv = at::empty({B, T, H, kHeadDim}, f32), dlam = at::empty({B, T, H, kHeadDim}, f32);
+  Tensor dbeta = at::empty({B, T, H}, f32);
+  PrepareBwdParams bp;
+  FwdParams& fp = bp.fwd;
+  fp.H = H;
+  fp.N = B;
+  fp.T = T;
+  fp.q = qc.data_ptr();
+  fp.k = kc.data_ptr();
+  fp.v = vc.data_ptr();
+  fp.g = gc.data_ptr();
+  fp.beta = bc.data_ptr();
+  fp.A_log = ac.data_ptr<float>();
+  fp.dt_bias = dc.data_ptr<float>();
+  fp.num_slots = slots;
+  fp.slot_begin = 0;
+  fp.slot_end = slots;
+  fp.scale = static_cast<float>(resolved_scale(p));
+  fp.lower_bound = static_cast<float>(p.lower_bound);
+  bp.d_record = d_record.data_ptr<float>();
+  bp.dqn = dqn.data_ptr<float>();
+  bp.dkn = dkn.data_ptr<float>();
+  bp.dv = dv.data_ptr<float>();
+  bp.dlam = dlam.data_ptr<float>();
+  bp.dbeta = dbeta.data_ptr<float>();
+  launch_prepare_backward(bp, c10::cuda::getCurrentCUDAStream(q.device().index()).stream());
+  return {dqn, dkn, dv, dlam, dbeta};
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(kda, CUDA, m) {
   m.impl("fwd", &fwd);
   m.impl("fwd_", &fwd_inplace);
   m.impl("bwd", &bwd);
+  m.impl("_prepare_bwd", &prepare_bwd);
 }
 
 }  // namespace kda::cuda

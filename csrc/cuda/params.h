@@ -86,4 +86,29 @@ struct FwdParams {
   float lower_bound = 0.f;  // bounded gate, in [-5, 0)
 };
 
+// K1's backward (bwd_prepare.cu) reads, per (chunk slot, head), the gradients of
+// the chunk's record that the backward sweep leaves, fp32, each row-major, in
+// this order: dQs, dW, dKd [16][128], dAqk [16][16], dU0 [16][128], dgl [128]
+// (torch_kda/reference.py chunk_step_backward, summed over the value rows).
+constexpr int kDRecQs = 0;
+constexpr int kDRecW = kDRecQs + kChunk * kHeadDim;
+constexpr int kDRecKd = kDRecW + kChunk * kHeadDim;
+constexpr int kDRecAqk = kDRecKd + kChunk * kHeadDim;
+constexpr int kDRecU0 = kDRecAqk + kChunk * kChunk;
+constexpr int kDRecGl = kDRecU0 + kChunk * kHeadDim;
+constexpr int kDRecFloats = kDRecGl + kHeadDim;
+
+struct PrepareBwdParams {
+  FwdParams fwd;  // the inputs, sizes, offsets and slot window, as K1 reads them
+  const float* d_record = nullptr;  // [slot_end - slot_begin, H, kDRecFloats]
+  // Outputs, fp32, written for the chunks' real tokens only: the gradients of
+  // q^ and k^ (L2-normalised), v and the log decays lambda, [tokens, H, 128]
+  // each, and of sigmoid(beta), [tokens, H].
+  float* dqn = nullptr;
+  float* dkn = nullptr;
+  float* dv = nullptr;
+  float* dlam = nullptr;
+  float* dbeta = nullptr;
+};
+
 }  // namespace kda::cuda
