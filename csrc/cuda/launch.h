@@ -32,6 +32,10 @@ void launch_recurrence(const FwdParams& params, cudaStream_t stream, int priorit
 // window; from the record gradients to those of q^, k^, v, lambda, sigmoid(beta).
 void launch_prepare_backward(const PrepareBwdParams& params, cudaStream_t stream);
 
+// The backward sweep (bwd_sweep.cu): one block per (sequence, head), backward
+// over its chunks; the record gradients and the initial state's gradient.
+void launch_sweep_backward(const SweepBwdParams& params, cudaStream_t stream);
+
 // TORCH_KDA_RECURRENCE_BLOCK=WxS forces K2's blocks to W warps splitting key
 // columns S ways (8x1, 4x1, 2x1 or 4x4), for measurements and tests: the shape,
 // or "" when unset; raises on any other value. The schedule calls it before it

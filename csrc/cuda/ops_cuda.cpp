@@ -279,6 +279,67 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> prepare_bwd(const Tensor& q, 
   return {dqn, dkn, dv, dlam, dbeta};
 }
 
+// kda::_sweep_bwd (not API): K1, then the backward sweep alone, for its GPU test.
+std::tuple<Tensor, Tensor> sweep_bwd(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g,
+                                     const Tensor& beta, const Tensor& A_log, const Tensor& dt_bias,
+                                     const Tensor& states, const Tensor& grad_out,
+                                     const optional<Tensor>& grad_final_state, optional<double> scale,
+                                     double lower_bound) {
+  const char* op = "kda._sweep_bwd";
+  Problem p = check_all(op, q, k, v, g, beta, A_log, dt_bias, scale, lower_bound, std::nullopt, std::nullopt);
+  const int64_t B = concrete(p.B), T = concrete(p.T), H = concrete(p.H);
+  const int64_t slots = B * ((T + kChunk - 1) / kChunk);
+  TORCH_CHECK(states.device() == q.device() && states.scalar_type() == at::kFloat && states.is_contiguous() &&
+                  states.dim() == 4 && states.size(0) == slots && states.size(1) == H &&
+                  states.size(2) == kHeadDim && states.size(3) == kHeadDim,
+              op, ": states must be a contiguous float32 tensor on q's device of shape [", int_str(slots), ", ",
+              int_str(H), ", 128, 128]");
+  TORCH_CHECK(grad_out.device() == q.device() && grad_out.scalar_type() == at::kBFloat16 &&
+                  grad_out.sizes() == v.sizes(),
+              op, ": grad_out must be a bfloat16 tensor on q's device shaped like v");
+  Tensor gf;
+  if (grad_final_state.has_value()) {
+    gf = grad_final_state->contiguous();
+    TORCH_CHECK(gf.device() == q.device() && gf.scalar_type() == at::kFloat && gf.dim() == 4 && gf.size(0) == B &&
+                    gf.size(1) == H && gf.size(2) == kHeadDim && gf.size(3) == kHeadDim,
+                op, ": grad_final_state must be float32 on q's device of shape [B, H, 128, 128]");
+  }
+  c10::cuda::CUDAGuard guard(q.device());
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(q.device().index()).stream();
+  Tensor qc = q.contiguous(), kc = k.contiguous(), vc = v.contiguous(), gc = g.contiguous();
+  Tensor bc = beta.contiguous(), ac = A_log.contiguous(), dc = dt_bias.contiguous(), go = grad_out.contiguous();
+  const auto f32 = q.options().dtype(at::kFloat);
+  Tensor workspace = at::empty({slots, H, kWsChunkFloats}, f32);
+  Tensor d_record = at::empty({slots, H, kDRecFloats}, f32);
+  Tensor d_initial = at::empty({B, H, kHeadDim, kHeadDim}, f32);
+  SweepBwdParams bp;
+  FwdParams& fp = bp.fwd;
+  fp.H = H;
+  fp.N = B;
+  fp.T = T;
+  fp.q = qc.data_ptr();
+  fp.k = kc.data_ptr();
+  fp.v = vc.data_ptr();
+  fp.g = gc.data_ptr();
+  fp.beta = bc.data_ptr();
+  fp.A_log = ac.data_ptr<float>();
+  fp.dt_bias = dc.data_ptr<float>();
+  fp.num_slots = slots;
+  fp.slot_begin = 0;
+  fp.slot_end = slots;
+  fp.workspace = workspace.data_ptr<float>();
+  fp.scale = static_cast<float>(resolved_scale(p));
+  fp.lower_bound = static_cast<float>(p.lower_bound);
+  bp.states = states.data_ptr<float>();
+  bp.grad_out = go.data_ptr();
+  bp.grad_final = gf.defined() ? gf.data_ptr<float>() : nullptr;
+  bp.d_record = d_record.data_ptr<float>();
+  bp.d_initial = d_initial.data_ptr<float>();
+  launch_prepare(fp, stream);
+  launch_sweep_backward(bp, stream);
+  return {d_record, d_initial};
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(kda, CUDA, m) {
@@ -286,6 +347,7 @@ TORCH_LIBRARY_IMPL(kda, CUDA, m) {
   m.impl("fwd_", &fwd_inplace);
   m.impl("bwd", &bwd);
   m.impl("_prepare_bwd", &prepare_bwd);
+  m.impl("_sweep_bwd", &sweep_bwd);
 }
 
 }  // namespace kda::cuda

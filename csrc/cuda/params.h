@@ -111,4 +111,16 @@ struct PrepareBwdParams {
   float* dbeta = nullptr;
 };
 
+// The backward sweep (bwd_sweep.cu): per (sequence, head), backward over its
+// chunks, from the chunk-start states and the forward's records to the record
+// gradients (above) and the initial state's gradient.
+struct SweepBwdParams {
+  FwdParams fwd;                 // sizes, offsets, the records (fwd.workspace, one pass: slots [0, num_slots))
+  const float* states = nullptr;  // [num_slots, H, V, K] fp32: the state at each chunk's start
+  const void* grad_out = nullptr;  // bf16 [tokens, H, V]
+  const float* grad_final = nullptr;  // [N, H, V, K] fp32, or null (zero)
+  float* d_record = nullptr;     // [num_slots, H, kDRecFloats]
+  float* d_initial = nullptr;    // [N, H, V, K] fp32
+};
+
 }  // namespace kda::cuda
