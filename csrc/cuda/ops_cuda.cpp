@@ -230,6 +230,37 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> bwd(
                             initial_state, cu_seqlens);
 }
 
+// The inputs of a fixed-length batch made contiguous, and the FwdParams over
+// them as one pass over all its chunk slots (the private test ops below).
+struct FixedLengthInputs {
+  Tensor q, k, v, g, beta, A_log, dt_bias;
+  FwdParams params;
+};
+
+FixedLengthInputs fixed_length_inputs(const Problem& p, const Tensor& q, const Tensor& k, const Tensor& v,
+                                      const Tensor& g, const Tensor& beta, const Tensor& A_log,
+                                      const Tensor& dt_bias) {
+  FixedLengthInputs in{q.contiguous(), k.contiguous(), v.contiguous(), g.contiguous(),
+                       beta.contiguous(), A_log.contiguous(), dt_bias.contiguous(), FwdParams{}};
+  FwdParams& fp = in.params;
+  fp.H = concrete(p.H);
+  fp.N = concrete(p.B);
+  fp.T = concrete(p.T);
+  fp.q = in.q.data_ptr();
+  fp.k = in.k.data_ptr();
+  fp.v = in.v.data_ptr();
+  fp.g = in.g.data_ptr();
+  fp.beta = in.beta.data_ptr();
+  fp.A_log = in.A_log.data_ptr<float>();
+  fp.dt_bias = in.dt_bias.data_ptr<float>();
+  fp.num_slots = fp.N * ((fp.T + kChunk - 1) / kChunk);
+  fp.slot_begin = 0;
+  fp.slot_end = fp.num_slots;
+  fp.scale = static_cast<float>(resolved_scale(p));
+  fp.lower_bound = static_cast<float>(p.lower_bound);
+  return in;
+}
+
 // kda::_prepare_bwd (not API): K1's backward alone, for its GPU test.
 std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> prepare_bwd(const Tensor& q, const Tensor& k, const Tensor& v,
                                                                const Tensor& g, const Tensor& beta,
@@ -246,29 +277,13 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> prepare_bwd(const Tensor& q, 
               op, ": d_record must be a contiguous float32 tensor on q's device of shape [", int_str(slots), ", ",
               int_str(H), ", ", int_str(kDRecFloats), "]");
   c10::cuda::CUDAGuard guard(q.device());
-  Tensor qc = q.contiguous(), kc = k.contiguous(), vc = v.contiguous(), gc = g.contiguous();
-  Tensor bc = beta.contiguous(), ac = A_log.contiguous(), dc = dt_bias.contiguous();
+  FixedLengthInputs in = fixed_length_inputs(p, q, k, v, g, beta, A_log, dt_bias);
   const auto f32 = q.options().dtype(at::kFloat);
   Tensor dqn = at::empty({B, T, H, kHeadDim}, f32), dkn = at::empty({B, T, H, kHeadDim}, f32);
   Tensor dv = at::empty({B, T, H, kHeadDim}, f32), dlam = at::empty({B, T, H, kHeadDim}, f32);
   Tensor dbeta = at::empty({B, T, H}, f32);
   PrepareBwdParams bp;
-  FwdParams& fp = bp.fwd;
-  fp.H = H;
-  fp.N = B;
-  fp.T = T;
-  fp.q = qc.data_ptr();
-  fp.k = kc.data_ptr();
-  fp.v = vc.data_ptr();
-  fp.g = gc.data_ptr();
-  fp.beta = bc.data_ptr();
-  fp.A_log = ac.data_ptr<float>();
-  fp.dt_bias = dc.data_ptr<float>();
-  fp.num_slots = slots;
-  fp.slot_begin = 0;
-  fp.slot_end = slots;
-  fp.scale = static_cast<float>(resolved_scale(p));
-  fp.lower_bound = static_cast<float>(p.lower_bound);
+  bp.fwd = in.params;
   bp.d_record = d_record.data_ptr<float>();
   bp.dqn = dqn.data_ptr<float>();
   bp.dkn = dkn.data_ptr<float>();
@@ -306,30 +321,16 @@ std::tuple<Tensor, Tensor> sweep_bwd(const Tensor& q, const Tensor& k, const Ten
   }
   c10::cuda::CUDAGuard guard(q.device());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(q.device().index()).stream();
-  Tensor qc = q.contiguous(), kc = k.contiguous(), vc = v.contiguous(), gc = g.contiguous();
-  Tensor bc = beta.contiguous(), ac = A_log.contiguous(), dc = dt_bias.contiguous(), go = grad_out.contiguous();
+  FixedLengthInputs in = fixed_length_inputs(p, q, k, v, g, beta, A_log, dt_bias);
+  Tensor go = grad_out.contiguous();
   const auto f32 = q.options().dtype(at::kFloat);
   Tensor workspace = at::empty({slots, H, kWsChunkFloats}, f32);
   Tensor d_record = at::empty({slots, H, kDRecFloats}, f32);
   Tensor d_initial = at::empty({B, H, kHeadDim, kHeadDim}, f32);
   SweepBwdParams bp;
+  bp.fwd = in.params;
+  bp.fwd.workspace = workspace.data_ptr<float>();
   FwdParams& fp = bp.fwd;
-  fp.H = H;
-  fp.N = B;
-  fp.T = T;
-  fp.q = qc.data_ptr();
-  fp.k = kc.data_ptr();
-  fp.v = vc.data_ptr();
-  fp.g = gc.data_ptr();
-  fp.beta = bc.data_ptr();
-  fp.A_log = ac.data_ptr<float>();
-  fp.dt_bias = dc.data_ptr<float>();
-  fp.num_slots = slots;
-  fp.slot_begin = 0;
-  fp.slot_end = slots;
-  fp.workspace = workspace.data_ptr<float>();
-  fp.scale = static_cast<float>(resolved_scale(p));
-  fp.lower_bound = static_cast<float>(p.lower_bound);
   bp.states = states.data_ptr<float>();
   bp.grad_out = go.data_ptr();
   bp.grad_final = gf.defined() ? gf.data_ptr<float>() : nullptr;
