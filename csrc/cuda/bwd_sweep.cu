@@ -76,8 +76,7 @@ __global__ void __launch_bounds__(kThreads) sweep_backward_kernel(const SweepBwd
       sm.qs[t][col] = plane_value(rec, kWsQs, t, col);
       sm.kd[t][col] = plane_value(rec, kWsKd, t, col);
       sm.u0[t][col] = reinterpret_cast<const float*>(rec + kWsU0)[t * D + col];
-      sm.dout[t][col] =
-          t < len ? load_bf16(bp.grad_out, ((bos + t) * H + h) * D + col) : 0.f;
+      sm.dout[t][col] = t < len ? bp.grad_out[((bos + t) * H + h) * D + col] : 0.f;
     }
     if (tid < C * C) {
       const auto* hi = reinterpret_cast<const __nv_bfloat16*>(rec + kWsAqk);

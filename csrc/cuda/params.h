@@ -72,6 +72,9 @@ struct FwdParams {
   float* workspace = nullptr;   // [slot_end - slot_begin, H] records of kWsChunkBytes
   // fp32 [N, H, V, K]: the states between windows; null with one window.
   float* carry = nullptr;
+  // fp32 [num_slots, H, V, K]: K2 stores the state at each chunk's start here
+  // (the backward's checkpoints); null in the forward.
+  float* chunk_states = nullptr;
 
   // States [N, H, V, K] (V-first), both in one dtype, bf16 or fp32; null when absent.
   const void* initial_state = nullptr;
@@ -117,7 +120,7 @@ struct PrepareBwdParams {
 struct SweepBwdParams {
   FwdParams fwd;                 // sizes, offsets, the records (fwd.workspace, one pass: slots [0, num_slots))
   const float* states = nullptr;  // [num_slots, H, V, K] fp32: the state at each chunk's start
-  const void* grad_out = nullptr;  // bf16 [tokens, H, V]
+  const float* grad_out = nullptr;  // fp32 [tokens, H, V]
   const float* grad_final = nullptr;  // [N, H, V, K] fp32, or null (zero)
   float* d_record = nullptr;     // [num_slots, H, kDRecFloats]
   float* d_initial = nullptr;    // [N, H, V, K] fp32
