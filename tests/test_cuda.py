@@ -854,14 +854,17 @@ def test_compiled_training_step_equals_eager():
 # --------------------------------------------------------------------------
 
 
-def test_prepare_backward_matches_reference():
+@pytest.mark.parametrize("case", ["random", "weak_decay"])
+def test_prepare_backward_matches_reference(case):
     """K1's backward alone (kda._prepare_bwd) against reference.chunk_record_backward
     in float64, chunk by chunk, on random record gradients; the last chunk of each
-    sequence is partial (the padding rows' gradients must not leak into it)."""
+    sequence is partial (the padding rows' gradients must not leak into it). Weak
+    decay keeps exp(G_last) near 1, where the decay terms weigh most."""
     from torch_kda import reference
 
     B, T, H = 2, 37, 3
     d, g = cuda_inputs(B=B, T=T, H=H)
+    _hard_case(case, d, g)
     nch = (T + 15) // 16
     d_record = torch.randn(B * nch, H, 8576, device=DEV)
     got = torch.ops.kda._prepare_bwd(g["q"], g["k"], g["v"], g["g"], g["beta"], g["A_log"], g["dt_bias"], d_record,
@@ -889,18 +892,21 @@ def test_prepare_backward_matches_reference():
         err = rel(t.cpu(), w)
         print(f"{name}: rel {err:.2e}")
         assert torch.isfinite(t).all(), name
-        assert err <= 1e-4, name
+        assert err <= 2e-5, name  # fp32 against float64: ~1e-6 in a CPU emulation of the kernel
 
 
-def test_sweep_backward_matches_reference():
+@pytest.mark.parametrize("case", ["random", "weak_decay"])
+def test_sweep_backward_matches_reference(case):
     """The backward sweep alone (kda._sweep_bwd, after K1), from chunk-start states
     given in fp32, against reference.chunk_step_backward chained over the chunks in
     float64: every record gradient (zero on the padding rows of a partial chunk)
-    and the initial state's gradient."""
+    and the initial state's gradient. With random gates exp(G_last) is ~1e-12 or
+    less, so only weak decay shows the carry dS1 diag(exp(G_last)) in d_initial."""
     from torch_kda import reference
 
     B, T, H = 2, 37, 2
     d, g = cuda_inputs(B=B, T=T, H=H, state_dtype=torch.float32)
+    _hard_case(case, d, g)
     nch = (T + 15) // 16
     x = {n: g[n].double().cpu() for n in ("q", "k", "v", "g", "beta", "A_log", "dt_bias", "initial_state")}
     qn, kn, lam, b = reference.activations(x["q"], x["k"], x["g"], x["beta"], x["A_log"], x["dt_bias"], -5.0)
@@ -943,7 +949,7 @@ def test_sweep_backward_matches_reference():
                          ("dU0", 6400, 8448), ("dgl", 8448, 8576)):
         err = rel(d_record[..., lo:hi].cpu(), want_rec[..., lo:hi])
         print(f"{name}: rel {err:.2e}")
-        assert err <= 5e-4, name
+        assert err <= 5e-5, name  # the records' bf16 hi + lo planes keep ~2^-17; ~3e-6 in a CPU emulation
     err = rel(d_initial.cpu(), want_init)
     print(f"d_initial: rel {err:.2e}")
-    assert err <= 5e-4
+    assert err <= 5e-5
