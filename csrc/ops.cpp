@@ -42,4 +42,19 @@ TORCH_LIBRARY(kda, m) {
       "Tensor beta, Tensor A_log, Tensor dt_bias, float? scale=None, float? lower_bound=None, "
       "Tensor? initial_state=None, Tensor? cu_seqlens=None) -> (Tensor dq, Tensor dk, Tensor dv, Tensor dg, "
       "Tensor dbeta, Tensor dA_log, Tensor ddt_bias, Tensor dinitial_state)");
+  // Not API: K1's backward alone on CUDA (bwd_prepare.cu), fixed length, so that a
+  // GPU test can check it against torch_kda/reference.py chunk_record_backward.
+  // d_record: [B * ceil(T / 16), H, 8576] fp32, the record gradients (params.h).
+  m.def(
+      "_prepare_bwd(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor A_log, Tensor dt_bias, "
+      "Tensor d_record, float? scale=None, float lower_bound=-5.0) -> (Tensor dqn, Tensor dkn, Tensor dv, "
+      "Tensor dlam, Tensor dbeta)");
+  // Not API: the backward sweep alone on CUDA (bwd_sweep.cu), fixed length, from
+  // given chunk-start states ([B * ceil(T / 16), H, V, K] fp32), so that a GPU test
+  // can check it against torch_kda/reference.py chunk_step_backward. Runs K1 for
+  // the records first.
+  m.def(
+      "_sweep_bwd(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor A_log, Tensor dt_bias, "
+      "Tensor states, Tensor grad_out, Tensor? grad_final_state=None, float? scale=None, "
+      "float lower_bound=-5.0) -> (Tensor d_record, Tensor d_initial)");
 }

@@ -5,6 +5,7 @@
 
 #include <string>
 
+#include "cuda/chunk_inputs.cuh"
 #include "cuda/device_utils.cuh"
 #include "cuda/launch.h"
 
@@ -24,8 +25,8 @@ constexpr int kPad = D + 4;
 constexpr int kMinBlocksPerSm = 6;
 
 __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm) prepare_kernel(const FwdParams p) {
-  // sQe and sKe first hold the raw q and k rows (for the norms), then q^ exp(G)
-  // and k^ exp(G).
+  // sQe and sKe first hold the raw q and k rows (load_chunk_inputs), then
+  // q^ exp(G) and k^ exp(G).
   __shared__ __align__(16) float sQe[C][kPad];  // q^ exp(G)
   __shared__ __align__(16) float sKe[C][kPad];  // k^ exp(G)
   __shared__ __align__(16) float sKi[C][kPad];  // k^ exp(-G)
@@ -33,71 +34,16 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm) prepare_kernel(cons
   __shared__ float sInvNorm[2][C];  // 1 / ||q_i||, 1 / ||k_i|| (with the epsilon)
   __shared__ float sBeta[C];
 
-  const int64_t H = p.H;
-  const int64_t slot = p.slot_begin + blockIdx.x / H;
-  const int64_t h = blockIdx.x % H;
-  const int64_t total_chunks = chunk_offset(p, p.N);
-  // The grid covers the capacity; the live chunks are fewer when sequences end
-  // in partial chunks or are empty.
-  if (slot >= total_chunks) {
+  ChunkPlace c;
+  if (!place_chunk(p, c)) {
     return;
   }
-  const int64_t n = sequence_of_slot(p, slot);
-  const int64_t bos = seq_offset(p, n) + (slot - chunk_offset(p, n)) * C;
-  const int len = static_cast<int>(min64(C, seq_offset(p, n + 1) - bos));
-
+  const int64_t H = p.H, h = c.h;
   const int d = threadIdx.x;
-
-  // Every global load up front: the block's latency is one memory round trip.
   float gsum[C], v[C];
-#pragma unroll
-  for (int i = 0; i < C; ++i) {
-    const int64_t idx = ((bos + i) * H + h) * D + d;
-    const bool valid = i < len;
-    sQe[i][d] = valid ? load_bf16(p.q, idx) : 0.f;
-    sKe[i][d] = valid ? load_bf16(p.k, idx) : 0.f;
-    gsum[i] = valid ? load_bf16(p.g, idx) : 0.f;
-    v[i] = valid ? load_bf16(p.v, idx) : 0.f;
-  }
-  if (d < C) {
-    sBeta[d] = d < len ? 1.f / (1.f + expf(-load_bf16(p.beta, (bos + d) * H + h))) : 0.f;
-  }
+  load_chunk_inputs<kPad>(p, c, sQe, sKe, sBeta, sInvNorm, gsum, v);
 
-  // Gate: lambda = lower_bound * sigmoid(exp(A_log) (g + dt_bias)); padded
-  // rows get lambda = 0 so that G_last is the last real row's G.
-  const float A = expf(p.A_log[h]);
-  const float bias = p.dt_bias[h * D + d];
-  float acc = 0.f;
-#pragma unroll
-  for (int i = 0; i < C; ++i) {
-    const float lam = i < len ? __fdividef(p.lower_bound, 1.f + expf(-A * (gsum[i] + bias))) : 0.f;
-    acc += lam;
-    gsum[i] = acc;  // now G_i, the cumulative log decay
-  }
-  __syncthreads();
-
-  // Squared norms of the 32 rows (q's 16, then k's): four threads per row
-  // (lanes 8 apart), each every fourth 16-byte piece of it, then two shuffles;
-  // far fewer instructions than a warp reduction per row. The eight lanes of a
-  // quarter warp read eight rows, 4 banks apart (kPad): no bank conflicts.
-  {
-    const int row = (d / 32) * 8 + d % 8, part = (d % 32) / 8;
-    const float* src = row < C ? &sQe[row][0] : &sKe[row - C][0];
-    float sq = 0.f;
-#pragma unroll
-    for (int m = 0; m < D / 16; ++m) {
-      const float4 x = *reinterpret_cast<const float4*>(src + m * 16 + part * 4);
-      sq += x.x * x.x + x.y * x.y + x.z * x.z + x.w * x.w;
-    }
-    sq += __shfl_xor_sync(0xffffffffu, sq, 8);
-    sq += __shfl_xor_sync(0xffffffffu, sq, 16);
-    if (part == 0) {
-      sInvNorm[row / C][row % C] = rsqrtf(sq + static_cast<float>(kNormEps));
-    }
-  }
-  __syncthreads();
-
-  unsigned char* ws = reinterpret_cast<unsigned char*>(p.workspace) + ((slot - p.slot_begin) * H + h) * kWsChunkBytes;
+  unsigned char* ws = reinterpret_cast<unsigned char*>(p.workspace) + ((c.slot - p.slot_begin) * H + h) * kWsChunkBytes;
   float* ws_u0 = reinterpret_cast<float*>(ws + kWsU0);
   const float e_last = expf(gsum[C - 1]);
   // Column d of every tile is this thread's alone until the next barrier.

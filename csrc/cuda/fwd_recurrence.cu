@@ -125,7 +125,9 @@ __device__ __forceinline__ void store_state_pair(void* base, int64_t index, bool
   }
 }
 
-template <int kWarps, int kSplit>
+// kStates: also store the state at each chunk's start (p.chunk_states), for the
+// backward; a separate instantiation keeps the forward's loop as it was.
+template <int kWarps, int kSplit, bool kStates>
 __global__ void __launch_bounds__(kWarps * 32) recurrence_kernel(const FwdParams p) {
   using Cfg = Config<kWarps, kSplit>;
   using St = typename Cfg::St;
@@ -204,6 +206,15 @@ __global__ void __launch_bounds__(kWarps * 32) recurrence_kernel(const FwdParams
                                             tid);
     }
     cp_async_commit();
+    if constexpr (kStates) {  // the backward's checkpoint: the state at this chunk's start
+      const int64_t cs = (((lo + c) * H + h) * D + v0 + g) * D;
+#pragma unroll
+      for (int j = 0; j < kNt; ++j) {
+        const int k0 = 8 * (j0 + j) + 2 * t;
+        store_state_pair(p.chunk_states, cs + k0, true, s[j][0], s[j][1]);
+        store_state_pair(p.chunk_states, cs + 8 * D + k0, true, s[j][2], s[j][3]);
+      }
+    }
     cp_async_wait<kSt - 1>();
     __syncthreads();
     const St& st = stages[c % kSt];
@@ -366,7 +377,8 @@ template <int kWarps, int kSplit>
 void launch(const FwdParams& p, cudaStream_t stream) {
   using Cfg = Config<kWarps, kSplit>;
   static_assert(Cfg::kSmem <= 227 * 1024, "over the per-block shared memory of sm_90");
-  auto* kernel = recurrence_kernel<kWarps, kSplit>;
+  auto* kernel = p.chunk_states != nullptr ? recurrence_kernel<kWarps, kSplit, true>
+                                           : recurrence_kernel<kWarps, kSplit, false>;
   C10_CUDA_CHECK(
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(Cfg::kSmem)));
   const int64_t blocks = p.N * p.H * (D / Cfg::kCols);

@@ -30,6 +30,14 @@ enum class RecurrenceBlock { kAuto, k8x1, k4x1, k2x1, k4x4 };
 // tensor-core accumulators, writes out and final_state.
 void launch_recurrence(const FwdParams& params, cudaStream_t stream, RecurrenceBlock block);
 
+// K1's backward (bwd_prepare.cu): one block per (chunk slot, head) of the
+// window; from the record gradients to those of q^, k^, v, lambda, sigmoid(beta).
+void launch_prepare_backward(const PrepareBwdParams& params, cudaStream_t stream);
+
+// The backward sweep (bwd_sweep.cu): one block per (sequence, head), backward
+// over its chunks; the record gradients and the initial state's gradient.
+void launch_sweep_backward(const SweepBwdParams& params, cudaStream_t stream);
+
 // TORCH_KDA_RECURRENCE_BLOCK=WxS forces K2's block shape (8x1, 4x1, 2x1 or
 // 4x4), for measurements and tests: the shape, or kAuto when unset; raises on
 // any other value. Read once per call, before anything is enqueued, so a bad

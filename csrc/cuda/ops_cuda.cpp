@@ -1,15 +1,14 @@
 // CUDA registrations of kda::fwd, kda::fwd_ and kda::bwd: the shared argument
 // checks, the limits of the CUDA kernels, then the launch on the current
-// stream of the tensors' device (a long forward with few heads also uses a
-// side stream that it joins again, forward_schedule.h). The forward never synchronises with the host
+// stream of the tensors' device. The forward never synchronises with the host
 // unless TORCH_KDA_CHECK=1 asks for the contents of cu_seqlens to be checked;
-// the backward's first version reads a varlen batch's cu_seqlens on the host
-// (one sync; fixed-length batches need none).
+// neither does the backward (its kernels take the offsets from the device).
 #include <ATen/MemoryOverlap.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
 
+#include "activations.h"
 #include "chunked_backward.h"
 #include "cuda/forward_schedule.h"
 #include "cuda/launch.h"
@@ -117,6 +116,40 @@ bool aligned16(const Tensor& t) {
   return reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0;
 }
 
+// A call's inputs made contiguous (copies only where the caller's tensors are
+// not) and the FwdParams over them, as one pass over all the call's chunk slots;
+// the caller adds the workspace, the states and the outputs.
+struct CallInputs {
+  Tensor q, k, v, g, beta, A_log, dt_bias;
+  FwdParams params;
+};
+
+CallInputs call_inputs(const Problem& p, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g,
+                       const Tensor& beta, const Tensor& A_log, const Tensor& dt_bias, const Boundaries& bounds) {
+  CallInputs in{q.contiguous(),    k.contiguous(),     v.contiguous(),       g.contiguous(),
+                beta.contiguous(), A_log.contiguous(), dt_bias.contiguous(), FwdParams{}};
+  FwdParams& fp = in.params;
+  fp.H = concrete(p.H);
+  fp.N = concrete(p.N);
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&fp.num_sms, cudaDevAttrMultiProcessorCount, q.device().index()));
+  fp.q = in.q.data_ptr();
+  fp.k = in.k.data_ptr();
+  fp.v = in.v.data_ptr();
+  fp.g = in.g.data_ptr();
+  fp.beta = in.beta.data_ptr();
+  fp.A_log = in.A_log.data_ptr<float>();
+  fp.dt_bias = in.dt_bias.data_ptr<float>();
+  fp.seq_offsets = bounds.offsets.defined() ? bounds.offsets.data_ptr<int64_t>() : nullptr;
+  fp.chunk_offsets = fp.seq_offsets != nullptr ? fp.seq_offsets + (fp.N + 1) : nullptr;
+  fp.T = concrete(p.T);
+  fp.num_slots = bounds.num_slots;
+  fp.slot_begin = 0;
+  fp.slot_end = bounds.num_slots;
+  fp.scale = static_cast<float>(resolved_scale(p));
+  fp.lower_bound = static_cast<float>(p.lower_bound);
+  return in;
+}
+
 // Runs the forward into `out` / `final_state`. Inputs are made contiguous
 // (copies only where the caller's tensors are not). An output that is not
 // contiguous or not 16-byte aligned, or a final_state whose dtype is not the one the kernels write
@@ -126,8 +159,9 @@ void forward_into(const Problem& p, const Tensor& q, const Tensor& k, const Tens
                   const Tensor& beta, const Tensor& A_log, const Tensor& dt_bias,
                   const optional<Tensor>& initial_state, const optional<Tensor>& cu_seqlens, const Tensor& out,
                   const optional<Tensor>& final_state) {
-  Tensor qc = q.contiguous(), kc = k.contiguous(), vc = v.contiguous(), gc = g.contiguous();
-  Tensor bc = beta.contiguous(), ac = A_log.contiguous(), dc = dt_bias.contiguous();
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(q.device().index()).stream();
+  Boundaries bounds = sequence_boundaries(p, q, cu_seqlens, stream);
+  CallInputs in = call_inputs(p, q, k, v, g, beta, A_log, dt_bias, bounds);
   Tensor init = initial_state.has_value() ? initial_state->contiguous() : Tensor();
   if (init.defined() && !aligned16(init)) {
     init = init.clone();
@@ -150,30 +184,11 @@ void forward_into(const Problem& p, const Tensor& q, const Tensor& k, const Tens
       init = init.clone();
     }
   }
-  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(q.device().index()).stream();
-  Boundaries bounds = sequence_boundaries(p, q, cu_seqlens, stream);
-
-  FwdParams params;
-  params.H = concrete(p.H);
-  params.N = concrete(p.N);
-  C10_CUDA_CHECK(cudaDeviceGetAttribute(&params.num_sms, cudaDevAttrMultiProcessorCount, q.device().index()));
-  params.q = qc.data_ptr();
-  params.k = kc.data_ptr();
-  params.v = vc.data_ptr();
-  params.g = gc.data_ptr();
-  params.beta = bc.data_ptr();
-  params.A_log = ac.data_ptr<float>();
-  params.dt_bias = dc.data_ptr<float>();
-  params.seq_offsets = bounds.offsets.defined() ? bounds.offsets.data_ptr<int64_t>() : nullptr;
-  params.chunk_offsets = params.seq_offsets != nullptr ? params.seq_offsets + (params.N + 1) : nullptr;
-  params.T = concrete(p.T);
-  params.num_slots = bounds.num_slots;
+  FwdParams& params = in.params;
   params.initial_state = init.defined() ? init.data_ptr() : nullptr;
   params.final_state = final_c.defined() ? final_c.data_ptr() : nullptr;
   params.state_fp32 = p.state_dtype == at::kFloat;
   params.out = out_c.data_ptr();
-  params.scale = static_cast<float>(resolved_scale(p));
-  params.lower_bound = static_cast<float>(p.lower_bound);
 
   // Both settings are read before anything is enqueued, so a bad one leaves no kernel behind.
   const RecurrenceBlock block = forced_recurrence_block();
@@ -181,7 +196,7 @@ void forward_into(const Problem& p, const Tensor& q, const Tensor& k, const Tens
   // Windows (forward_schedule.h) write outputs before they read every input:
   // only when no output shares memory with an input.
   if (window < params.num_slots) {
-    for (const Tensor* input : {&qc, &kc, &vc, &gc, &bc, &ac, &dc}) {
+    for (const Tensor* input : {&in.q, &in.k, &in.v, &in.g, &in.beta, &in.A_log, &in.dt_bias}) {
       if (at::get_overlap_status(*input, out_c) != at::MemOverlapStatus::No ||
           (final_c.defined() && at::get_overlap_status(*input, final_c) != at::MemOverlapStatus::No)) {
         window = params.num_slots;
@@ -222,6 +237,79 @@ void fwd_inplace(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor
   forward_into(p, q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, out, final_state);
 }
 
+// kda.bwd with the backward kernels: K1 for the records and K2 storing every
+// chunk-start state (the output it also writes is scratch), the sweep
+// (bwd_sweep.cu: record gradients and dS), K1's backward (bwd_prepare.cu:
+// gradients of q^, k^, v, lambda, sigmoid(beta)), then the activations' chain
+// rule in ATen (activations.h). One pass over the call: the workspace, the
+// states and the record gradients take 2,144 + 4,096 + 2,144 bytes per (token,
+// head) for full chunks (windows, as in the forward, are the plan to bound them).
+BackwardTuple backward_by_kernels(const Problem& p, const Tensor& grad_out, const optional<Tensor>& grad_final_state,
+                                  const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g,
+                                  const Tensor& beta, const Tensor& A_log, const Tensor& dt_bias,
+                                  const optional<Tensor>& initial_state, const optional<Tensor>& cu_seqlens) {
+  at::NoTF32Guard no_tf32;  // the ATen part's products stay fp32 (SPEC 4)
+  BackwardOutputs o = allocate_backward_outputs(p, q, k, v, g, beta, A_log, dt_bias, initial_state);
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(q.device().index()).stream();
+  const int64_t B = concrete(p.B), T = concrete(p.T), H = concrete(p.H), N = concrete(p.N);
+  Boundaries bounds = sequence_boundaries(p, q, cu_seqlens, stream);
+  CallInputs in = call_inputs(p, q, k, v, g, beta, A_log, dt_bias, bounds);
+  Tensor init = initial_state.has_value() ? initial_state->contiguous() : Tensor();
+  if (init.defined() && !aligned16(init)) {
+    init = init.clone();
+  }
+  const auto f32 = q.options().dtype(at::kFloat);
+  Tensor workspace = at::empty({bounds.num_slots, H, kWsChunkFloats}, f32);
+  Tensor states = at::empty({bounds.num_slots, H, kHeadDim, kHeadDim}, f32);
+  Tensor scratch_out = at::empty_like(in.v);
+
+  FwdParams& fp = in.params;
+  fp.workspace = workspace.data_ptr<float>();
+  fp.initial_state = init.defined() ? init.data_ptr() : nullptr;
+  fp.state_fp32 = p.state_dtype == at::kFloat;
+  fp.out = scratch_out.data_ptr();
+  fp.chunk_states = states.data_ptr<float>();
+  launch_prepare(fp, stream);
+  launch_recurrence(fp, stream, forced_recurrence_block());
+
+  Tensor go = grad_out.to(at::kFloat).contiguous();
+  Tensor gf = grad_final_state.has_value() ? grad_final_state->to(at::kFloat).contiguous() : Tensor();
+  Tensor d_record = at::empty({bounds.num_slots, H, kDRecFloats}, f32);
+  Tensor d_initial = at::empty({N, H, kHeadDim, kHeadDim}, f32);
+  SweepBwdParams sp;
+  sp.fwd = fp;
+  sp.states = states.data_ptr<float>();
+  sp.grad_out = go.data_ptr<float>();
+  sp.grad_final = gf.defined() ? gf.data_ptr<float>() : nullptr;
+  sp.d_record = d_record.data_ptr<float>();
+  sp.d_initial = d_initial.data_ptr<float>();
+  launch_sweep_backward(sp, stream);
+
+  // Zeros where no chunk covers a token (only a malformed cu_seqlens leaves any).
+  ActivationGrads d;
+  d.dqn = at::zeros({B, T, H, kHeadDim}, f32);
+  d.dkn = at::zeros({B, T, H, kHeadDim}, f32);
+  d.dv = at::zeros({B, T, H, kHeadDim}, f32);
+  d.dlam = at::zeros({B, T, H, kHeadDim}, f32);
+  d.dbeta = at::zeros({B, T, H}, f32);
+  PrepareBwdParams pp;
+  pp.fwd = fp;
+  pp.d_record = d_record.data_ptr<float>();
+  pp.dqn = d.dqn.data_ptr<float>();
+  pp.dkn = d.dkn.data_ptr<float>();
+  pp.dv = d.dv.data_ptr<float>();
+  pp.dlam = d.dlam.data_ptr<float>();
+  pp.dbeta = d.dbeta.data_ptr<float>();
+  launch_prepare_backward(pp, stream);
+
+  Activations a = compute_activations(p, at::kFloat, q, k, v, g, beta, A_log, dt_bias);
+  backprop_activations(p, a, d, A_log, o);
+  if (init.defined()) {
+    o.dinitial_state.copy_(d_initial);
+  }
+  return {o.dq, o.dk, o.dv, o.dg, o.dbeta, o.dA_log, o.ddt_bias, o.dinitial_state};
+}
+
 std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> bwd(
     const Tensor& grad_out, const optional<Tensor>& grad_final_state, const Tensor& q, const Tensor& k,
     const Tensor& v, const Tensor& g, const Tensor& beta, const Tensor& A_log, const Tensor& dt_bias,
@@ -230,11 +318,89 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> bwd(
   Problem p = check_all("kda.bwd", q, k, v, g, beta, A_log, dt_bias, scale, lower_bound, initial_state, cu_seqlens);
   check_backward_grads("kda.bwd", p, q, grad_out, grad_final_state);
   c10::cuda::CUDAGuard guard(q.device());
-  // First version: the chunked backward composed of ATen ops (chunked_backward.h),
-  // correct but far from the kernels' speed; varlen batches read cu_seqlens on
-  // the host (one sync).
-  return backward_by_chunks("kda.bwd", p, grad_out, grad_final_state, q, k, v, g, beta, A_log, dt_bias,
-                            initial_state, cu_seqlens);
+  return backward_by_kernels(p, grad_out, grad_final_state, q, k, v, g, beta, A_log, dt_bias, initial_state,
+                             cu_seqlens);
+}
+
+// kda::_prepare_bwd (not API): K1's backward alone, for its GPU test.
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> prepare_bwd(const Tensor& q, const Tensor& k, const Tensor& v,
+                                                               const Tensor& g, const Tensor& beta,
+                                                               const Tensor& A_log, const Tensor& dt_bias,
+                                                               const Tensor& d_record, optional<double> scale,
+                                                               double lower_bound) {
+  const char* op = "kda._prepare_bwd";
+  Problem p = check_all(op, q, k, v, g, beta, A_log, dt_bias, scale, lower_bound, std::nullopt, std::nullopt);
+  const int64_t B = concrete(p.B), T = concrete(p.T), H = concrete(p.H);
+  const int64_t slots = B * ((T + kChunk - 1) / kChunk);
+  TORCH_CHECK(d_record.device() == q.device() && d_record.scalar_type() == at::kFloat && d_record.is_contiguous() &&
+                  d_record.dim() == 3 && d_record.size(0) == slots && d_record.size(1) == H &&
+                  d_record.size(2) == kDRecFloats,
+              op, ": d_record must be a contiguous float32 tensor on q's device of shape [", int_str(slots), ", ",
+              int_str(H), ", ", int_str(kDRecFloats), "]");
+  c10::cuda::CUDAGuard guard(q.device());
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(q.device().index()).stream();
+  CallInputs in = call_inputs(p, q, k, v, g, beta, A_log, dt_bias, sequence_boundaries(p, q, std::nullopt, stream));
+  const auto f32 = q.options().dtype(at::kFloat);
+  Tensor dqn = at::empty({B, T, H, kHeadDim}, f32), dkn = at::empty({B, T, H, kHeadDim}, f32);
+  Tensor dv = at::empty({B, T, H, kHeadDim}, f32), dlam = at::empty({B, T, H, kHeadDim}, f32);
+  Tensor dbeta = at::empty({B, T, H}, f32);
+  PrepareBwdParams bp;
+  bp.fwd = in.params;
+  bp.d_record = d_record.data_ptr<float>();
+  bp.dqn = dqn.data_ptr<float>();
+  bp.dkn = dkn.data_ptr<float>();
+  bp.dv = dv.data_ptr<float>();
+  bp.dlam = dlam.data_ptr<float>();
+  bp.dbeta = dbeta.data_ptr<float>();
+  launch_prepare_backward(bp, stream);
+  return {dqn, dkn, dv, dlam, dbeta};
+}
+
+// kda::_sweep_bwd (not API): K1, then the backward sweep alone, for its GPU test.
+std::tuple<Tensor, Tensor> sweep_bwd(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g,
+                                     const Tensor& beta, const Tensor& A_log, const Tensor& dt_bias,
+                                     const Tensor& states, const Tensor& grad_out,
+                                     const optional<Tensor>& grad_final_state, optional<double> scale,
+                                     double lower_bound) {
+  const char* op = "kda._sweep_bwd";
+  Problem p = check_all(op, q, k, v, g, beta, A_log, dt_bias, scale, lower_bound, std::nullopt, std::nullopt);
+  const int64_t B = concrete(p.B), T = concrete(p.T), H = concrete(p.H);
+  const int64_t slots = B * ((T + kChunk - 1) / kChunk);
+  TORCH_CHECK(states.device() == q.device() && states.scalar_type() == at::kFloat && states.is_contiguous() &&
+                  states.dim() == 4 && states.size(0) == slots && states.size(1) == H &&
+                  states.size(2) == kHeadDim && states.size(3) == kHeadDim,
+              op, ": states must be a contiguous float32 tensor on q's device of shape [", int_str(slots), ", ",
+              int_str(H), ", 128, 128]");
+  TORCH_CHECK(grad_out.device() == q.device() && grad_out.scalar_type() == at::kBFloat16 &&
+                  grad_out.sizes() == v.sizes(),
+              op, ": grad_out must be a bfloat16 tensor on q's device shaped like v");
+  Tensor gf;
+  if (grad_final_state.has_value()) {
+    gf = grad_final_state->contiguous();
+    TORCH_CHECK(gf.device() == q.device() && gf.scalar_type() == at::kFloat && gf.dim() == 4 && gf.size(0) == B &&
+                    gf.size(1) == H && gf.size(2) == kHeadDim && gf.size(3) == kHeadDim,
+                op, ": grad_final_state must be float32 on q's device of shape [B, H, 128, 128]");
+  }
+  c10::cuda::CUDAGuard guard(q.device());
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(q.device().index()).stream();
+  CallInputs in = call_inputs(p, q, k, v, g, beta, A_log, dt_bias, sequence_boundaries(p, q, std::nullopt, stream));
+  Tensor go = grad_out.to(at::kFloat).contiguous();
+  const auto f32 = q.options().dtype(at::kFloat);
+  Tensor workspace = at::empty({slots, H, kWsChunkFloats}, f32);
+  Tensor d_record = at::empty({slots, H, kDRecFloats}, f32);
+  Tensor d_initial = at::empty({B, H, kHeadDim, kHeadDim}, f32);
+  SweepBwdParams bp;
+  bp.fwd = in.params;
+  bp.fwd.workspace = workspace.data_ptr<float>();
+  FwdParams& fp = bp.fwd;
+  bp.states = states.data_ptr<float>();
+  bp.grad_out = go.data_ptr<float>();
+  bp.grad_final = gf.defined() ? gf.data_ptr<float>() : nullptr;
+  bp.d_record = d_record.data_ptr<float>();
+  bp.d_initial = d_initial.data_ptr<float>();
+  launch_prepare(fp, stream);
+  launch_sweep_backward(bp, stream);
+  return {d_record, d_initial};
 }
 
 }  // namespace
@@ -243,6 +409,8 @@ TORCH_LIBRARY_IMPL(kda, CUDA, m) {
   m.impl("fwd", &fwd);
   m.impl("fwd_", &fwd_inplace);
   m.impl("bwd", &bwd);
+  m.impl("_prepare_bwd", &prepare_bwd);
+  m.impl("_sweep_bwd", &sweep_bwd);
 }
 
 }  // namespace kda::cuda

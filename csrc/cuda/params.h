@@ -72,6 +72,9 @@ struct FwdParams {
   float* workspace = nullptr;   // [slot_end - slot_begin, H] records of kWsChunkBytes
   // fp32 [N, H, V, K]: the states between windows; null with one window.
   float* carry = nullptr;
+  // fp32 [num_slots, H, V, K]: K2 stores the state at each chunk's start here
+  // (the backward's checkpoints); null in the forward.
+  float* chunk_states = nullptr;
 
   // States [N, H, V, K] (V-first), both in one dtype, bf16 or fp32; null when absent.
   const void* initial_state = nullptr;
@@ -84,6 +87,43 @@ struct FwdParams {
 
   float scale = 0.f;
   float lower_bound = 0.f;  // bounded gate, in [-5, 0)
+};
+
+// K1's backward (bwd_prepare.cu) reads, per (chunk slot, head), the gradients of
+// the chunk's record that the backward sweep leaves, fp32, each row-major, in
+// this order: dQs, dW, dKd [16][128], dAqk [16][16], dU0 [16][128], dgl [128]
+// (torch_kda/reference.py chunk_step_backward, summed over the value rows).
+constexpr int kDRecQs = 0;
+constexpr int kDRecW = kDRecQs + kChunk * kHeadDim;
+constexpr int kDRecKd = kDRecW + kChunk * kHeadDim;
+constexpr int kDRecAqk = kDRecKd + kChunk * kHeadDim;
+constexpr int kDRecU0 = kDRecAqk + kChunk * kChunk;
+constexpr int kDRecGl = kDRecU0 + kChunk * kHeadDim;
+constexpr int kDRecFloats = kDRecGl + kHeadDim;
+
+struct PrepareBwdParams {
+  FwdParams fwd;  // the inputs, sizes, offsets and slot window, as K1 reads them
+  const float* d_record = nullptr;  // [slot_end - slot_begin, H, kDRecFloats]
+  // Outputs, fp32, written for the chunks' real tokens only: the gradients of
+  // q^ and k^ (L2-normalised), v and the log decays lambda, [tokens, H, 128]
+  // each, and of sigmoid(beta), [tokens, H].
+  float* dqn = nullptr;
+  float* dkn = nullptr;
+  float* dv = nullptr;
+  float* dlam = nullptr;
+  float* dbeta = nullptr;
+};
+
+// The backward sweep (bwd_sweep.cu): per (sequence, head), backward over its
+// chunks, from the chunk-start states and the forward's records to the record
+// gradients (above) and the initial state's gradient.
+struct SweepBwdParams {
+  FwdParams fwd;                 // sizes, offsets, the records (fwd.workspace, one pass: slots [0, num_slots))
+  const float* states = nullptr;  // [num_slots, H, V, K] fp32: the state at each chunk's start
+  const float* grad_out = nullptr;  // fp32 [tokens, H, V]
+  const float* grad_final = nullptr;  // [N, H, V, K] fp32, or null (zero)
+  float* d_record = nullptr;     // [num_slots, H, kDRecFloats]
+  float* d_initial = nullptr;    // [N, H, V, K] fp32
 };
 
 }  // namespace kda::cuda

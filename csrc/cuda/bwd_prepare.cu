@@ -1,0 +1,235 @@
+// K1's backward: from the gradients of a chunk's record (left by the backward
+// sweep), the gradients of the chunk's q^, k^, v, log decays and sigmoid(beta);
+// torch_kda/reference.py chunk_record_backward is the same math in float64. One
+// block of 128 threads per (chunk slot, head), thread d owns key channel d and
+// value channel d: it recomputes what K1 computed (G, the norms, A = diag(beta)
+// P, W and U0 by forward substitution), then runs the two transposed solves per
+// column, the 16 x 16 dA from two column-sum products, and the rest per column.
+// First version, in fp32 FMAs like K1, not yet run on a GPU.
+#include <c10/cuda/CUDAException.h>
+
+#include <string>
+
+#include "cuda/chunk_inputs.cuh"
+#include "cuda/device_utils.cuh"
+#include "cuda/launch.h"
+
+namespace kda::cuda {
+namespace {
+
+constexpr int C = kChunk;
+constexpr int D = kHeadDim;
+constexpr int kThreads = D;
+constexpr int kPad = D + 4;
+
+// Row i0 = d / 16 and i0 + 8 of column j = d % 16 of X Y^T, X and Y [16][128]
+// tiles: the 16 x 16 products of K1, the same loop.
+__device__ __forceinline__ void rows_times_rows(const float (*X)[kPad], const float (*Y)[kPad], int d, float& r0,
+                                                float& r1) {
+  const int j = d % C, i0 = d / C, i1 = i0 + C / 2;
+  r0 = 0.f;
+  r1 = 0.f;
+#pragma unroll 4
+  for (int c = 0; c < D; c += 4) {
+    const float4 y = *reinterpret_cast<const float4*>(&Y[j][c]);
+    const float4 x0 = *reinterpret_cast<const float4*>(&X[i0][c]);
+    const float4 x1 = *reinterpret_cast<const float4*>(&X[i1][c]);
+    r0 += x0.x * y.x + x0.y * y.y + x0.z * y.z + x0.w * y.w;
+    r1 += x1.x * y.x + x1.y * y.y + x1.z * y.z + x1.w * y.w;
+  }
+}
+
+__global__ void __launch_bounds__(kThreads) prepare_backward_kernel(const PrepareBwdParams bp) {
+  const FwdParams& p = bp.fwd;
+  __shared__ __align__(16) float sT0[C][kPad];  // raw q; then k^ exp(G); then scratch
+  __shared__ __align__(16) float sT1[C][kPad];  // raw k; then k^ exp(-G); then scratch
+  __shared__ float sP[C][C + 1];    // P = (k^ exp(G)) (k^ exp(-G))^T, strictly lower
+  __shared__ float sA[C][C + 1];    // A = diag(beta) P
+  __shared__ float sDA[C][C + 1];   // dA, strictly lower
+  __shared__ float sDPq[C][C + 1];  // scale * dAqk, lower with the diagonal
+  __shared__ float sInvNorm[2][C];
+  __shared__ float sBeta[C];
+  __shared__ float sDb[C];
+
+  ChunkPlace c;
+  if (!place_chunk(p, c)) {
+    return;
+  }
+  const int64_t H = p.H;
+  const int d = threadIdx.x;
+  float G[C], v[C];
+  load_chunk_inputs<kPad>(p, c, sT0, sT1, sBeta, sInvNorm, G, v);
+
+  float qn[C], kn[C], E[C];
+#pragma unroll
+  for (int i = 0; i < C; ++i) {
+    qn[i] = sT0[i][d] * sInvNorm[0][i];
+    kn[i] = sT1[i][d] * sInvNorm[1][i];
+    E[i] = expf(G[i]);  // |G| <= 80: exp(G) and its reciprocal are finite
+  }
+  const float gl = E[C - 1];
+  __syncthreads();  // every thread has read its raw column before the tiles change
+#pragma unroll
+  for (int i = 0; i < C; ++i) {
+    sT0[i][d] = kn[i] * E[i];
+    sT1[i][d] = kn[i] * __fdividef(1.f, E[i]);
+  }
+  __syncthreads();
+  {
+    const int j = d % C, i0 = d / C, i1 = i0 + C / 2;
+    float p0, p1;
+    rows_times_rows(sT0, sT1, d, p0, p1);
+    sP[i0][j] = j < i0 ? p0 : 0.f;
+    sP[i1][j] = j < i1 ? p1 : 0.f;
+    sA[i0][j] = j < i0 ? sBeta[i0] * p0 : 0.f;
+    sA[i1][j] = j < i1 ? sBeta[i1] * p1 : 0.f;
+  }
+  // The record's gradients for this column (and dAqk, scaled and masked, for all).
+  const float* dr = bp.d_record + ((c.slot - p.slot_begin) * H + c.h) * kDRecFloats;
+  for (int e = d; e < C * C; e += kThreads) {
+    const int i = e / C, j = e % C;
+    sDPq[i][j] = j <= i ? p.scale * dr[kDRecAqk + e] : 0.f;
+  }
+  __syncthreads();
+
+  // W and U0, column d: (I + A) X = diag(beta) [k^ exp(G) | v].
+  float x[C], y[C];
+#pragma unroll
+  for (int i = 0; i < C; ++i) {
+    float xi = sBeta[i] * kn[i] * E[i];
+    float yi = sBeta[i] * v[i];
+#pragma unroll
+    for (int j = 0; j < i; ++j) {
+      xi -= sA[i][j] * x[j];
+      yi -= sA[i][j] * y[j];
+    }
+    x[i] = xi;
+    y[i] = yi;
+  }
+  // dRw, dRu = (I + A)^-T [dW | dU0], column d: back substitution.
+  float rw[C], ru[C];
+#pragma unroll
+  for (int i = C - 1; i >= 0; --i) {
+    float a = dr[kDRecW + i * D + d];
+    float b = dr[kDRecU0 + i * D + d];
+#pragma unroll
+    for (int j = i + 1; j < C; ++j) {
+      a -= sA[j][i] * rw[j];
+      b -= sA[j][i] * ru[j];
+    }
+    rw[i] = a;
+    ru[i] = b;
+  }
+
+  // dA = -strict_lower(dRw W^T + dRu U0^T): sums over the columns, two passes
+  // through the tiles (every thread is done with them: the barrier above).
+  float da0, da1;
+  {
+#pragma unroll
+    for (int i = 0; i < C; ++i) {
+      sT0[i][d] = rw[i];
+      sT1[i][d] = x[i];
+    }
+    __syncthreads();
+    rows_times_rows(sT0, sT1, d, da0, da1);
+    __syncthreads();
+#pragma unroll
+    for (int i = 0; i < C; ++i) {
+      sT0[i][d] = ru[i];
+      sT1[i][d] = y[i];
+    }
+    __syncthreads();
+    float u0, u1;
+    rows_times_rows(sT0, sT1, d, u0, u1);
+    const int j = d % C, i0 = d / C, i1 = i0 + C / 2;
+    sDA[i0][j] = j < i0 ? -(da0 + u0) : 0.f;
+    sDA[i1][j] = j < i1 ? -(da1 + u1) : 0.f;
+    __syncthreads();
+  }
+
+  // dbeta_i = sum_d (dRw_id Ke_id + dRu_id v_id) + sum_j dA_ij P_ij: the column
+  // terms staged, then four threads a row as in the norms.
+#pragma unroll
+  for (int i = 0; i < C; ++i) {
+    sT0[i][d] = rw[i] * kn[i] * E[i] + ru[i] * v[i];
+  }
+  __syncthreads();
+  if (d < 4 * C) {
+    const int row = d / 4, part = d % 4;
+    float s = 0.f;
+#pragma unroll
+    for (int m = 0; m < D / 16; ++m) {
+      const float4 t = *reinterpret_cast<const float4*>(&sT0[row][m * 16 + part * 4]);
+      s += t.x + t.y + t.z + t.w;
+    }
+    s += __shfl_xor_sync(0xffffffffu, s, 1);
+    s += __shfl_xor_sync(0xffffffffu, s, 2);
+    if (part == 0) {
+      float a = 0.f;
+#pragma unroll
+      for (int j = 0; j < C; ++j) {
+        a += sDA[row][j] * sP[row][j];
+      }
+      sDb[row] = s + a;
+    }
+  }
+  __syncthreads();
+
+  // Per column: dKe = diag(beta) dRw + dP Ki, dKi = dP^T Ke + dPq^T Qe,
+  // dQe = scale dQs + dPq Ki (dP = diag(beta) dA), then the decays.
+  const float dgl_in = dr[kDRecGl + d];
+  float dG[C];
+  float dgl = dgl_in;
+#pragma unroll
+  for (int i = 0; i < C; ++i) {
+    const float ei = E[i], ei_inv = __fdividef(1.f, ei);
+    float dKe = sBeta[i] * rw[i], dKi = 0.f, dQe = p.scale * dr[kDRecQs + i * D + d];
+#pragma unroll
+    for (int j = 0; j < C; ++j) {
+      const float ki_j = kn[j] * __fdividef(1.f, E[j]);
+      dKe += sBeta[i] * sDA[i][j] * ki_j;
+      dQe += sDPq[i][j] * ki_j;
+      dKi += sBeta[j] * sDA[j][i] * kn[j] * E[j] + sDPq[j][i] * qn[j] * E[j];
+    }
+    const float dKd = dr[kDRecKd + i * D + d];
+    const float dq = ei * dQe;
+    const float dk = ei * dKe + ei_inv * dKi + gl * ei_inv * dKd;
+    dG[i] = ei * (qn[i] * dQe + kn[i] * dKe) - ei_inv * (kn[i] * dKi + gl * kn[i] * dKd);
+    dgl += ei_inv * kn[i] * dKd;
+    if (i < c.len) {
+      const int64_t idx = ((c.bos + i) * H + c.h) * D + d;
+      bp.dqn[idx] = dq;
+      bp.dkn[idx] = dk;
+      bp.dv[idx] = sBeta[i] * ru[i];
+    }
+  }
+  dG[C - 1] += gl * dgl;
+  // G = cumsum(lambda): dlambda_i = sum over j >= i of dG_j.
+  float tail = 0.f;
+#pragma unroll
+  for (int i = C - 1; i >= 0; --i) {
+    tail += dG[i];
+    if (i < c.len) {
+      bp.dlam[((c.bos + i) * H + c.h) * D + d] = tail;
+    }
+  }
+  if (d < c.len) {
+    bp.dbeta[(c.bos + d) * H + c.h] = sDb[d];
+  }
+}
+
+}  // namespace
+
+void launch_prepare_backward(const PrepareBwdParams& bp, cudaStream_t stream) {
+  const int64_t slots = bp.fwd.slot_end - bp.fwd.slot_begin;
+  if (slots <= 0 || bp.fwd.H == 0) {
+    return;
+  }
+  const int64_t blocks = slots * bp.fwd.H;
+  TORCH_CHECK(blocks <= INT32_MAX, "kda.bwd: ", std::to_string(slots), " chunks x ", std::to_string(bp.fwd.H),
+              " heads is more blocks than one launch takes");
+  prepare_backward_kernel<<<static_cast<unsigned int>(blocks), kThreads, 0, stream>>>(bp);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+}  // namespace kda::cuda

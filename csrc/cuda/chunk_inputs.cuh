@@ -1,0 +1,93 @@
+// The part of K1 that its backward repeats: where a block's chunk lies, the
+// chunk's inputs (raw q and k rows into shared tiles, g and v into registers),
+// beta's sigmoid, the gate and its cumulative sum G, and the rows' inverse L2
+// norms. One 128-thread block per (chunk slot, head), thread d owns channel d.
+#pragma once
+
+#include "cuda/device_utils.cuh"
+
+namespace kda::cuda {
+
+struct ChunkPlace {
+  int64_t slot = 0;
+  int64_t h = 0;
+  int64_t bos = 0;  // the chunk's first token
+  int len = 0;      // its tokens (< 16 only for a sequence's last chunk)
+};
+
+// This block's (chunk slot, head); false for a slot past the live chunks (the
+// grid covers the capacity; sequences ending in partial chunks or empty ones
+// leave fewer).
+__device__ __forceinline__ bool place_chunk(const FwdParams& p, ChunkPlace& c) {
+  c.slot = p.slot_begin + blockIdx.x / p.H;
+  c.h = blockIdx.x % p.H;
+  if (c.slot >= chunk_offset(p, p.N)) {
+    return false;
+  }
+  const int64_t n = sequence_of_slot(p, c.slot);
+  c.bos = seq_offset(p, n) + (c.slot - chunk_offset(p, n)) * kChunk;
+  c.len = static_cast<int>(min64(kChunk, seq_offset(p, n + 1) - c.bos));
+  return true;
+}
+
+// Loads the chunk and computes G (into gsum), sigmoid(beta) (sBeta), and the
+// inverse norms of q's and k's rows (sInvNorm[0], [1]); sQ and sK keep the raw
+// rows. Rows past the sequence's end are zeros with lambda = 0 and beta = 0, so
+// that G_last is the last real row's G and the padding moves nothing. All
+// threads of the block call it (two barriers).
+template <int kPad>
+__device__ __forceinline__ void load_chunk_inputs(const FwdParams& p, const ChunkPlace& c, float (*sQ)[kPad],
+                                                  float (*sK)[kPad], float* sBeta, float (*sInvNorm)[kChunk],
+                                                  float (&gsum)[kChunk], float (&v)[kChunk]) {
+  constexpr int C = kChunk, D = kHeadDim;
+  const int64_t H = p.H;
+  const int d = threadIdx.x;
+  // Every global load up front: the block's latency is one memory round trip.
+#pragma unroll
+  for (int i = 0; i < C; ++i) {
+    const int64_t idx = ((c.bos + i) * H + c.h) * D + d;
+    const bool valid = i < c.len;
+    sQ[i][d] = valid ? load_bf16(p.q, idx) : 0.f;
+    sK[i][d] = valid ? load_bf16(p.k, idx) : 0.f;
+    gsum[i] = valid ? load_bf16(p.g, idx) : 0.f;
+    v[i] = valid ? load_bf16(p.v, idx) : 0.f;
+  }
+  if (d < C) {
+    sBeta[d] = d < c.len ? 1.f / (1.f + expf(-load_bf16(p.beta, (c.bos + d) * H + c.h))) : 0.f;
+  }
+
+  // Gate: lambda = lower_bound * sigmoid(exp(A_log) (g + dt_bias)).
+  const float A = expf(p.A_log[c.h]);
+  const float bias = p.dt_bias[c.h * D + d];
+  float acc = 0.f;
+#pragma unroll
+  for (int i = 0; i < C; ++i) {
+    const float lam = i < c.len ? __fdividef(p.lower_bound, 1.f + expf(-A * (gsum[i] + bias))) : 0.f;
+    acc += lam;
+    gsum[i] = acc;  // now G_i, the cumulative log decay
+  }
+  __syncthreads();
+
+  // Squared norms of the 32 rows (q's 16, then k's): four threads per row
+  // (lanes 8 apart), each every fourth 16-byte piece of it, then two shuffles;
+  // far fewer instructions than a warp reduction per row. The eight lanes of a
+  // quarter warp read eight rows, 4 banks apart (kPad): no bank conflicts.
+  {
+    const int row = (d / 32) * 8 + d % 8, part = (d % 32) / 8;
+    const float* src = row < C ? &sQ[row][0] : &sK[row - C][0];
+    float sq = 0.f;
+#pragma unroll
+    for (int m = 0; m < D / 16; ++m) {
+      const float4 x = *reinterpret_cast<const float4*>(src + m * 16 + part * 4);
+      sq += x.x * x.x + x.y * x.y + x.z * x.z + x.w * x.w;
+    }
+    sq += __shfl_xor_sync(0xffffffffu, sq, 8);
+    sq += __shfl_xor_sync(0xffffffffu, sq, 16);
+    if (part == 0) {
+      sInvNorm[row / C][row % C] = rsqrtf(sq + static_cast<float>(kNormEps));
+    }
+  }
+  __syncthreads();
+}
+
+}  // namespace kda::cuda
