@@ -1,7 +1,6 @@
 // CUDA registrations of kda::fwd, kda::fwd_ and kda::bwd: the shared argument
 // checks, the limits of the CUDA kernels, then the launch on the current
-// stream of the tensors' device (a long forward with few heads also uses a
-// side stream that it joins again, forward_schedule.h). The forward never synchronises with the host
+// stream of the tensors' device. The forward never synchronises with the host
 // unless TORCH_KDA_CHECK=1 asks for the contents of cu_seqlens to be checked;
 // the backward's first version reads a varlen batch's cu_seqlens on the host
 // (one sync; fixed-length batches need none).
