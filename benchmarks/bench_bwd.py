@@ -93,11 +93,33 @@ def measure(make_step, c, grads, repeats):
     return ms, peak_bytes(fn, x)
 
 
+def print_stages(make_step, c, grads, repeats=3, top=8):
+    """torch_kda's device time per step by kernel (the largest first), from the profiler."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn, x = make_step(c, grads)
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(repeats):
+            for t in x.values():
+                t.grad = None
+            fn()
+        torch.cuda.synchronize()
+    rows = sorted(((ev.device_time_total / 1e3 / repeats, ev.count // repeats, ev.key) for ev in prof.key_averages()
+                   if ev.device_time_total > 0), reverse=True)
+    total = sum(r[0] for r in rows)
+    print(f"    device time per step {total:.3f} ms over {sum(r[1] for r in rows)} kernels; largest:")
+    for ms, count, name in rows[:top]:
+        print(f"    {ms:8.3f} ms  x{count:<5} {name[:90]}")
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--cases", default="1,4,6,9,10")
     ap.add_argument("--repeats", type=int, default=10)
     ap.add_argument("--no-fla", action="store_true")
+    ap.add_argument("--stages", action="store_true", help="print torch_kda's device time per kernel")
     args = ap.parse_args()
 
     torch.manual_seed(0)
@@ -129,6 +151,8 @@ def main():
         gib = 1 << 30
         print(f"{idx:>3} {name:<18} {H:>3} {ours:>12.3f} {theirs:>8.3f} {speedup:>8.2f} "
               f"{ours_mem / gib:>13.2f} {theirs_mem / gib:>8.2f}")
+        if args.stages and math.isfinite(ours):
+            print_stages(step_torch_kda, c, grads)
         del c, grads
         torch.cuda.empty_cache()
     if speedups:

@@ -30,6 +30,12 @@ __device__ __forceinline__ int plane_index(int row, int col) {
   return row * kHeadDim + ((((col >> 3) ^ (row & 7))) << 3) + (col & 7);
 }
 
+// Address of the 16-byte piece (row, piece) of a swizzled plane of 128-wide
+// rows (any number of rows), for ldmatrix.
+__device__ __forceinline__ const __nv_bfloat16* plane_piece(const __nv_bfloat16* plane, int row, int piece) {
+  return plane + row * kHeadDim + ((piece ^ (row & 7)) << 3);
+}
+
 // x as hi = bf16(x) in the plane at `planes` and lo = bf16(x - hi) in the plane
 // `plane_bytes` after it (see the workspace layout in params.h).
 __device__ __forceinline__ void store_split(unsigned char* planes, int plane_bytes, int index, float x) {

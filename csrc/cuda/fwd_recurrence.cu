@@ -100,11 +100,6 @@ __device__ __forceinline__ void load_stage(Stage<kCols>& st, const unsigned char
   }
 }
 
-// Address of the 16-byte piece (row, piece) of a swizzled plane.
-__device__ __forceinline__ const __nv_bfloat16* plane_piece(const __nv_bfloat16* plane, int row, int piece) {
-  return plane + row * D + ((piece ^ (row & 7)) << 3);
-}
-
 __device__ __forceinline__ void load_state_pair(const void* base, int64_t index, bool fp32, float& x, float& y) {
   if (fp32) {
     const float2 v = *reinterpret_cast<const float2*>(static_cast<const float*>(base) + index);
