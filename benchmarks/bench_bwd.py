@@ -119,6 +119,8 @@ def main():
     ap.add_argument("--cases", default="1,4,6,9,10")
     ap.add_argument("--repeats", type=int, default=10)
     ap.add_argument("--no-fla", action="store_true")
+    ap.add_argument("--fla-cases", default=None,
+                    help="time fla only on these cases (its backward autotunes for minutes per new shape)")
     ap.add_argument("--stages", action="store_true", help="print torch_kda's device time per kernel")
     args = ap.parse_args()
 
@@ -144,9 +146,10 @@ def main():
         except NotImplementedError as exc:
             print(f"    torch_kda backward unavailable here: {str(exc).splitlines()[0]}")
             ours, ours_mem = float("nan"), float("nan")
-        theirs, theirs_mem = measure(step_fla, c, grads, args.repeats) if have_fla else (float("nan"), float("nan"))
+        fla_here = have_fla and (args.fla_cases is None or idx in {int(x) for x in args.fla_cases.split(",")})
+        theirs, theirs_mem = measure(step_fla, c, grads, args.repeats) if fla_here else (float("nan"), float("nan"))
         speedup = theirs / ours
-        if have_fla and math.isfinite(speedup):
+        if fla_here and math.isfinite(speedup):
             speedups.append(speedup)
         gib = 1 << 30
         print(f"{idx:>3} {name:<18} {H:>3} {ours:>12.3f} {theirs:>8.3f} {speedup:>8.2f} "

@@ -4,8 +4,10 @@
 // block of 128 threads per (chunk slot, head), thread d owns key channel d and
 // value channel d: it recomputes what K1 computed (G, the norms, A = diag(beta)
 // P, W and U0 by forward substitution), then runs the two transposed solves per
-// column, the 16 x 16 dA from two column-sum products, and the rest per column.
-// First version, in fp32 FMAs like K1, not yet run on a GPU.
+// column, the 16 x 16 dA from two column-sum products, and the rest per column;
+// then, for kda.bwd, the chain rule through the L2 norms, the gate and beta's
+// sigmoid, so that no activation or activation gradient goes through memory.
+// In fp32 FMAs like K1.
 #include <c10/cuda/CUDAException.h>
 
 #include <string>
@@ -39,6 +41,13 @@ __device__ __forceinline__ void rows_times_rows(const float (*X)[kPad], const fl
   }
 }
 
+__device__ __forceinline__ void store_bf16(void* base, int64_t index, float x) {
+  static_cast<__nv_bfloat16*>(base)[index] = __float2bfloat16_rn(x);
+}
+
+// kChain: finish with the chain rule through the activations (PrepareBwdParams
+// `chain`); otherwise leave the activation gradients (the private test op).
+template <bool kChain>
 __global__ void __launch_bounds__(kThreads) prepare_backward_kernel(const PrepareBwdParams bp) {
   const FwdParams& p = bp.fwd;
   __shared__ __align__(16) float sT0[C][kPad];  // raw q; then k^ exp(G); then scratch
@@ -50,6 +59,10 @@ __global__ void __launch_bounds__(kThreads) prepare_backward_kernel(const Prepar
   __shared__ float sInvNorm[2][C];
   __shared__ float sBeta[C];
   __shared__ float sDb[C];
+  __shared__ float sDot[2][C];   // qn . dqn and kn . dkn per row (kChain)
+  __shared__ __align__(16) float sDq[kChain ? C : 1][D];  // dqn, dkn of every row (kChain)
+  __shared__ __align__(16) float sDk[kChain ? C : 1][D];
+  __shared__ float sDA_part[kThreads / 32];
 
   ChunkPlace c;
   if (!place_chunk(p, c)) {
@@ -196,8 +209,18 @@ __global__ void __launch_bounds__(kThreads) prepare_backward_kernel(const Prepar
     const float dk = ei * dKe + ei_inv * dKi + gl * ei_inv * dKd;
     dG[i] = ei * (qn[i] * dQe + kn[i] * dKe) - ei_inv * (kn[i] * dKi + gl * kn[i] * dKd);
     dgl += ei_inv * kn[i] * dKd;
-    if (i < c.len) {
-      const int64_t idx = ((c.bos + i) * H + c.h) * D + d;
+    const int64_t idx = ((c.bos + i) * H + c.h) * D + d;
+    if constexpr (kChain) {
+      // dq, dk wait in the tiles (free since the dbeta sums) for their rows'
+      // dot products with qn, kn: sT0 / sT1 hold the products, sDq / sDk the values.
+      sT0[i][d] = qn[i] * dq;
+      sT1[i][d] = kn[i] * dk;
+      sDq[i][d] = dq;
+      sDk[i][d] = dk;
+      if (i < c.len) {
+        store_bf16(bp.grads.dv, idx, sBeta[i] * ru[i]);
+      }
+    } else if (i < c.len) {
       bp.dqn[idx] = dq;
       bp.dkn[idx] = dk;
       bp.dv[idx] = sBeta[i] * ru[i];
@@ -205,16 +228,68 @@ __global__ void __launch_bounds__(kThreads) prepare_backward_kernel(const Prepar
   }
   dG[C - 1] += gl * dgl;
   // G = cumsum(lambda): dlambda_i = sum over j >= i of dG_j.
-  float tail = 0.f;
+  if constexpr (kChain) {
+    // lambda = lower_bound * sigmoid(x), x = exp(A_log) (g + dt_bias): with dx =
+    // dlambda lower_bound s (1 - s), dg = A dx, ddt_bias sums A dx over the
+    // tokens and dA_log sums dx x.
+    const float A = expf(p.A_log[c.h]);
+    const float bias = p.dt_bias[c.h * D + d];
+    float tail = 0.f, ddt = 0.f, dA = 0.f;
 #pragma unroll
-  for (int i = C - 1; i >= 0; --i) {
-    tail += dG[i];
-    if (i < c.len) {
-      bp.dlam[((c.bos + i) * H + c.h) * D + d] = tail;
+    for (int i = C - 1; i >= 0; --i) {
+      tail += dG[i];
+      if (i < c.len) {
+        const int64_t idx = ((c.bos + i) * H + c.h) * D + d;
+        const float x = A * (load_bf16(p.g, idx) + bias);
+        const float s = 1.f / (1.f + expf(-x));
+        const float darg = tail * p.lower_bound * s * (1.f - s);
+        store_bf16(bp.grads.dg, idx, darg * A);
+        ddt += darg * A;
+        dA += darg * x;
+      }
     }
-  }
-  if (d < c.len) {
-    bp.dbeta[(c.bos + d) * H + c.h] = sDb[d];
+    const int64_t part = (c.slot - p.slot_begin) * H + c.h;
+    bp.grads.ddt_bias_part[part * D + d] = ddt;
+    dA = warp_sum(dA);
+    if (d % 32 == 0) {
+      sDA_part[d / 32] = dA;
+    }
+    __syncthreads();
+    reduce_rows32<kPad>(
+        sT0, sT1, [](float4 x) { return x.x + x.y + x.z + x.w; }, [](float s) { return s; }, sDot);
+    if (d == 0) {
+      float a = 0.f;
+#pragma unroll
+      for (int w = 0; w < kThreads / 32; ++w) {
+        a += sDA_part[w];
+      }
+      bp.grads.dA_log_part[part] = a;
+    }
+    __syncthreads();
+    // The L2 norm's backward: dx = (dxn - xn (xn . dxn)) / ||x||.
+#pragma unroll
+    for (int i = 0; i < C; ++i) {
+      if (i < c.len) {
+        const int64_t idx = ((c.bos + i) * H + c.h) * D + d;
+        store_bf16(bp.grads.dq, idx, (sDq[i][d] - qn[i] * sDot[0][i]) * sInvNorm[0][i]);
+        store_bf16(bp.grads.dk, idx, (sDk[i][d] - kn[i] * sDot[1][i]) * sInvNorm[1][i]);
+      }
+    }
+    if (d < c.len) {
+      store_bf16(bp.grads.dbeta, (c.bos + d) * H + c.h, sDb[d] * sBeta[d] * (1.f - sBeta[d]));
+    }
+  } else {
+    float tail = 0.f;
+#pragma unroll
+    for (int i = C - 1; i >= 0; --i) {
+      tail += dG[i];
+      if (i < c.len) {
+        bp.dlam[((c.bos + i) * H + c.h) * D + d] = tail;
+      }
+    }
+    if (d < c.len) {
+      bp.dbeta[(c.bos + d) * H + c.h] = sDb[d];
+    }
   }
 }
 
@@ -228,7 +303,11 @@ void launch_prepare_backward(const PrepareBwdParams& bp, cudaStream_t stream) {
   const int64_t blocks = slots * bp.fwd.H;
   TORCH_CHECK(blocks <= INT32_MAX, "kda.bwd: ", std::to_string(slots), " chunks x ", std::to_string(bp.fwd.H),
               " heads is more blocks than one launch takes");
-  prepare_backward_kernel<<<static_cast<unsigned int>(blocks), kThreads, 0, stream>>>(bp);
+  if (bp.chain) {
+    prepare_backward_kernel<true><<<static_cast<unsigned int>(blocks), kThreads, 0, stream>>>(bp);
+  } else {
+    prepare_backward_kernel<false><<<static_cast<unsigned int>(blocks), kThreads, 0, stream>>>(bp);
+  }
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 

@@ -30,6 +30,31 @@ __device__ __forceinline__ bool place_chunk(const FwdParams& p, ChunkPlace& c) {
   return true;
 }
 
+// For each of the 32 rows of two [16][kPad] tiles (X's rows, then Y's):
+// out[r / 16][r % 16] = post(sum of f over the row's 16-byte pieces). Four
+// threads per row (lanes 8 apart), each every fourth piece, then two shuffles;
+// far fewer instructions than a warp reduction per row. The eight lanes of a
+// quarter warp read eight rows, 4 banks apart (kPad = 128 + 4): no bank
+// conflicts. Threads 0..127 of the block; no barrier inside.
+template <int kPad, typename F, typename Post>
+__device__ __forceinline__ void reduce_rows32(const float (*X)[kPad], const float (*Y)[kPad], F f, Post post,
+                                              float (*out)[kChunk]) {
+  constexpr int C = kChunk, D = kHeadDim;
+  const int d = threadIdx.x;
+  const int row = (d / 32) * 8 + d % 8, part = (d % 32) / 8;
+  const float* src = row < C ? &X[row][0] : &Y[row - C][0];
+  float s = 0.f;
+#pragma unroll
+  for (int m = 0; m < D / 16; ++m) {
+    s += f(*reinterpret_cast<const float4*>(src + m * 16 + part * 4));
+  }
+  s += __shfl_xor_sync(0xffffffffu, s, 8);
+  s += __shfl_xor_sync(0xffffffffu, s, 16);
+  if (part == 0) {
+    out[row / C][row % C] = post(s);
+  }
+}
+
 // Loads the chunk and computes G (into gsum), sigmoid(beta) (sBeta), and the
 // inverse norms of q's and k's rows (sInvNorm[0], [1]); sQ and sK keep the raw
 // rows. Rows past the sequence's end are zeros with lambda = 0 and beta = 0, so
@@ -68,25 +93,10 @@ __device__ __forceinline__ void load_chunk_inputs(const FwdParams& p, const Chun
   }
   __syncthreads();
 
-  // Squared norms of the 32 rows (q's 16, then k's): four threads per row
-  // (lanes 8 apart), each every fourth 16-byte piece of it, then two shuffles;
-  // far fewer instructions than a warp reduction per row. The eight lanes of a
-  // quarter warp read eight rows, 4 banks apart (kPad): no bank conflicts.
-  {
-    const int row = (d / 32) * 8 + d % 8, part = (d % 32) / 8;
-    const float* src = row < C ? &sQ[row][0] : &sK[row - C][0];
-    float sq = 0.f;
-#pragma unroll
-    for (int m = 0; m < D / 16; ++m) {
-      const float4 x = *reinterpret_cast<const float4*>(src + m * 16 + part * 4);
-      sq += x.x * x.x + x.y * x.y + x.z * x.z + x.w * x.w;
-    }
-    sq += __shfl_xor_sync(0xffffffffu, sq, 8);
-    sq += __shfl_xor_sync(0xffffffffu, sq, 16);
-    if (part == 0) {
-      sInvNorm[row / C][row % C] = rsqrtf(sq + static_cast<float>(kNormEps));
-    }
-  }
+  // The inverse norms of the 32 rows (q's 16, then k's).
+  reduce_rows32<kPad>(
+      sQ, sK, [](float4 x) { return x.x * x.x + x.y * x.y + x.z * x.z + x.w * x.w; },
+      [](float sq) { return rsqrtf(sq + static_cast<float>(kNormEps)); }, sInvNorm);
   __syncthreads();
 }
 

@@ -8,7 +8,6 @@
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
 
-#include "activations.h"
 #include "chunked_backward.h"
 #include "cuda/forward_schedule.h"
 #include "cuda/launch.h"
@@ -239,19 +238,19 @@ void fwd_inplace(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor
 
 // kda.bwd with the backward kernels: K1 for the records and K2 storing every
 // chunk-start state (the output it also writes is scratch), the sweep
-// (bwd_sweep.cu: record gradients and dS), K1's backward (bwd_prepare.cu:
-// gradients of q^, k^, v, lambda, sigmoid(beta)), then the activations' chain
-// rule in ATen (activations.h). One pass over the call: the workspace, the
-// states and the record gradients take 2,144 + 4,096 + 2,144 bytes per (token,
-// head) for full chunks (windows, as in the forward, are the plan to bound them).
+// (bwd_sweep.cu: record gradients and dS), then K1's backward with the chain
+// rule through the activations (bwd_prepare.cu), which writes the gradients;
+// only dA_log's and dt_bias's per-chunk parts are summed here. One pass over the
+// call: the workspace, the states and the record gradients take 2,144 + 4,096 +
+// 2,144 bytes per (token, head) for full chunks while the sweep runs (windows,
+// as in the forward, are the plan to bound them).
 BackwardTuple backward_by_kernels(const Problem& p, const Tensor& grad_out, const optional<Tensor>& grad_final_state,
                                   const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g,
                                   const Tensor& beta, const Tensor& A_log, const Tensor& dt_bias,
                                   const optional<Tensor>& initial_state, const optional<Tensor>& cu_seqlens) {
-  at::NoTF32Guard no_tf32;  // the ATen part's products stay fp32 (SPEC 4)
   BackwardOutputs o = allocate_backward_outputs(p, q, k, v, g, beta, A_log, dt_bias, initial_state);
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(q.device().index()).stream();
-  const int64_t B = concrete(p.B), T = concrete(p.T), H = concrete(p.H), N = concrete(p.N);
+  const int64_t H = concrete(p.H), N = concrete(p.N);
   Boundaries bounds = sequence_boundaries(p, q, cu_seqlens, stream);
   CallInputs in = call_inputs(p, q, k, v, g, beta, A_log, dt_bias, bounds);
   Tensor init = initial_state.has_value() ? initial_state->contiguous() : Tensor();
@@ -271,6 +270,7 @@ BackwardTuple backward_by_kernels(const Problem& p, const Tensor& grad_out, cons
   fp.chunk_states = states.data_ptr<float>();
   launch_prepare(fp, stream);
   launch_recurrence(fp, stream, forced_recurrence_block());
+  scratch_out.reset();  // freed on this stream: the allocator reuses it only after K2
 
   Tensor go = grad_out.to(at::kFloat).contiguous();
   Tensor gf = grad_final_state.has_value() ? grad_final_state->to(at::kFloat).contiguous() : Tensor();
@@ -284,26 +284,35 @@ BackwardTuple backward_by_kernels(const Problem& p, const Tensor& grad_out, cons
   sp.d_record = d_record.data_ptr<float>();
   sp.d_initial = d_initial.data_ptr<float>();
   launch_sweep_backward(sp, stream);
+  // K1's backward recomputes the records: the workspace and the states go back now.
+  workspace.reset();
+  states.reset();
+  go.reset();
 
-  // Zeros where no chunk covers a token (only a malformed cu_seqlens leaves any).
-  ActivationGrads d;
-  d.dqn = at::zeros({B, T, H, kHeadDim}, f32);
-  d.dkn = at::zeros({B, T, H, kHeadDim}, f32);
-  d.dv = at::zeros({B, T, H, kHeadDim}, f32);
-  d.dlam = at::zeros({B, T, H, kHeadDim}, f32);
-  d.dbeta = at::zeros({B, T, H}, f32);
+  // The gradients straight from K1's backward (bf16, contiguous: allocated so,
+  // and the CUDA op takes bf16 inputs only). Zeros where no chunk covers a
+  // token (only a malformed cu_seqlens leaves any).
+  if (cu_seqlens.has_value()) {
+    for (Tensor* t : {&o.dq, &o.dk, &o.dv, &o.dg, &o.dbeta}) {
+      t->zero_();
+    }
+  }
+  Tensor ddt_part = at::zeros({bounds.num_slots, H, kHeadDim}, f32);
+  Tensor dA_part = at::zeros({bounds.num_slots, H}, f32);
   PrepareBwdParams pp;
   pp.fwd = fp;
   pp.d_record = d_record.data_ptr<float>();
-  pp.dqn = d.dqn.data_ptr<float>();
-  pp.dkn = d.dkn.data_ptr<float>();
-  pp.dv = d.dv.data_ptr<float>();
-  pp.dlam = d.dlam.data_ptr<float>();
-  pp.dbeta = d.dbeta.data_ptr<float>();
+  pp.chain = true;
+  pp.grads.dq = o.dq.data_ptr();
+  pp.grads.dk = o.dk.data_ptr();
+  pp.grads.dv = o.dv.data_ptr();
+  pp.grads.dg = o.dg.data_ptr();
+  pp.grads.dbeta = o.dbeta.data_ptr();
+  pp.grads.ddt_bias_part = ddt_part.data_ptr<float>();
+  pp.grads.dA_log_part = dA_part.data_ptr<float>();
   launch_prepare_backward(pp, stream);
-
-  Activations a = compute_activations(p, at::kFloat, q, k, v, g, beta, A_log, dt_bias);
-  backprop_activations(p, a, d, A_log, o);
+  o.ddt_bias.copy_(ddt_part.sum(0));
+  o.dA_log.copy_(dA_part.sum(0));
   if (init.defined()) {
     o.dinitial_state.copy_(d_initial);
   }

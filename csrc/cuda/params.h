@@ -112,6 +112,22 @@ struct PrepareBwdParams {
   float* dv = nullptr;
   float* dlam = nullptr;
   float* dbeta = nullptr;
+  // Or, with `chain`, the op's own gradients through the activations
+  // (the chain rule in the same kernel): bf16 dq, dk, dv, dg [tokens, H, 128]
+  // and dbeta [tokens, H], written for the chunks' real tokens, and per chunk
+  // slot the parts of ddt_bias [slots, H, 128] and dA_log [slots, H] (fp32),
+  // which the host sums over the slots in a fixed order.
+  struct Grads {
+    void* dq = nullptr;
+    void* dk = nullptr;
+    void* dv = nullptr;
+    void* dg = nullptr;
+    void* dbeta = nullptr;
+    float* ddt_bias_part = nullptr;
+    float* dA_log_part = nullptr;
+  };
+  Grads grads;
+  bool chain = false;  // write `grads` instead of the activation gradients
 };
 
 // The backward sweep (bwd_sweep.cu): per (sequence, head), backward over its
