@@ -775,6 +775,22 @@ def test_opcheck_cuda_bwd():
         )
 
 
+def test_backward_grad_out_dtypes_agree():
+    """The sweep reads grad_out as bf16 or fp32 as given (fp64 as fp32);
+    the same values in each give the same bits, and a misaligned view is staged."""
+    _, g = cuda_inputs(seqlens=[40, 0, 77], H=2, state_dtype=torch.float32)
+    grad_out = torch.randn(*g["v"].shape, device=DEV).to(torch.bfloat16)
+    gf = torch.randn(*g["initial_state"].shape, device=DEV)
+    kw = {"lower_bound": -5.0, "initial_state": g["initial_state"], "cu_seqlens": g["cu_seqlens"]}
+    want = torch.ops.kda.bwd(grad_out, gf, *positional(g), **kw)
+    shifted = torch.empty(grad_out.numel() + 1, dtype=torch.bfloat16, device=DEV)[1:].view(grad_out.shape)
+    shifted.copy_(grad_out)
+    for go in (grad_out.float(), grad_out.double(), shifted):
+        got = torch.ops.kda.bwd(go, gf, *positional(g), **kw)
+        for name, x, y in zip(GRAD_NAMES, got, want):
+            assert torch.equal(x, y), (go.dtype, name)
+
+
 def test_backward_agrees_with_fla_chunk_kda():
     fla_kda = pytest.importorskip("fla.ops.kda")
     d, g = cuda_inputs(B=2, T=1024, H=4, state_dtype=torch.float32)

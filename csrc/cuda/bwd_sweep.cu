@@ -12,7 +12,7 @@
 // sums over all 128 value rows: for those, warp w takes key columns 16w.. +16
 // instead, reading every row of S0 and dS1 from shared memory, so no partial
 // sums cross warps and each sum has one fixed order (deterministic).
-// Products in bf16x3 as in K2 (mma.cuh): S0 and dO arrive in fp32 and are split
+// Products in bf16x3 as in K2 (mma.cuh): S0 (fp32) and dO (bf16 or fp32) are split
 // into hi/lo planes here; the record's planes are already split.
 #include <c10/cuda/CUDAException.h>
 
@@ -142,8 +142,18 @@ __global__ void __launch_bounds__(kThreads, 1) sweep_backward_kernel(const Sweep
 #pragma unroll
       for (int it = 0; it < C * D / 4 / kThreads; ++it) {
         const int e = (tid + it * kThreads) * 4, t = e / D;
-        o[it] = t < len ? *reinterpret_cast<const float4*>(bp.grad_out + ((bos + t) * H + h) * D + e % D)
-                        : make_float4(0.f, 0.f, 0.f, 0.f);
+        o[it] = make_float4(0.f, 0.f, 0.f, 0.f);
+        if (t < len) {
+          const int64_t idx = ((bos + t) * H + h) * D + e % D;
+          if (bp.grad_out_fp32) {
+            o[it] = *reinterpret_cast<const float4*>(static_cast<const float*>(bp.grad_out) + idx);
+          } else {
+            const uint2 raw = *reinterpret_cast<const uint2*>(static_cast<const __nv_bfloat16*>(bp.grad_out) + idx);
+            const float2 lo = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&raw.x));
+            const float2 hi = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&raw.y));
+            o[it] = make_float4(lo.x, lo.y, hi.x, hi.y);
+          }
+        }
       }
 #pragma unroll
       for (int it = 0; it < D * D / 4 / kThreads; ++it) {

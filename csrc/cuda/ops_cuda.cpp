@@ -115,6 +115,14 @@ bool aligned16(const Tensor& t) {
   return reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0;
 }
 
+// grad_out as the backward sweep reads it: bf16 or fp32 as given (other dtypes
+// in fp32), contiguous and 16-byte aligned.
+Tensor sweep_grad_out(const Tensor& grad_out) {
+  const auto dtype = grad_out.scalar_type();
+  Tensor go = dtype == at::kBFloat16 || dtype == at::kFloat ? grad_out.contiguous() : grad_out.to(at::kFloat).contiguous();
+  return aligned16(go) ? go : go.clone();
+}
+
 // A call's inputs made contiguous (copies only where the caller's tensors are
 // not) and the FwdParams over them, as one pass over all the call's chunk slots;
 // the caller adds the workspace, the states and the outputs.
@@ -248,7 +256,6 @@ BackwardTuple backward_by_kernels(const Problem& p, const Tensor& grad_out, cons
                                   const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g,
                                   const Tensor& beta, const Tensor& A_log, const Tensor& dt_bias,
                                   const optional<Tensor>& initial_state, const optional<Tensor>& cu_seqlens) {
-  BackwardOutputs o = allocate_backward_outputs(p, q, k, v, g, beta, A_log, dt_bias, initial_state);
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(q.device().index()).stream();
   const int64_t H = concrete(p.H), N = concrete(p.N);
   Boundaries bounds = sequence_boundaries(p, q, cu_seqlens, stream);
@@ -272,14 +279,15 @@ BackwardTuple backward_by_kernels(const Problem& p, const Tensor& grad_out, cons
   launch_recurrence(fp, stream, forced_recurrence_block());
   scratch_out.reset();  // freed on this stream: the allocator reuses it only after K2
 
-  Tensor go = grad_out.to(at::kFloat).contiguous();
+  Tensor go = sweep_grad_out(grad_out);
   Tensor gf = grad_final_state.has_value() ? grad_final_state->to(at::kFloat).contiguous() : Tensor();
   Tensor d_record = at::empty({bounds.num_slots, H, kDRecFloats}, f32);
   Tensor d_initial = at::empty({N, H, kHeadDim, kHeadDim}, f32);
   SweepBwdParams sp;
   sp.fwd = fp;
   sp.states = states.data_ptr<float>();
-  sp.grad_out = go.data_ptr<float>();
+  sp.grad_out = go.data_ptr();
+  sp.grad_out_fp32 = go.scalar_type() == at::kFloat;
   sp.grad_final = gf.defined() ? gf.data_ptr<float>() : nullptr;
   sp.d_record = d_record.data_ptr<float>();
   sp.d_initial = d_initial.data_ptr<float>();
@@ -288,6 +296,8 @@ BackwardTuple backward_by_kernels(const Problem& p, const Tensor& grad_out, cons
   workspace.reset();
   states.reset();
   go.reset();
+  // Allocated only now, so that the peak (while the sweep runs) does not hold them.
+  BackwardOutputs o = allocate_backward_outputs(p, q, k, v, g, beta, A_log, dt_bias, initial_state);
 
   // The gradients straight from K1's backward (bf16, contiguous: allocated so,
   // and the CUDA op takes bf16 inputs only). Zeros where no chunk covers a
@@ -393,7 +403,7 @@ std::tuple<Tensor, Tensor> sweep_bwd(const Tensor& q, const Tensor& k, const Ten
   c10::cuda::CUDAGuard guard(q.device());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(q.device().index()).stream();
   CallInputs in = call_inputs(p, q, k, v, g, beta, A_log, dt_bias, sequence_boundaries(p, q, std::nullopt, stream));
-  Tensor go = grad_out.to(at::kFloat).contiguous();
+  Tensor go = sweep_grad_out(grad_out);
   const auto f32 = q.options().dtype(at::kFloat);
   Tensor workspace = at::empty({slots, H, kWsChunkFloats}, f32);
   Tensor d_record = at::empty({slots, H, kDRecFloats}, f32);
@@ -403,7 +413,8 @@ std::tuple<Tensor, Tensor> sweep_bwd(const Tensor& q, const Tensor& k, const Ten
   bp.fwd.workspace = workspace.data_ptr<float>();
   FwdParams& fp = bp.fwd;
   bp.states = states.data_ptr<float>();
-  bp.grad_out = go.data_ptr<float>();
+  bp.grad_out = go.data_ptr();
+  bp.grad_out_fp32 = go.scalar_type() == at::kFloat;
   bp.grad_final = gf.defined() ? gf.data_ptr<float>() : nullptr;
   bp.d_record = d_record.data_ptr<float>();
   bp.d_initial = d_initial.data_ptr<float>();

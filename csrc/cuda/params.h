@@ -136,7 +136,8 @@ struct PrepareBwdParams {
 struct SweepBwdParams {
   FwdParams fwd;                 // sizes, offsets, the records (fwd.workspace, one pass: slots [0, num_slots))
   const float* states = nullptr;  // [num_slots, H, V, K] fp32: the state at each chunk's start
-  const float* grad_out = nullptr;  // fp32 [tokens, H, V]
+  const void* grad_out = nullptr;  // [tokens, H, V], bf16 or (grad_out_fp32) fp32, 16-byte aligned
+  bool grad_out_fp32 = false;
   const float* grad_final = nullptr;  // [N, H, V, K] fp32, or null (zero)
   float* d_record = nullptr;     // [num_slots, H, kDRecFloats]
   float* d_initial = nullptr;    // [N, H, V, K] fp32
