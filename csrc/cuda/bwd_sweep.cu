@@ -75,6 +75,21 @@ __device__ __forceinline__ void mma3(float (&acc)[3][2][4], int nt, const uint32
   mma_bf16(acc[2][nt], ah, bh0, bh1);
 }
 
+// Four consecutive values of dO from bf16 or fp32; a compile-time choice, so
+// that the loads of a chunk's S0 and dO all issue before the first use.
+template <bool kFp32>
+__device__ __forceinline__ float4 load_dout4(const void* base, int64_t idx) {
+  if constexpr (kFp32) {
+    return *reinterpret_cast<const float4*>(static_cast<const float*>(base) + idx);
+  } else {
+    const uint2 raw = *reinterpret_cast<const uint2*>(static_cast<const __nv_bfloat16*>(base) + idx);
+    const float2 a = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&raw.x));
+    const float2 b = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&raw.y));
+    return make_float4(a.x, a.y, b.x, b.y);
+  }
+}
+
+template <bool kDoutFp32>
 __global__ void __launch_bounds__(kThreads, 1) sweep_backward_kernel(const SweepBwdParams bp) {
   const FwdParams& p = bp.fwd;
   extern __shared__ __align__(16) unsigned char smem_raw[];
@@ -130,7 +145,7 @@ __global__ void __launch_bounds__(kThreads, 1) sweep_backward_kernel(const Sweep
     const int64_t bos = seq_bos + (slot - c_begin) * C;
     const int len = static_cast<int>(min64(C, seq_eos - bos));
 
-    // S0 and dO (zero past the sequence's end), fp32 from global, as hi/lo planes.
+    // S0 (fp32) and dO (bf16 or fp32; zero past the sequence's end) from global, as hi/lo planes.
     {
       const float* s0g = bp.states + (slot * H + h) * D * D;
       float4 x[D * D / 4 / kThreads];
@@ -142,18 +157,8 @@ __global__ void __launch_bounds__(kThreads, 1) sweep_backward_kernel(const Sweep
 #pragma unroll
       for (int it = 0; it < C * D / 4 / kThreads; ++it) {
         const int e = (tid + it * kThreads) * 4, t = e / D;
-        o[it] = make_float4(0.f, 0.f, 0.f, 0.f);
-        if (t < len) {
-          const int64_t idx = ((bos + t) * H + h) * D + e % D;
-          if (bp.grad_out_fp32) {
-            o[it] = *reinterpret_cast<const float4*>(static_cast<const float*>(bp.grad_out) + idx);
-          } else {
-            const uint2 raw = *reinterpret_cast<const uint2*>(static_cast<const __nv_bfloat16*>(bp.grad_out) + idx);
-            const float2 lo = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&raw.x));
-            const float2 hi = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&raw.y));
-            o[it] = make_float4(lo.x, lo.y, hi.x, hi.y);
-          }
-        }
+        o[it] = t < len ? load_dout4<kDoutFp32>(bp.grad_out, ((bos + t) * H + h) * D + e % D)
+                        : make_float4(0.f, 0.f, 0.f, 0.f);
       }
 #pragma unroll
       for (int it = 0; it < D * D / 4 / kThreads; ++it) {
@@ -386,12 +391,12 @@ void launch_sweep_backward(const SweepBwdParams& bp, cudaStream_t stream) {
   }
   constexpr size_t kSmem = sizeof(SweepSmem);
   static_assert(kSmem <= 227 * 1024, "over the per-block shared memory of sm_90");
-  C10_CUDA_CHECK(cudaFuncSetAttribute(sweep_backward_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                      static_cast<int>(kSmem)));
+  auto* kernel = bp.grad_out_fp32 ? sweep_backward_kernel<true> : sweep_backward_kernel<false>;
+  C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(kSmem)));
   const int64_t blocks = bp.fwd.N * bp.fwd.H;
   TORCH_CHECK(blocks <= INT32_MAX, "kda.bwd: ", std::to_string(bp.fwd.N), " sequences x ",
               std::to_string(bp.fwd.H), " heads is more blocks than one launch takes");
-  sweep_backward_kernel<<<static_cast<unsigned int>(blocks), kThreads, kSmem, stream>>>(bp);
+  kernel<<<static_cast<unsigned int>(blocks), kThreads, kSmem, stream>>>(bp);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
