@@ -707,7 +707,7 @@ def test_malformed_cu_seqlens_read_clamped_and_non_decreasing(bad, monkeypatch):
 
 
 # --------------------------------------------------------------------------
-# Backward (the first CUDA version: the chunked ATen composition)
+# Backward (kernels: K1, K2 with chunk-start states, the sweep, K1's backward)
 # --------------------------------------------------------------------------
 
 GRAD_NAMES = ("dq", "dk", "dv", "dg", "dbeta", "dA_log", "ddt_bias", "dinitial_state")
