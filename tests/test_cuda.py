@@ -791,6 +791,23 @@ def test_backward_grad_out_dtypes_agree():
             assert torch.equal(x, y), (go.dtype, name)
 
 
+def test_backward_misaligned_grad_final_state():
+    """A grad_final_state view that starts mid-vector (as cat's backward hands out)
+    is staged, not read misaligned: the same bits as an aligned copy. Added after
+    review; not yet run on a GPU."""
+    _, g = cuda_inputs(B=2, T=50, H=2, state_dtype=torch.float32)
+    grad_out = torch.randn(*g["v"].shape, device=DEV).to(torch.bfloat16)
+    gf = torch.randn(*g["initial_state"].shape, device=DEV)
+    shifted = torch.empty(gf.numel() + 1, device=DEV)[1:].view(gf.shape)
+    shifted.copy_(gf)
+    kw = {"lower_bound": -5.0, "initial_state": g["initial_state"]}
+    want = torch.ops.kda.bwd(grad_out, gf, *positional(g), **kw)
+    got = torch.ops.kda.bwd(grad_out, shifted, *positional(g), **kw)
+    torch.cuda.synchronize()
+    for name, x, y in zip(GRAD_NAMES, got, want):
+        assert torch.equal(x, y), name
+
+
 def test_backward_agrees_with_fla_chunk_kda():
     fla_kda = pytest.importorskip("fla.ops.kda")
     d, g = cuda_inputs(B=2, T=1024, H=4, state_dtype=torch.float32)

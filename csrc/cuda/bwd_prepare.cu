@@ -81,7 +81,10 @@ __global__ void __launch_bounds__(kThreads) prepare_backward_kernel(const Prepar
     E[i] = expf(G[i]);  // |G| <= 80: exp(G) and its reciprocal are finite
   }
   const float gl = E[C - 1];
-  __syncthreads();  // every thread has read its raw column before the tiles change
+  // Each thread rewrites only its own column below, and the norms' reads of
+  // other columns ended at load_chunk_inputs' last barrier: this one orders
+  // nothing that needs it (kept as run on the GPU; removable).
+  __syncthreads();
 #pragma unroll
   for (int i = 0; i < C; ++i) {
     sT0[i][d] = kn[i] * E[i];

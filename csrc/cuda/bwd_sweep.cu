@@ -11,7 +11,8 @@
 // accumulators and computes U, dU and dS0 for them. The record gradients are
 // sums over all 128 value rows: for those, warp w takes key columns 16w.. +16
 // instead, reading every row of S0 and dS1 from shared memory, so no partial
-// sums cross warps and each sum has one fixed order (deterministic).
+// sums cross warps (but dgl's, added in a fixed order) and every sum has one
+// order (deterministic).
 // Products in bf16x3 as in K2 (mma.cuh): S0 (fp32) and dO (bf16 or fp32) are split
 // into hi/lo planes here; the record's planes are already split.
 #include <c10/cuda/CUDAException.h>
@@ -303,7 +304,7 @@ __global__ void __launch_bounds__(kThreads, 1) sweep_backward_kernel(const Sweep
     // The record gradients [t][k] for key columns v0.. +16, summed over all value
     // rows: A = dO, dU, U [t][v] (rows t), B = S0, dS1 [v][k] (k dimension v).
     float aq[3][2][4] = {}, aw[3][2][4] = {}, ak[3][2][4] = {};
-#pragma unroll 2  // fully unrolled, the loads run ahead and spill (255 registers)
+#pragma unroll 2  // fully unrolled it spills twice as much (255 registers either way)
     for (int kv = 0; kv < D / 16; ++kv) {
       const int arow = (mi % 2) * 8 + mr, apiece = 2 * kv + mi / 2;
       uint32_t doh[4], dol[4], duh[4], dul[4], uh[4], ul[4];

@@ -35,7 +35,7 @@ __device__ __forceinline__ bool place_chunk(const FwdParams& p, ChunkPlace& c) {
 // threads per row (lanes 8 apart), each every fourth piece, then two shuffles;
 // far fewer instructions than a warp reduction per row. The eight lanes of a
 // quarter warp read eight rows, 4 banks apart (kPad = 128 + 4): no bank
-// conflicts. Threads 0..127 of the block; no barrier inside.
+// conflicts. Exactly 128 threads, all of them calling it; no barrier inside.
 template <int kPad, typename F, typename Post>
 __device__ __forceinline__ void reduce_rows32(const float (*X)[kPad], const float (*Y)[kPad], F f, Post post,
                                               float (*out)[kChunk]) {

@@ -1,4 +1,4 @@
-// Small device helpers shared by the forward kernels.
+// Small device helpers shared by the forward and backward kernels.
 #pragma once
 
 #include <cuda_bf16.h>

@@ -31,7 +31,8 @@ enum class RecurrenceBlock { kAuto, k8x1, k4x1, k2x1, k4x4 };
 void launch_recurrence(const FwdParams& params, cudaStream_t stream, RecurrenceBlock block);
 
 // K1's backward (bwd_prepare.cu): one block per (chunk slot, head) of the
-// window; from the record gradients to those of q^, k^, v, lambda, sigmoid(beta).
+// window; from the record gradients to the op's gradients (params.chain), or to
+// those of q^, k^, v, lambda, sigmoid(beta) (the private test op).
 void launch_prepare_backward(const PrepareBwdParams& params, cudaStream_t stream);
 
 // The backward sweep (bwd_sweep.cu): one block per (sequence, head), backward
@@ -40,8 +41,8 @@ void launch_sweep_backward(const SweepBwdParams& params, cudaStream_t stream);
 
 // TORCH_KDA_RECURRENCE_BLOCK=WxS forces K2's block shape (8x1, 4x1, 2x1 or
 // 4x4), for measurements and tests: the shape, or kAuto when unset; raises on
-// any other value. Read once per call, before anything is enqueued, so a bad
-// value leaves no kernel behind.
+// any other value. Read once per call, before K1 and K2 are enqueued, so a bad
+// value leaves no kernel behind that writes the caller's tensors.
 RecurrenceBlock forced_recurrence_block();
 
 // The warps that K2 gives each SM when every (sequence, head) has its eight row

@@ -197,7 +197,8 @@ void forward_into(const Problem& p, const Tensor& q, const Tensor& k, const Tens
   params.state_fp32 = p.state_dtype == at::kFloat;
   params.out = out_c.data_ptr();
 
-  // Both settings are read before anything is enqueued, so a bad one leaves no kernel behind.
+  // Both settings are read before K1 and K2 are enqueued, so a bad one leaves
+  // no kernel behind that writes the caller's tensors.
   const RecurrenceBlock block = forced_recurrence_block();
   int64_t window = window_slots(params);
   // Windows (forward_schedule.h) write outputs before they read every input:
@@ -281,8 +282,11 @@ BackwardTuple backward_by_kernels(const Problem& p, const Tensor& grad_out, cons
 
   Tensor go = sweep_grad_out(grad_out);
   Tensor gf = grad_final_state.has_value() ? grad_final_state->to(at::kFloat).contiguous() : Tensor();
+  if (gf.defined() && !aligned16(gf)) {
+    gf = gf.clone();  // the sweep reads it in float2 vectors (a view from cat's backward may start mid-vector)
+  }
   Tensor d_record = at::empty({bounds.num_slots, H, kDRecFloats}, f32);
-  Tensor d_initial = at::empty({N, H, kHeadDim, kHeadDim}, f32);
+  Tensor d_initial = init.defined() ? at::empty({N, H, kHeadDim, kHeadDim}, f32) : Tensor();
   SweepBwdParams sp;
   sp.fwd = fp;
   sp.states = states.data_ptr<float>();
@@ -290,7 +294,7 @@ BackwardTuple backward_by_kernels(const Problem& p, const Tensor& grad_out, cons
   sp.grad_out_fp32 = go.scalar_type() == at::kFloat;
   sp.grad_final = gf.defined() ? gf.data_ptr<float>() : nullptr;
   sp.d_record = d_record.data_ptr<float>();
-  sp.d_initial = d_initial.data_ptr<float>();
+  sp.d_initial = d_initial.defined() ? d_initial.data_ptr<float>() : nullptr;
   launch_sweep_backward(sp, stream);
   // K1's backward recomputes the records: the workspace and the states go back now.
   workspace.reset();
@@ -307,10 +311,14 @@ BackwardTuple backward_by_kernels(const Problem& p, const Tensor& grad_out, cons
       t->zero_();
     }
   }
+  // Zeros: the blocks of slots past the live chunks return without writing their part.
   Tensor ddt_part = at::zeros({bounds.num_slots, H, kHeadDim}, f32);
   Tensor dA_part = at::zeros({bounds.num_slots, H}, f32);
   PrepareBwdParams pp;
   pp.fwd = fp;
+  pp.fwd.workspace = nullptr;  // freed above; K1's backward recomputes what it needs
+  pp.fwd.chunk_states = nullptr;
+  pp.fwd.out = nullptr;
   pp.d_record = d_record.data_ptr<float>();
   pp.chain = true;
   pp.grads.dq = o.dq.data_ptr();
@@ -400,6 +408,10 @@ std::tuple<Tensor, Tensor> sweep_bwd(const Tensor& q, const Tensor& k, const Ten
                     gf.size(1) == H && gf.size(2) == kHeadDim && gf.size(3) == kHeadDim,
                 op, ": grad_final_state must be float32 on q's device of shape [B, H, 128, 128]");
   }
+  if (gf.defined() && !aligned16(gf)) {
+    gf = gf.clone();  // read in vectors, as in kda.bwd
+  }
+  const Tensor st = aligned16(states) ? states : states.clone();
   c10::cuda::CUDAGuard guard(q.device());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(q.device().index()).stream();
   CallInputs in = call_inputs(p, q, k, v, g, beta, A_log, dt_bias, sequence_boundaries(p, q, std::nullopt, stream));
@@ -412,7 +424,7 @@ std::tuple<Tensor, Tensor> sweep_bwd(const Tensor& q, const Tensor& k, const Ten
   bp.fwd = in.params;
   bp.fwd.workspace = workspace.data_ptr<float>();
   FwdParams& fp = bp.fwd;
-  bp.states = states.data_ptr<float>();
+  bp.states = st.data_ptr<float>();
   bp.grad_out = go.data_ptr();
   bp.grad_out_fp32 = go.scalar_type() == at::kFloat;
   bp.grad_final = gf.defined() ? gf.data_ptr<float>() : nullptr;

@@ -103,7 +103,10 @@ constexpr int kDRecFloats = kDRecGl + kHeadDim;
 
 struct PrepareBwdParams {
   FwdParams fwd;  // the inputs, sizes, offsets and slot window, as K1 reads them
-  const float* d_record = nullptr;  // [slot_end - slot_begin, H, kDRecFloats]
+  // [slot_end - slot_begin, H, kDRecFloats]: indexed from the window's first
+  // slot, whereas the sweep (below) indexes records and record gradients by
+  // absolute slot; the same while the backward runs in one pass (slot_begin = 0).
+  const float* d_record = nullptr;
   // Outputs, fp32, written for the chunks' real tokens only: the gradients of
   // q^ and k^ (L2-normalised), v and the log decays lambda, [tokens, H, 128]
   // each, and of sigmoid(beta), [tokens, H].
@@ -116,7 +119,8 @@ struct PrepareBwdParams {
   // (the chain rule in the same kernel): bf16 dq, dk, dv, dg [tokens, H, 128]
   // and dbeta [tokens, H], written for the chunks' real tokens, and per chunk
   // slot the parts of ddt_bias [slots, H, 128] and dA_log [slots, H] (fp32),
-  // which the host sums over the slots in a fixed order.
+  // which the host then sums over the slots with one ATen reduction each
+  // (deterministic).
   struct Grads {
     void* dq = nullptr;
     void* dk = nullptr;
