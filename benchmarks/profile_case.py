@@ -1,7 +1,9 @@
-"""Runs torch_kda's forward on one case of bench_fwd.py a few times, for a
-kernel profiler (ncu) to attach to:
+"""Runs torch_kda's forward (or, with --backward, a forward + backward step) on
+one case of bench_fwd.py a few times, for a kernel profiler (ncu) to attach to:
 
     ncu --clock-control none -k regex:"prepare|recurrence" python3 benchmarks/profile_case.py --case 7
+    ncu --clock-control none -k regex:"sweep|prepare_backward" --launch-skip 2 --launch-count 2 \
+        --section SpeedOfLight --section WarpStateStats python3 benchmarks/profile_case.py --case 6 --backward
 """
 import argparse
 import os
@@ -11,16 +13,23 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_fwd import CASES, make_case, run_torch_kda  # noqa: E402
+from bench_bwd import step_torch_kda  # noqa: E402
 
 
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--case", type=int, default=7)
     ap.add_argument("--calls", type=int, default=2)
+    ap.add_argument("--backward", action="store_true", help="a forward + backward step per call")
     args = ap.parse_args()
     torch.manual_seed(0)
     _, lengths, H = CASES[args.case]
-    fn = run_torch_kda(make_case(lengths, H))
+    c = make_case(lengths, H)
+    if args.backward:
+        grads = [torch.randn_like(c["v"]), torch.randn(c["h0"].shape, device="cuda")]
+        fn, _ = step_torch_kda(c, grads)
+    else:
+        fn = run_torch_kda(c)
     for _ in range(args.calls):
         fn()
     torch.cuda.synchronize()
