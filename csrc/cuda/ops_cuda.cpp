@@ -82,27 +82,27 @@ struct Boundaries {
 // The launches' grids (K1: a block per chunk slot and head; K2: at most
 // eight per sequence and head) must fit one launch; checked before anything is
 // enqueued, so a rejected call leaves no kernel behind.
-void check_grid_sizes(const Problem& p, int64_t num_slots) {
+void check_grid_sizes(const char* op, const Problem& p, int64_t num_slots) {
   const int64_t N = concrete(p.N), H = concrete(p.H);
-  TORCH_CHECK(num_slots <= INT32_MAX / std::max<int64_t>(H, 1), "kda.fwd: q (with cu_seqlens, if given) makes ",
+  TORCH_CHECK(num_slots <= INT32_MAX / std::max<int64_t>(H, 1), op, ": q (with cu_seqlens, if given) makes ",
               std::to_string(num_slots), " chunks of 16 tokens x ", std::to_string(H),
               " heads, more blocks than one launch takes");
-  TORCH_CHECK(N <= INT32_MAX / std::max<int64_t>(8 * H, 1), "kda.fwd: q (with cu_seqlens, if given) makes ",
+  TORCH_CHECK(N <= INT32_MAX / std::max<int64_t>(8 * H, 1), op, ": q (with cu_seqlens, if given) makes ",
               std::to_string(N), " sequences x ", std::to_string(H), " heads, more blocks than one launch takes");
 }
 
-Boundaries sequence_boundaries(const Problem& p, const Tensor& q, const optional<Tensor>& cu_seqlens,
+Boundaries sequence_boundaries(const char* op, const Problem& p, const Tensor& q, const optional<Tensor>& cu_seqlens,
                                cudaStream_t stream) {
   const int64_t B = concrete(p.B), T = concrete(p.T), N = concrete(p.N), tokens = B * T;
   Boundaries b;
   if (!cu_seqlens.has_value()) {
     b.num_slots = B * ((T + kChunk - 1) / kChunk);
-    check_grid_sizes(p, b.num_slots);
+    check_grid_sizes(op, p, b.num_slots);
     return b;
   }
   // Each sequence adds at most one partial chunk, and every chunk holds a token.
   b.num_slots = std::min(tokens, (tokens + kChunk - 1) / kChunk + N);
-  check_grid_sizes(p, b.num_slots);
+  check_grid_sizes(op, p, b.num_slots);
   Tensor cu = cu_seqlens->contiguous();
   b.offsets = at::empty({2, N + 1}, q.options().dtype(at::kLong));
   int64_t* seq = b.offsets.data_ptr<int64_t>();
@@ -162,12 +162,12 @@ CallInputs call_inputs(const Problem& p, const Tensor& q, const Tensor& k, const
 // contiguous or not 16-byte aligned, or a final_state whose dtype is not the one the kernels write
 // (p.state_dtype: the initial state's, else fp32), gets a staging tensor that is
 // copied back afterwards.
-void forward_into(const Problem& p, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g,
+void forward_into(const char* op, const Problem& p, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g,
                   const Tensor& beta, const Tensor& A_log, const Tensor& dt_bias,
                   const optional<Tensor>& initial_state, const optional<Tensor>& cu_seqlens, const Tensor& out,
                   const optional<Tensor>& final_state) {
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(q.device().index()).stream();
-  Boundaries bounds = sequence_boundaries(p, q, cu_seqlens, stream);
+  Boundaries bounds = sequence_boundaries(op, p, q, cu_seqlens, stream);
   CallInputs in = call_inputs(p, q, k, v, g, beta, A_log, dt_bias, bounds);
   Tensor init = initial_state.has_value() ? initial_state->contiguous() : Tensor();
   if (init.defined() && !aligned16(init)) {
@@ -229,7 +229,7 @@ std::tuple<Tensor, Tensor> fwd(const Tensor& q, const Tensor& k, const Tensor& v
   Problem p = check_all("kda.fwd", q, k, v, g, beta, A_log, dt_bias, scale, lower_bound, initial_state, cu_seqlens);
   c10::cuda::CUDAGuard guard(q.device());
   ForwardOutputs o = allocate_forward_outputs(p, q, output_final_state);
-  forward_into(p, q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, o.out,
+  forward_into("kda.fwd", p, q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, o.out,
                output_final_state ? optional<Tensor>(o.final_state) : std::nullopt);
   return {o.out, o.final_state};
 }
@@ -242,7 +242,7 @@ void fwd_inplace(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor
   check_inplace_buffers("kda.fwd_", p, q, out, final_state, initial_state);
   check_outputs_disjoint("kda.fwd_", out, final_state);
   c10::cuda::CUDAGuard guard(q.device());
-  forward_into(p, q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, out, final_state);
+  forward_into("kda.fwd_", p, q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, out, final_state);
 }
 
 // kda.bwd with the backward kernels: K1 for the records and K2 storing every
@@ -257,9 +257,10 @@ BackwardTuple backward_by_kernels(const Problem& p, const Tensor& grad_out, cons
                                   const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g,
                                   const Tensor& beta, const Tensor& A_log, const Tensor& dt_bias,
                                   const optional<Tensor>& initial_state, const optional<Tensor>& cu_seqlens) {
+  const char* op = "kda.bwd";
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(q.device().index()).stream();
   const int64_t H = concrete(p.H), N = concrete(p.N);
-  Boundaries bounds = sequence_boundaries(p, q, cu_seqlens, stream);
+  Boundaries bounds = sequence_boundaries(op, p, q, cu_seqlens, stream);
   CallInputs in = call_inputs(p, q, k, v, g, beta, A_log, dt_bias, bounds);
   Tensor init = initial_state.has_value() ? initial_state->contiguous() : Tensor();
   if (init.defined() && !aligned16(init)) {
@@ -366,7 +367,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> prepare_bwd(const Tensor& q, 
               int_str(H), ", ", int_str(kDRecFloats), "]");
   c10::cuda::CUDAGuard guard(q.device());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(q.device().index()).stream();
-  CallInputs in = call_inputs(p, q, k, v, g, beta, A_log, dt_bias, sequence_boundaries(p, q, std::nullopt, stream));
+  CallInputs in = call_inputs(p, q, k, v, g, beta, A_log, dt_bias, sequence_boundaries(op, p, q, std::nullopt, stream));
   const auto f32 = q.options().dtype(at::kFloat);
   Tensor dqn = at::empty({B, T, H, kHeadDim}, f32), dkn = at::empty({B, T, H, kHeadDim}, f32);
   Tensor dv = at::empty({B, T, H, kHeadDim}, f32), dlam = at::empty({B, T, H, kHeadDim}, f32);
@@ -414,7 +415,7 @@ std::tuple<Tensor, Tensor> sweep_bwd(const Tensor& q, const Tensor& k, const Ten
   const Tensor st = aligned16(states) ? states : states.clone();
   c10::cuda::CUDAGuard guard(q.device());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(q.device().index()).stream();
-  CallInputs in = call_inputs(p, q, k, v, g, beta, A_log, dt_bias, sequence_boundaries(p, q, std::nullopt, stream));
+  CallInputs in = call_inputs(p, q, k, v, g, beta, A_log, dt_bias, sequence_boundaries(op, p, q, std::nullopt, stream));
   Tensor go = sweep_grad_out(grad_out);
   const auto f32 = q.options().dtype(at::kFloat);
   Tensor workspace = at::empty({slots, H, kWsChunkFloats}, f32);
