@@ -115,12 +115,21 @@ bool aligned16(const Tensor& t) {
   return reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0;
 }
 
+// t as a kernel reads it: contiguous and 16-byte aligned (a copy only where it
+// is not); an undefined tensor stays undefined.
+Tensor staged16(const Tensor& t) {
+  if (!t.defined()) {
+    return t;
+  }
+  Tensor c = t.contiguous();
+  return aligned16(c) ? c : c.clone();
+}
+
 // grad_out as the backward sweep reads it: bf16 or fp32 as given (other dtypes
 // in fp32), contiguous and 16-byte aligned.
 Tensor sweep_grad_out(const Tensor& grad_out) {
   const auto dtype = grad_out.scalar_type();
-  Tensor go = dtype == at::kBFloat16 || dtype == at::kFloat ? grad_out.contiguous() : grad_out.to(at::kFloat).contiguous();
-  return aligned16(go) ? go : go.clone();
+  return staged16(dtype == at::kBFloat16 || dtype == at::kFloat ? grad_out : grad_out.to(at::kFloat));
 }
 
 // A call's inputs made contiguous (copies only where the caller's tensors are
@@ -169,10 +178,7 @@ void forward_into(const char* op, const Problem& p, const Tensor& q, const Tenso
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(q.device().index()).stream();
   Boundaries bounds = sequence_boundaries(op, p, q, cu_seqlens, stream);
   CallInputs in = call_inputs(p, q, k, v, g, beta, A_log, dt_bias, bounds);
-  Tensor init = initial_state.has_value() ? initial_state->contiguous() : Tensor();
-  if (init.defined() && !aligned16(init)) {
-    init = init.clone();
-  }
+  Tensor init = staged16(initial_state.value_or(Tensor()));
   Tensor out_c = out.is_contiguous() && aligned16(out) ? out : at::empty_like(out, at::MemoryFormat::Contiguous);
   Tensor final_c;
   if (final_state.has_value()) {
@@ -262,10 +268,7 @@ BackwardTuple backward_by_kernels(const Problem& p, const Tensor& grad_out, cons
   const int64_t H = concrete(p.H), N = concrete(p.N);
   Boundaries bounds = sequence_boundaries(op, p, q, cu_seqlens, stream);
   CallInputs in = call_inputs(p, q, k, v, g, beta, A_log, dt_bias, bounds);
-  Tensor init = initial_state.has_value() ? initial_state->contiguous() : Tensor();
-  if (init.defined() && !aligned16(init)) {
-    init = init.clone();
-  }
+  Tensor init = staged16(initial_state.value_or(Tensor()));
   const auto f32 = q.options().dtype(at::kFloat);
   Tensor workspace = at::empty({bounds.num_slots, H, kWsChunkFloats}, f32);
   Tensor states = at::empty({bounds.num_slots, H, kHeadDim, kHeadDim}, f32);
@@ -282,10 +285,8 @@ BackwardTuple backward_by_kernels(const Problem& p, const Tensor& grad_out, cons
   scratch_out.reset();  // freed on this stream: the allocator reuses it only after K2
 
   Tensor go = sweep_grad_out(grad_out);
-  Tensor gf = grad_final_state.has_value() ? grad_final_state->to(at::kFloat).contiguous() : Tensor();
-  if (gf.defined() && !aligned16(gf)) {
-    gf = gf.clone();  // the sweep reads it in float2 vectors (a view from cat's backward may start mid-vector)
-  }
+  // The sweep reads it in float2 vectors (a view from cat's backward may start mid-vector).
+  Tensor gf = staged16(grad_final_state.has_value() ? grad_final_state->to(at::kFloat) : Tensor());
   Tensor d_record = at::empty({bounds.num_slots, H, kDRecFloats}, f32);
   Tensor d_initial = init.defined() ? at::empty({N, H, kHeadDim, kHeadDim}, f32) : Tensor();
   SweepBwdParams sp;
@@ -409,10 +410,8 @@ std::tuple<Tensor, Tensor> sweep_bwd(const Tensor& q, const Tensor& k, const Ten
                     gf.size(1) == H && gf.size(2) == kHeadDim && gf.size(3) == kHeadDim,
                 op, ": grad_final_state must be float32 on q's device of shape [B, H, 128, 128]");
   }
-  if (gf.defined() && !aligned16(gf)) {
-    gf = gf.clone();  // read in vectors, as in kda.bwd
-  }
-  const Tensor st = aligned16(states) ? states : states.clone();
+  gf = staged16(gf);  // read in vectors, as in kda.bwd
+  const Tensor st = staged16(states);
   c10::cuda::CUDAGuard guard(q.device());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(q.device().index()).stream();
   CallInputs in = call_inputs(p, q, k, v, g, beta, A_log, dt_bias, sequence_boundaries(op, p, q, std::nullopt, stream));
