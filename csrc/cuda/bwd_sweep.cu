@@ -1,22 +1,26 @@
-// The backward sweep: one block of eight warps per (sequence, head) walks the
-// sequence's chunks backward, carrying dS (the gradient of the chunk-start
-// state), and leaves per chunk the gradients of its record (params.h kDRec*)
-// for K1's backward (bwd_prepare.cu). Per chunk, with the state S0 at its
-// start, its record and dO (torch_kda/reference.py chunk_step_backward):
+// The backward sweep. Per chunk, with the state S0 at its start, its record and
+// dO (torch_kda/reference.py chunk_step_backward):
 //   U  = U0 - W S0^T,  dU = Aqk^T dO + Kd dS1^T,
 //   dQs = dO S0, dW = -dU S0, dKd = U dS1, dAqk = dO U^T, dgl = sum_v S0 * dS1, dU0 = dU,
 //   dS0 = dS1 diag(gl) + dO^T Qs - dU^T W.
-// The rows of dS (one per value channel) evolve independently given the chunk,
-// as the state's do in K2, so warp w carries rows 16w.. +16 of dS in fp32 mma
-// accumulators and computes U, dU and dS0 for them. The record gradients are
-// sums over all 128 value rows: for those, warp w takes key columns 16w.. +16
-// instead, reading every row of S0 and dS1 from shared memory, so no partial
-// sums cross warps (but dgl's, added in a fixed order) and every sum has one
-// order (deterministic).
-// Products in bf16x3 as in K2 (mma.cuh): S0 (fp32) and dO (bf16 or fp32) are split
-// into hi/lo planes here; the record's planes are already split.
+// Only dS goes from chunk to chunk, and neither it nor dU needs S0: the rows of
+// dS (one per value channel) evolve independently given the chunk, as the
+// state's do in K2. So two kernels:
+//  - the dS recurrence walks each sequence backward with its row groups spread
+//    over blocks as in K2 (a warp carries 16 rows of dS in fp32 mma
+//    accumulators), and leaves dU (= dU0) and dS1 for every chunk;
+//  - the record gradients, sums over all 128 value rows of one chunk's products,
+//    then run one block per (chunk slot, head), all chunks at once: warp w
+//    computes U for rows 16w.. and then takes key columns 16w.. of the sums,
+//    reading every row of S0 and dS1 from shared memory, so no partial sums
+//    cross warps but dgl's, added in a fixed order (deterministic).
+// One block per (sequence, head) doing both, as before, kept the GPU mostly idle
+// where there are few heads (11 us per chunk, 32 of 132 SMs busy at 32 heads).
+// Products in bf16x3 as in K2 (mma.cuh): S0, dS1, dU and dO are split into hi/lo
+// here; the record's planes are already split.
 #include <c10/cuda/CUDAException.h>
 
+#include <cstddef>
 #include <string>
 
 #include "cuda/device_utils.cuh"
@@ -28,39 +32,10 @@ namespace {
 
 constexpr int C = kChunk;
 constexpr int D = kHeadDim;
-constexpr int kWarps = D / 16;
-constexpr int kThreads = 32 * kWarps;
 static_assert(C == 16, "the fragments below assume 16-token chunks");
 
 // The record's planes in order (params.h): Qs, W, Kd (hi, lo each), then Aqk's two.
 constexpr int kQsHi = 0, kQsLo = 1, kWHi = 2, kWLo = 3, kKdHi = 4, kKdLo = 5;
-
-struct __align__(16) SweepSmem {
-  __nv_bfloat16 s0[2][D * D];    // S0 [v][k], hi and lo, swizzled 128-wide rows (plane_index)
-  __nv_bfloat16 ds[2][D * D];    // dS1 [v][k], hi and lo
-  unsigned char rec[kWsChunkBytes];  // the chunk's record, verbatim
-  __nv_bfloat16 dout[2][C * D];  // dO [t][v], hi and lo
-  __nv_bfloat16 u[2][C * D];     // U [t][v]
-  __nv_bfloat16 du[2][C * D];    // dU [t][v]
-  float dgl[kWarps][D];          // per warp: the sum over its 16 rows of S0 * dS1
-};
-
-// Four consecutive values of one row into the hi and lo planes at idx (a multiple of 4).
-__device__ __forceinline__ void store_split4(__nv_bfloat16* hi, __nv_bfloat16* lo, int idx, float4 x) {
-  uint32_t h0, l0, h1, l1;
-  split_pack(x.x, x.y, h0, l0);
-  split_pack(x.z, x.w, h1, l1);
-  *reinterpret_cast<uint2*>(hi + idx) = make_uint2(h0, h1);
-  *reinterpret_cast<uint2*>(lo + idx) = make_uint2(l0, l1);
-}
-
-__device__ __forceinline__ float plane_pair_value(const __nv_bfloat16* hi, const __nv_bfloat16* lo, int idx,
-                                                  float& y) {
-  const float2 h = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(hi + idx));
-  const float2 l = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(lo + idx));
-  y = h.y + l.y;
-  return h.x + l.x;
-}
 
 template <int kTerms, int kNt>
 __device__ __forceinline__ float sum3(const float (&acc)[kTerms][kNt][4], int nt, int e) {
@@ -68,67 +43,109 @@ __device__ __forceinline__ float sum3(const float (&acc)[kTerms][kNt][4], int nt
 }
 
 // The three bf16x3 terms into separate accumulators, so that consecutive mmas
-// rarely wait on each other.
+// rarely wait on each other. With `zero` (a constant once loops are unrolled)
+// the products start the sums.
 __device__ __forceinline__ void mma3(float (&acc)[3][2][4], int nt, const uint32_t (&ah)[4], const uint32_t (&al)[4],
-                                     uint32_t bh0, uint32_t bh1, uint32_t bl0, uint32_t bl1) {
-  mma_bf16(acc[0][nt], al, bh0, bh1);
-  mma_bf16(acc[1][nt], ah, bl0, bl1);
-  mma_bf16(acc[2][nt], ah, bh0, bh1);
+                                     uint32_t bh0, uint32_t bh1, uint32_t bl0, uint32_t bl1, bool zero = false) {
+  mma_bf16_into(acc[0][nt], al, bh0, bh1, zero);
+  mma_bf16_into(acc[1][nt], ah, bl0, bl1, zero);
+  mma_bf16_into(acc[2][nt], ah, bh0, bh1, zero);
 }
 
-// Four consecutive values of dO from bf16 or fp32; a compile-time choice, so
-// that the loads of a chunk's S0 and dO all issue before the first use.
+// ---------------------------------------------------------------------------
+// The dS recurrence.
+
+// A block is kWarps row groups (16 value rows each) of one (sequence, head).
+template <int kWarps, bool kDoutFp32>
+struct DsConfig {
+  static constexpr int kThreads = 32 * kWarps;
+  static constexpr int kCols = 16 * kWarps;  // the block's value channels (rows of dS)
+  static constexpr int kStages = 3;          // chunks staged ahead, as in K2
+  static constexpr int kDoutBytes = kDoutFp32 ? 4 : 2;
+  static constexpr int kRowPieces = kCols * kDoutBytes / 16;  // 16-byte pieces of one token's dO
+  // Rows of the staged dO 16 bytes longer than the data: the two tokens a lane
+  // reads (2t, 2t + 1, t = lane % 4) then sit in different banks.
+  static constexpr int kDoutPitch = kCols * kDoutBytes + 16;
+};
+
+template <int kWarps, bool kDoutFp32>
+struct __align__(16) DsStage {
+  __nv_bfloat16 mat[6][C * D];  // Qs, W, Kd hi/lo: the record's planes, verbatim
+  __nv_bfloat16 aqk[2][C * C];
+  float gl[D];
+  unsigned char dout[C * DsConfig<kWarps, kDoutFp32>::kDoutPitch];  // dO [t][block's v], as given; zero past the end
+};
+
 template <bool kFp32>
-__device__ __forceinline__ float4 load_dout4(const void* base, int64_t idx) {
+__device__ __forceinline__ float dout_at(const unsigned char* row, int v) {
   if constexpr (kFp32) {
-    return *reinterpret_cast<const float4*>(static_cast<const float*>(base) + idx);
+    return reinterpret_cast<const float*>(row)[v];
   } else {
-    const uint2 raw = *reinterpret_cast<const uint2*>(static_cast<const __nv_bfloat16*>(base) + idx);
-    const float2 a = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&raw.x));
-    const float2 b = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&raw.y));
-    return make_float4(a.x, a.y, b.x, b.y);
+    return __bfloat162float(reinterpret_cast<const __nv_bfloat16*>(row)[v]);
   }
 }
 
-template <bool kDoutFp32>
-__global__ void __launch_bounds__(kThreads, 1) sweep_backward_kernel(const SweepBwdParams bp) {
+template <int kWarps, bool kDoutFp32>
+__global__ void __launch_bounds__(kWarps * 32) ds_recurrence_kernel(const SweepBwdParams bp) {
+  using Cfg = DsConfig<kWarps, kDoutFp32>;
+  using St = DsStage<kWarps, kDoutFp32>;
+  constexpr int kSt = Cfg::kStages;
+  static_assert(offsetof(St, aqk) == kWsAqk && sizeof(St::mat) + sizeof(St::aqk) == kWsU0,
+                "mat and aqk are one verbatim copy of the record's bf16 part");
   const FwdParams& p = bp.fwd;
   extern __shared__ __align__(16) unsigned char smem_raw[];
-  SweepSmem& sm = *reinterpret_cast<SweepSmem*>(smem_raw);
-  const __nv_bfloat16* planes = reinterpret_cast<const __nv_bfloat16*>(sm.rec);
-  const __nv_bfloat16* aqk_hi = reinterpret_cast<const __nv_bfloat16*>(sm.rec + kWsAqk);
-  const __nv_bfloat16* aqk_lo = aqk_hi + C * C;
-  const float* u0 = reinterpret_cast<const float*>(sm.rec + kWsU0);
-  const float* gl = reinterpret_cast<const float*>(sm.rec + kWsGl);
+  St* stages = reinterpret_cast<St*>(smem_raw);
 
+  constexpr int kGroups = D / Cfg::kCols;
   const int64_t H = p.H;
-  const int64_t h = blockIdx.x % H;
-  const int64_t n = blockIdx.x / H;
+  const int group = blockIdx.x % kGroups;
+  const int64_t h = (blockIdx.x / kGroups) % H;
+  const int64_t n = blockIdx.x / (kGroups * H);
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   const int g = lane / 4, t4 = lane % 4;
   const int mi = lane / 8, mr = lane % 8;  // ldmatrix: lane l addresses row l % 8 of matrix l / 8
-  const int v0 = 16 * warp;                // the warp's dS rows, and key columns of the record gradients
+  const int vcol0 = group * Cfg::kCols;    // the block's first value channel
+  const int vloc = 16 * warp;              // the warp's first row within the block
+  const int v0 = vcol0 + vloc;
 
   const int64_t seq_bos = seq_offset(p, n), seq_eos = seq_offset(p, n + 1);
   const int64_t c_begin = chunk_offset(p, n);
   const int64_t c_end = min64(chunk_offset(p, n + 1), p.num_slots);
-  const int64_t state_base = (n * H + h) * D * D;
+  const int64_t nchunks = c_end > c_begin ? c_end - c_begin : 0;
   const unsigned char* records = reinterpret_cast<const unsigned char*>(p.workspace);
+  const unsigned char* gout = static_cast<const unsigned char*>(bp.grad_out);
 
-  auto load_record = [&](int64_t slot) {
+  // Step c (from 0) handles slot c_end - 1 - c: the sequence backward.
+  auto load_stage = [&](St& st, int64_t c) {
+    const int64_t slot = c_end - 1 - c;
     const unsigned char* rec = records + (slot * H + h) * kWsChunkBytes;
-    const uint32_t dst = smem_u32(sm.rec);
-    for (int e = tid; e < kWsChunkBytes / 16; e += kThreads) {
-      cp_async_16(dst + e * 16, rec + e * 16);
+    const uint32_t mat = smem_u32(&st.mat[0][0]);
+    for (int e = tid; e < kWsU0 / 16; e += Cfg::kThreads) {
+      cp_async_16(mat + e * 16, rec + e * 16);
+    }
+    if (tid < D / 4) {
+      cp_async_16(smem_u32(&st.gl[tid * 4]), rec + kWsGl + tid * 16);
+    }
+    const int64_t bos = seq_bos + (slot - c_begin) * C;
+    for (int e = tid; e < C * Cfg::kRowPieces; e += Cfg::kThreads) {
+      const int t = e / Cfg::kRowPieces, piece = e % Cfg::kRowPieces;
+      const bool valid = bos + t < seq_eos;
+      const unsigned char* src =
+          valid ? gout + (((bos + t) * H + h) * D + vcol0) * Cfg::kDoutBytes + piece * 16 : gout;
+      cp_async_16_or_zero(smem_u32(st.dout + t * Cfg::kDoutPitch + piece * 16), src, valid);
+    }
+  };
+#pragma unroll
+  for (int s = 0; s < kSt - 1; ++s) {
+    if (s < nchunks) {
+      load_stage(stages[s], s);
     }
     cp_async_commit();
-  };
-  if (c_end > c_begin) {
-    load_record(c_end - 1);
   }
 
   // ds[j][e]: dS rows v0 + g (e = 0, 1) and v0 + g + 8 (e = 2, 3), key columns
   // 8j + 2t4 (e even) and + 1 (e odd).
+  const int64_t state_base = (n * H + h) * D * D;
   float ds[D / 8][4];
 #pragma unroll
   for (int j = 0; j < D / 8; ++j) {
@@ -142,236 +159,111 @@ __global__ void __launch_bounds__(kThreads, 1) sweep_backward_kernel(const Sweep
     }
   }
 
-  for (int64_t slot = c_end - 1; slot >= c_begin; --slot) {
-    const int64_t bos = seq_bos + (slot - c_begin) * C;
-    const int len = static_cast<int>(min64(C, seq_eos - bos));
-
-    // S0 (fp32) and dO (bf16 or fp32; zero past the sequence's end) from global, as hi/lo planes.
-    {
-      const float* s0g = bp.states + (slot * H + h) * D * D;
-      float4 x[D * D / 4 / kThreads];
+  for (int64_t c = 0; c < nchunks; ++c) {
+    const int64_t slot = c_end - 1 - c;
+    if (c + kSt - 1 < nchunks) {
+      load_stage(stages[(c + kSt - 1) % kSt], c + kSt - 1);
+    }
+    cp_async_commit();
+    {  // dS1, the gradient of this chunk's end state, for the record gradients
+      float* out = bp.d_states + ((slot * H + h) * D + v0 + g) * D;
 #pragma unroll
-      for (int it = 0; it < D * D / 4 / kThreads; ++it) {
-        x[it] = *reinterpret_cast<const float4*>(s0g + (tid + it * kThreads) * 4);
-      }
-      float4 o[C * D / 4 / kThreads];
-#pragma unroll
-      for (int it = 0; it < C * D / 4 / kThreads; ++it) {
-        const int e = (tid + it * kThreads) * 4, t = e / D;
-        o[it] = t < len ? load_dout4<kDoutFp32>(bp.grad_out, ((bos + t) * H + h) * D + e % D)
-                        : make_float4(0.f, 0.f, 0.f, 0.f);
-      }
-#pragma unroll
-      for (int it = 0; it < D * D / 4 / kThreads; ++it) {
-        const int e = (tid + it * kThreads) * 4;
-        store_split4(sm.s0[0], sm.s0[1], plane_index(e / D, e % D), x[it]);
-      }
-#pragma unroll
-      for (int it = 0; it < C * D / 4 / kThreads; ++it) {
-        const int e = (tid + it * kThreads) * 4;
-        store_split4(sm.dout[0], sm.dout[1], plane_index(e / D, e % D), o[it]);
+      for (int j = 0; j < D / 8; ++j) {
+        const int k0 = 8 * j + 2 * t4;
+        *reinterpret_cast<float2*>(out + k0) = make_float2(ds[j][0], ds[j][1]);
+        *reinterpret_cast<float2*>(out + 8 * D + k0) = make_float2(ds[j][2], ds[j][3]);
       }
     }
-    cp_async_wait<0>();
+    cp_async_wait<kSt - 1>();
     __syncthreads();
+    const St& st = stages[c % kSt];
 
-    // U^T = U0^T - S0 W^T and dU^T = dS1 Kd^T + dO^T Aqk for the warp's rows.
-    float acc_u[3][2][4] = {}, acc_du[3][2][4] = {};
+    // dO^T as an A operand (rows: the warp's value channels; k: the tokens).
+    uint32_t oh[4], ol[4];
+    {
+      const unsigned char* r0 = st.dout + (2 * t4) * Cfg::kDoutPitch;
+      const unsigned char* r8 = r0 + 8 * Cfg::kDoutPitch;
+      const int va = vloc + g, vb = vloc + g + 8;
+      split_pack(dout_at<kDoutFp32>(r0, va), dout_at<kDoutFp32>(r0 + Cfg::kDoutPitch, va), oh[0], ol[0]);
+      split_pack(dout_at<kDoutFp32>(r0, vb), dout_at<kDoutFp32>(r0 + Cfg::kDoutPitch, vb), oh[1], ol[1]);
+      split_pack(dout_at<kDoutFp32>(r8, va), dout_at<kDoutFp32>(r8 + Cfg::kDoutPitch, va), oh[2], ol[2]);
+      split_pack(dout_at<kDoutFp32>(r8, vb), dout_at<kDoutFp32>(r8 + Cfg::kDoutPitch, vb), oh[3], ol[3]);
+    }
+
+    // dU^T = dS1 Kd^T + dO^T Aqk for the warp's rows; Kd [t][k] with the tokens
+    // as the n dimension, as W in K2; Aqk [i][t] as the B operand (k = i), transposed.
+    float acc_du[3][2][4];  // written first by the kk = 0 products
 #pragma unroll
     for (int kk = 0; kk < D / 16; ++kk) {
-      uint32_t sh[4], sl[4], dh[4], dl[4];
-      {
-        const int row = v0 + (mi % 2) * 8 + mr, piece = 2 * kk + mi / 2;
-        ldmatrix_x4(sh, plane_piece(sm.s0[0], row, piece));
-        ldmatrix_x4(sl, plane_piece(sm.s0[1], row, piece));
-      }
+      uint32_t dh[4], dl[4];
       split_pack(ds[2 * kk][0], ds[2 * kk][1], dh[0], dl[0]);
       split_pack(ds[2 * kk][2], ds[2 * kk][3], dh[1], dl[1]);
       split_pack(ds[2 * kk + 1][0], ds[2 * kk + 1][1], dh[2], dl[2]);
       split_pack(ds[2 * kk + 1][2], ds[2 * kk + 1][3], dh[3], dl[3]);
-      // W and Kd [t][k]: tokens as the n dimension, as in K2.
       const int row = (mi / 2) * 8 + mr, piece = 2 * kk + mi % 2;
-      uint32_t wh[4], wl[4], kh[4], kl[4];
-      ldmatrix_x4(wh, plane_piece(planes + kWHi * C * D, row, piece));
-      ldmatrix_x4(wl, plane_piece(planes + kWLo * C * D, row, piece));
-      ldmatrix_x4(kh, plane_piece(planes + kKdHi * C * D, row, piece));
-      ldmatrix_x4(kl, plane_piece(planes + kKdLo * C * D, row, piece));
+      uint32_t kh[4], kl[4];
+      ldmatrix_x4(kh, plane_piece(st.mat[kKdHi], row, piece));
+      ldmatrix_x4(kl, plane_piece(st.mat[kKdLo], row, piece));
 #pragma unroll
       for (int nt = 0; nt < 2; ++nt) {
-        mma3(acc_u, nt, sh, sl, wh[2 * nt], wh[2 * nt + 1], wl[2 * nt], wl[2 * nt + 1]);
-        mma3(acc_du, nt, dh, dl, kh[2 * nt], kh[2 * nt + 1], kl[2 * nt], kl[2 * nt + 1]);
+        mma3(acc_du, nt, dh, dl, kh[2 * nt], kh[2 * nt + 1], kl[2 * nt], kl[2 * nt + 1], kk == 0);
       }
     }
-    // dO^T (rows v, tokens) from the [t][v] planes, transposed on the way; Aqk
-    // [i][t] as the B operand (k = i), transposed likewise.
-    uint32_t oh[4], ol[4];
     {
-      const int row = (mi / 2) * 8 + mr, piece = v0 / 8 + mi % 2;
-      ldmatrix_x4_trans(oh, plane_piece(sm.dout[0], row, piece));
-      ldmatrix_x4_trans(ol, plane_piece(sm.dout[1], row, piece));
       const int arow = (mi % 2) * 8 + mr, acol = (mi / 2) * 8;
       uint32_t ah[4], al[4];
-      ldmatrix_x4_trans(ah, aqk_hi + arow * C + acol);
-      ldmatrix_x4_trans(al, aqk_lo + arow * C + acol);
+      ldmatrix_x4_trans(ah, &st.aqk[0][arow * C + acol]);
+      ldmatrix_x4_trans(al, &st.aqk[1][arow * C + acol]);
 #pragma unroll
       for (int nt = 0; nt < 2; ++nt) {
         mma3(acc_du, nt, oh, ol, ah[2 * nt], ah[2 * nt + 1], al[2 * nt], al[2 * nt + 1]);
       }
     }
-    // u[nt][e], du[nt][e]: rows v0 + g (+ 8 for e >= 2), tokens 8nt + 2t4 (+ 1 for odd e).
-    float u[2][4], du[2][4];
+    // du[nt][e]: rows v0 + g (+ 8 for e >= 2), tokens 8nt + 2t4 (+ 1 for odd e); dU0 = dU.
+    float du[2][4];
     float* dr = bp.d_record + (slot * H + h) * kDRecFloats;
 #pragma unroll
     for (int nt = 0; nt < 2; ++nt) {
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int t = 8 * nt + 2 * t4 + (e & 1), v = v0 + g + 8 * (e >> 1);
-        u[nt][e] = u0[t * D + v] - sum3(acc_u, nt, e);
         du[nt][e] = sum3(acc_du, nt, e);
-        store_split(reinterpret_cast<unsigned char*>(sm.u[0]), kPlaneBytes, plane_index(t, v), u[nt][e]);
-        store_split(reinterpret_cast<unsigned char*>(sm.du[0]), kPlaneBytes, plane_index(t, v), du[nt][e]);
         dr[kDRecU0 + t * D + v] = du[nt][e];
       }
     }
 
-    // dS1 into the planes (for dKd) and the warp's part of dgl, before dS moves on.
-#pragma unroll
-    for (int j = 0; j < D / 8; ++j) {
-      const int k = 8 * j + 2 * t4;
-      const int i0 = plane_index(v0 + g, k), i1 = plane_index(v0 + g + 8, k);
-      uint32_t hi, lo;
-      split_pack(ds[j][0], ds[j][1], hi, lo);
-      *reinterpret_cast<uint32_t*>(&sm.ds[0][i0]) = hi;
-      *reinterpret_cast<uint32_t*>(&sm.ds[1][i0]) = lo;
-      split_pack(ds[j][2], ds[j][3], hi, lo);
-      *reinterpret_cast<uint32_t*>(&sm.ds[0][i1]) = hi;
-      *reinterpret_cast<uint32_t*>(&sm.ds[1][i1]) = lo;
-      float s01, s11;
-      const float s00 = plane_pair_value(sm.s0[0], sm.s0[1], i0, s01);
-      const float s10 = plane_pair_value(sm.s0[0], sm.s0[1], i1, s11);
-      float a = s00 * ds[j][0] + s10 * ds[j][2];
-      float b = s01 * ds[j][1] + s11 * ds[j][3];
-#pragma unroll
-      for (int off = 4; off < 32; off <<= 1) {
-        a += __shfl_xor_sync(0xffffffffu, a, off);
-        b += __shfl_xor_sync(0xffffffffu, b, off);
-      }
-      if (g == 0) {
-        sm.dgl[warp][k] = a;
-        sm.dgl[warp][k + 1] = b;
-      }
-    }
-
     // dS0 = dS1 diag(gl) + dO^T Qs - dU^T W; Qs and W [t][k] transposed on the
-    // way (tokens are the k dimension). As in K2, the products go into zeroed
+    // way (tokens are the k dimension). As in K2, the products go into zero
     // accumulators and reach dS through one fp32 FMA.
-    {
-      uint32_t nh[4], nl[4];  // -dU^T as an A operand: its two n-tiles are the 16 tokens
-      split_pack(-du[0][0], -du[0][1], nh[0], nl[0]);
-      split_pack(-du[0][2], -du[0][3], nh[1], nl[1]);
-      split_pack(-du[1][0], -du[1][1], nh[2], nl[2]);
-      split_pack(-du[1][2], -du[1][3], nh[3], nl[3]);
+    uint32_t nh[4], nl[4];  // -dU^T as an A operand: its two n-tiles are the 16 tokens
+    split_pack(-du[0][0], -du[0][1], nh[0], nl[0]);
+    split_pack(-du[0][2], -du[0][3], nh[1], nl[1]);
+    split_pack(-du[1][0], -du[1][1], nh[2], nl[2]);
+    split_pack(-du[1][2], -du[1][3], nh[3], nl[3]);
 #pragma unroll
-      for (int jj = 0; jj < D / 16; ++jj) {
-        const int row = (mi % 2) * 8 + mr, piece = 2 * jj + mi / 2;
-        uint32_t qh[4], ql[4], wh[4], wl[4];
-        ldmatrix_x4_trans(qh, plane_piece(planes + kQsHi * C * D, row, piece));
-        ldmatrix_x4_trans(ql, plane_piece(planes + kQsLo * C * D, row, piece));
-        ldmatrix_x4_trans(wh, plane_piece(planes + kWHi * C * D, row, piece));
-        ldmatrix_x4_trans(wl, plane_piece(planes + kWLo * C * D, row, piece));
-        float upd[2][4] = {};
-        mma_bf16x3(upd[0], oh, ol, qh[0], qh[1], ql[0], ql[1]);
-        mma_bf16x3(upd[1], oh, ol, qh[2], qh[3], ql[2], ql[3]);
-        mma_bf16x3(upd[0], nh, nl, wh[0], wh[1], wl[0], wl[1]);
-        mma_bf16x3(upd[1], nh, nl, wh[2], wh[3], wl[2], wl[3]);
+    for (int jj = 0; jj < D / 16; ++jj) {
+      const int row = (mi % 2) * 8 + mr, piece = 2 * jj + mi / 2;
+      uint32_t qh[4], ql[4], wh[4], wl[4];
+      ldmatrix_x4_trans(qh, plane_piece(st.mat[kQsHi], row, piece));
+      ldmatrix_x4_trans(ql, plane_piece(st.mat[kQsLo], row, piece));
+      ldmatrix_x4_trans(wh, plane_piece(st.mat[kWHi], row, piece));
+      ldmatrix_x4_trans(wl, plane_piece(st.mat[kWLo], row, piece));
+      float upd[2][4];
+      mma_bf16x3_zero(upd[0], oh, ol, qh[0], qh[1], ql[0], ql[1]);
+      mma_bf16x3_zero(upd[1], oh, ol, qh[2], qh[3], ql[2], ql[3]);
+      mma_bf16x3(upd[0], nh, nl, wh[0], wh[1], wl[0], wl[1]);
+      mma_bf16x3(upd[1], nh, nl, wh[2], wh[3], wl[2], wl[3]);
 #pragma unroll
-        for (int h2 = 0; h2 < 2; ++h2) {
-          const int j = 2 * jj + h2;
-          const float2 decay = *reinterpret_cast<const float2*>(&gl[8 * j + 2 * t4]);
-          ds[j][0] = fmaf(ds[j][0], decay.x, upd[h2][0]);
-          ds[j][1] = fmaf(ds[j][1], decay.y, upd[h2][1]);
-          ds[j][2] = fmaf(ds[j][2], decay.x, upd[h2][2]);
-          ds[j][3] = fmaf(ds[j][3], decay.y, upd[h2][3]);
-        }
+      for (int h2 = 0; h2 < 2; ++h2) {
+        const int j = 2 * jj + h2;
+        const float2 decay = *reinterpret_cast<const float2*>(&st.gl[8 * j + 2 * t4]);
+        ds[j][0] = fmaf(ds[j][0], decay.x, upd[h2][0]);
+        ds[j][1] = fmaf(ds[j][1], decay.y, upd[h2][1]);
+        ds[j][2] = fmaf(ds[j][2], decay.x, upd[h2][2]);
+        ds[j][3] = fmaf(ds[j][3], decay.y, upd[h2][3]);
       }
     }
-    __syncthreads();  // U, dU, dS1 planes and dgl parts complete; the record is read
-
-    if (slot > c_begin) {
-      load_record(slot - 1);  // lands while the record gradients below are computed
-    }
-
-    // The record gradients [t][k] for key columns v0.. +16, summed over all value
-    // rows: A = dO, dU, U [t][v] (rows t), B = S0, dS1 [v][k] (k dimension v).
-    float aq[3][2][4] = {}, aw[3][2][4] = {}, ak[3][2][4] = {};
-#pragma unroll 2  // fully unrolled it spills twice as much (255 registers either way)
-    for (int kv = 0; kv < D / 16; ++kv) {
-      const int arow = (mi % 2) * 8 + mr, apiece = 2 * kv + mi / 2;
-      uint32_t doh[4], dol[4], duh[4], dul[4], uh[4], ul[4];
-      ldmatrix_x4(doh, plane_piece(sm.dout[0], arow, apiece));
-      ldmatrix_x4(dol, plane_piece(sm.dout[1], arow, apiece));
-      ldmatrix_x4(duh, plane_piece(sm.du[0], arow, apiece));
-      ldmatrix_x4(dul, plane_piece(sm.du[1], arow, apiece));
-      ldmatrix_x4(uh, plane_piece(sm.u[0], arow, apiece));
-      ldmatrix_x4(ul, plane_piece(sm.u[1], arow, apiece));
-      const int brow = 16 * kv + (mi % 2) * 8 + mr, bpiece = v0 / 8 + mi / 2;
-      uint32_t sh[4], sl[4], dh[4], dl[4];
-      ldmatrix_x4_trans(sh, plane_piece(sm.s0[0], brow, bpiece));
-      ldmatrix_x4_trans(sl, plane_piece(sm.s0[1], brow, bpiece));
-      ldmatrix_x4_trans(dh, plane_piece(sm.ds[0], brow, bpiece));
-      ldmatrix_x4_trans(dl, plane_piece(sm.ds[1], brow, bpiece));
-#pragma unroll
-      for (int nt = 0; nt < 2; ++nt) {
-        mma3(aq, nt, doh, dol, sh[2 * nt], sh[2 * nt + 1], sl[2 * nt], sl[2 * nt + 1]);
-        mma3(aw, nt, duh, dul, sh[2 * nt], sh[2 * nt + 1], sl[2 * nt], sl[2 * nt + 1]);
-        mma3(ak, nt, uh, ul, dh[2 * nt], dh[2 * nt + 1], dl[2 * nt], dl[2 * nt + 1]);
-      }
-    }
-#pragma unroll
-    for (int nt = 0; nt < 2; ++nt) {
-      const int k = v0 + 8 * nt + 2 * t4;
-#pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        const int t = g + 8 * half, e = 2 * half;
-        *reinterpret_cast<float2*>(dr + kDRecQs + t * D + k) = make_float2(sum3(aq, nt, e), sum3(aq, nt, e + 1));
-        *reinterpret_cast<float2*>(dr + kDRecW + t * D + k) = make_float2(-sum3(aw, nt, e), -sum3(aw, nt, e + 1));
-        *reinterpret_cast<float2*>(dr + kDRecKd + t * D + k) = make_float2(sum3(ak, nt, e), sum3(ak, nt, e + 1));
-      }
-    }
-    if (warp == kWarps - 1) {
-      // dAqk [i][j] = sum_v dO[i][v] U[j][v]: B (k = v, n = j) is U's plane as it
-      // stands. One warp's extra work; the others sum dgl meanwhile.
-      float aa[3][2][4] = {};
-#pragma unroll
-      for (int kv = 0; kv < D / 16; ++kv) {
-        const int arow = (mi % 2) * 8 + mr, apiece = 2 * kv + mi / 2;
-        const int brow = (mi / 2) * 8 + mr, bpiece = 2 * kv + mi % 2;
-        uint32_t doh[4], dol[4], bh[4], bl[4];
-        ldmatrix_x4(doh, plane_piece(sm.dout[0], arow, apiece));
-        ldmatrix_x4(dol, plane_piece(sm.dout[1], arow, apiece));
-        ldmatrix_x4(bh, plane_piece(sm.u[0], brow, bpiece));
-        ldmatrix_x4(bl, plane_piece(sm.u[1], brow, bpiece));
-#pragma unroll
-        for (int nt = 0; nt < 2; ++nt) {
-          mma3(aa, nt, doh, dol, bh[2 * nt], bh[2 * nt + 1], bl[2 * nt], bl[2 * nt + 1]);
-        }
-      }
-#pragma unroll
-      for (int nt = 0; nt < 2; ++nt) {
-        const int j = 8 * nt + 2 * t4;
-        *reinterpret_cast<float2*>(dr + kDRecAqk + g * C + j) = make_float2(sum3(aa, nt, 0), sum3(aa, nt, 1));
-        *reinterpret_cast<float2*>(dr + kDRecAqk + (g + 8) * C + j) = make_float2(sum3(aa, nt, 2), sum3(aa, nt, 3));
-      }
-    }
-    if (tid < D) {
-      float a = 0.f;
-#pragma unroll
-      for (int w = 0; w < kWarps; ++w) {
-        a += sm.dgl[w][tid];
-      }
-      dr[kDRecGl + tid] = a;
-    }
-    __syncthreads();  // the next chunk rewrites the S0, dO, dS1, U and dU planes and dgl
+    __syncthreads();  // the stage is refilled kSt - 1 steps on
   }
 
   if (bp.d_initial != nullptr) {
@@ -384,20 +276,279 @@ __global__ void __launch_bounds__(kThreads, 1) sweep_backward_kernel(const Sweep
   }
 }
 
+template <int kWarps, bool kDoutFp32>
+void launch_ds(const SweepBwdParams& bp, cudaStream_t stream) {
+  using Cfg = DsConfig<kWarps, kDoutFp32>;
+  constexpr size_t kSmem = Cfg::kStages * sizeof(DsStage<kWarps, kDoutFp32>);
+  static_assert(kSmem <= 227 * 1024, "over the per-block shared memory of sm_90");
+  auto* kernel = ds_recurrence_kernel<kWarps, kDoutFp32>;
+  C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(kSmem)));
+  const int64_t blocks = bp.fwd.N * bp.fwd.H * (D / Cfg::kCols);
+  TORCH_CHECK(blocks <= INT32_MAX, "kda.bwd: ", std::to_string(bp.fwd.N), " sequences x ",
+              std::to_string(bp.fwd.H), " heads is more blocks than one launch takes");
+  kernel<<<static_cast<unsigned int>(blocks), Cfg::kThreads, kSmem, stream>>>(bp);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+template <bool kDoutFp32>
+void launch_ds_for(const SweepBwdParams& bp, cudaStream_t stream) {
+  // As K2 (fwd_recurrence.cu): four-warp blocks where each SM runs more than
+  // two row groups, else blocks as small as the row groups per SM.
+  const int64_t warps_per_sm = recurrence_warps_per_sm(bp.fwd);
+  if (warps_per_sm > 2) {
+    launch_ds<4, kDoutFp32>(bp, stream);
+  } else if (warps_per_sm > 1) {
+    launch_ds<2, kDoutFp32>(bp, stream);
+  } else {
+    launch_ds<1, kDoutFp32>(bp, stream);
+  }
+}
+
+// ---------------------------------------------------------------------------
+// The record gradients: one block of eight warps per (chunk slot, head).
+
+constexpr int kGradWarps = D / 16;
+constexpr int kGradThreads = 32 * kGradWarps;
+
+struct __align__(16) GradSmem {
+  __nv_bfloat16 s0[2][D * D];    // S0 [v][k], hi and lo, swizzled 128-wide rows (plane_index)
+  __nv_bfloat16 ds[2][D * D];    // dS1 [v][k], hi and lo
+  unsigned char rec[kWsChunkBytes];  // the chunk's record, verbatim
+  __nv_bfloat16 dout[2][C * D];  // dO [t][v], hi and lo
+  __nv_bfloat16 u[2][C * D];     // U [t][v]
+  __nv_bfloat16 du[2][C * D];    // dU [t][v]
+  float dgl[kGradWarps][D];      // per warp: the sum over its rows of S0 * dS1
+};
+
+// Four consecutive values of one row into the hi and lo planes at idx (a multiple of 4).
+__device__ __forceinline__ void store_split4(__nv_bfloat16* hi, __nv_bfloat16* lo, int idx, float4 x) {
+  uint32_t h0, l0, h1, l1;
+  split_pack(x.x, x.y, h0, l0);
+  split_pack(x.z, x.w, h1, l1);
+  *reinterpret_cast<uint2*>(hi + idx) = make_uint2(h0, h1);
+  *reinterpret_cast<uint2*>(lo + idx) = make_uint2(l0, l1);
+}
+
+// Four consecutive values of dO from bf16 or fp32; a compile-time choice, so
+// that the loads all issue before the first use.
+template <bool kFp32>
+__device__ __forceinline__ float4 load_dout4(const void* base, int64_t idx) {
+  if constexpr (kFp32) {
+    return *reinterpret_cast<const float4*>(static_cast<const float*>(base) + idx);
+  } else {
+    const uint2 raw = *reinterpret_cast<const uint2*>(static_cast<const __nv_bfloat16*>(base) + idx);
+    const float2 a = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&raw.x));
+    const float2 b = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&raw.y));
+    return make_float4(a.x, a.y, b.x, b.y);
+  }
+}
+
+template <bool kDoutFp32>
+__global__ void __launch_bounds__(kGradThreads, 1) record_grads_kernel(const SweepBwdParams bp) {
+  const FwdParams& p = bp.fwd;
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  GradSmem& sm = *reinterpret_cast<GradSmem*>(smem_raw);
+  const __nv_bfloat16* planes = reinterpret_cast<const __nv_bfloat16*>(sm.rec);
+  const float* u0 = reinterpret_cast<const float*>(sm.rec + kWsU0);
+
+  const int64_t H = p.H;
+  const int64_t h = blockIdx.x % H;
+  const int64_t slot = blockIdx.x / H;
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+  const int g = lane / 4, t4 = lane % 4;
+  const int mi = lane / 8, mr = lane % 8;
+  const int v0 = 16 * warp;  // the warp's rows of U, and key columns of the record gradients
+  const int64_t n = sequence_of_slot(p, slot);
+  const int64_t bos = seq_offset(p, n) + (slot - chunk_offset(p, n)) * C;
+  const int len = static_cast<int>(min64(C, seq_offset(p, n + 1) - bos));
+  float* dr = bp.d_record + (slot * H + h) * kDRecFloats;
+
+  {
+    const unsigned char* rec = reinterpret_cast<const unsigned char*>(p.workspace) + (slot * H + h) * kWsChunkBytes;
+    const uint32_t dst = smem_u32(sm.rec);
+    for (int e = tid; e < kWsChunkBytes / 16; e += kGradThreads) {
+      cp_async_16(dst + e * 16, rec + e * 16);
+    }
+    cp_async_commit();
+  }
+  // S0 and dS1 (fp32) into hi/lo planes, half of each at a time. Thread tid
+  // holds key columns 4 (tid % 32).. +4 of rows tid / 32 + 8 it, so it adds up
+  // dgl's products over those rows in fp32 as they pass.
+  {
+    const float* s0g = bp.states + (slot * H + h) * D * D;
+    const float* dsg = bp.d_states + (slot * H + h) * D * D;
+    constexpr int kIt = D * D / 4 / kGradThreads;
+    float4 gsum = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      float4 xs[kIt / 2], xd[kIt / 2];
+#pragma unroll
+      for (int it = 0; it < kIt / 2; ++it) {
+        const int e = (tid + (half * kIt / 2 + it) * kGradThreads) * 4;
+        xs[it] = *reinterpret_cast<const float4*>(s0g + e);
+        xd[it] = *reinterpret_cast<const float4*>(dsg + e);
+      }
+#pragma unroll
+      for (int it = 0; it < kIt / 2; ++it) {
+        const int e = (tid + (half * kIt / 2 + it) * kGradThreads) * 4;
+        gsum.x = fmaf(xs[it].x, xd[it].x, gsum.x);
+        gsum.y = fmaf(xs[it].y, xd[it].y, gsum.y);
+        gsum.z = fmaf(xs[it].z, xd[it].z, gsum.z);
+        gsum.w = fmaf(xs[it].w, xd[it].w, gsum.w);
+        store_split4(sm.s0[0], sm.s0[1], plane_index(e / D, e % D), xs[it]);
+        store_split4(sm.ds[0], sm.ds[1], plane_index(e / D, e % D), xd[it]);
+      }
+    }
+    *reinterpret_cast<float4*>(&sm.dgl[warp][4 * lane]) = gsum;
+  }
+  // dO (bf16 or fp32; zero past the sequence's end) and dU (the dS recurrence's) as planes.
+  {
+    constexpr int kIt = C * D / 4 / kGradThreads;
+    float4 o[kIt], d[kIt];
+#pragma unroll
+    for (int it = 0; it < kIt; ++it) {
+      const int e = (tid + it * kGradThreads) * 4, t = e / D;
+      o[it] = t < len ? load_dout4<kDoutFp32>(bp.grad_out, ((bos + t) * H + h) * D + e % D)
+                      : make_float4(0.f, 0.f, 0.f, 0.f);
+      d[it] = *reinterpret_cast<const float4*>(dr + kDRecU0 + e);
+    }
+#pragma unroll
+    for (int it = 0; it < kIt; ++it) {
+      const int e = (tid + it * kGradThreads) * 4;
+      store_split4(sm.dout[0], sm.dout[1], plane_index(e / D, e % D), o[it]);
+      store_split4(sm.du[0], sm.du[1], plane_index(e / D, e % D), d[it]);
+    }
+  }
+  cp_async_wait<0>();
+  __syncthreads();
+
+  // U^T = U0^T - S0 W^T for the warp's rows v0.. +16: W [t][k] with the tokens as
+  // the n dimension, as in K2.
+  {
+    float acc_u[3][2][4];  // written first by the kk = 0 products
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) {
+      uint32_t sh[4], sl[4];
+      {
+        const int row = v0 + (mi % 2) * 8 + mr, piece = 2 * kk + mi / 2;
+        ldmatrix_x4(sh, plane_piece(sm.s0[0], row, piece));
+        ldmatrix_x4(sl, plane_piece(sm.s0[1], row, piece));
+      }
+      const int row = (mi / 2) * 8 + mr, piece = 2 * kk + mi % 2;
+      uint32_t wh[4], wl[4];
+      ldmatrix_x4(wh, plane_piece(planes + kWHi * C * D, row, piece));
+      ldmatrix_x4(wl, plane_piece(planes + kWLo * C * D, row, piece));
+#pragma unroll
+      for (int nt = 0; nt < 2; ++nt) {
+        mma3(acc_u, nt, sh, sl, wh[2 * nt], wh[2 * nt + 1], wl[2 * nt], wl[2 * nt + 1], kk == 0);
+      }
+    }
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int t = 8 * nt + 2 * t4 + (e & 1), v = v0 + g + 8 * (e >> 1);
+        store_split(reinterpret_cast<unsigned char*>(sm.u[0]), kPlaneBytes, plane_index(t, v),
+                    u0[t * D + v] - sum3(acc_u, nt, e));
+      }
+    }
+  }
+  __syncthreads();  // U's planes complete
+
+  // The record gradients [t][k] for key columns v0.. +16, summed over all value
+  // rows: A = dO, dU, U [t][v] (rows t), B = S0, dS1 [v][k] (k dimension v).
+  float aq[3][2][4] = {}, aw[3][2][4] = {}, ak[3][2][4] = {};
+#pragma unroll 2  // fully unrolled it spills twice as much (255 registers either way)
+  for (int kv = 0; kv < D / 16; ++kv) {
+    const int arow = (mi % 2) * 8 + mr, apiece = 2 * kv + mi / 2;
+    uint32_t doh[4], dol[4], duh[4], dul[4], uh[4], ul[4];
+    ldmatrix_x4(doh, plane_piece(sm.dout[0], arow, apiece));
+    ldmatrix_x4(dol, plane_piece(sm.dout[1], arow, apiece));
+    ldmatrix_x4(duh, plane_piece(sm.du[0], arow, apiece));
+    ldmatrix_x4(dul, plane_piece(sm.du[1], arow, apiece));
+    ldmatrix_x4(uh, plane_piece(sm.u[0], arow, apiece));
+    ldmatrix_x4(ul, plane_piece(sm.u[1], arow, apiece));
+    const int brow = 16 * kv + (mi % 2) * 8 + mr, bpiece = v0 / 8 + mi / 2;
+    uint32_t sh[4], sl[4], dh[4], dl[4];
+    ldmatrix_x4_trans(sh, plane_piece(sm.s0[0], brow, bpiece));
+    ldmatrix_x4_trans(sl, plane_piece(sm.s0[1], brow, bpiece));
+    ldmatrix_x4_trans(dh, plane_piece(sm.ds[0], brow, bpiece));
+    ldmatrix_x4_trans(dl, plane_piece(sm.ds[1], brow, bpiece));
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt) {
+      mma3(aq, nt, doh, dol, sh[2 * nt], sh[2 * nt + 1], sl[2 * nt], sl[2 * nt + 1]);
+      mma3(aw, nt, duh, dul, sh[2 * nt], sh[2 * nt + 1], sl[2 * nt], sl[2 * nt + 1]);
+      mma3(ak, nt, uh, ul, dh[2 * nt], dh[2 * nt + 1], dl[2 * nt], dl[2 * nt + 1]);
+    }
+  }
+#pragma unroll
+  for (int nt = 0; nt < 2; ++nt) {
+    const int k = v0 + 8 * nt + 2 * t4;
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int t = g + 8 * half, e = 2 * half;
+      *reinterpret_cast<float2*>(dr + kDRecQs + t * D + k) = make_float2(sum3(aq, nt, e), sum3(aq, nt, e + 1));
+      *reinterpret_cast<float2*>(dr + kDRecW + t * D + k) = make_float2(-sum3(aw, nt, e), -sum3(aw, nt, e + 1));
+      *reinterpret_cast<float2*>(dr + kDRecKd + t * D + k) = make_float2(sum3(ak, nt, e), sum3(ak, nt, e + 1));
+    }
+  }
+  if (warp == kGradWarps - 1) {
+    // dAqk [i][j] = sum_v dO[i][v] U[j][v]: B (k = v, n = j) is U's plane as it
+    // stands. One warp's extra work; the others sum dgl meanwhile.
+    float aa[3][2][4];  // written first by the kv = 0 products
+#pragma unroll
+    for (int kv = 0; kv < D / 16; ++kv) {
+      const int arow = (mi % 2) * 8 + mr, apiece = 2 * kv + mi / 2;
+      const int brow = (mi / 2) * 8 + mr, bpiece = 2 * kv + mi % 2;
+      uint32_t doh[4], dol[4], bh[4], bl[4];
+      ldmatrix_x4(doh, plane_piece(sm.dout[0], arow, apiece));
+      ldmatrix_x4(dol, plane_piece(sm.dout[1], arow, apiece));
+      ldmatrix_x4(bh, plane_piece(sm.u[0], brow, bpiece));
+      ldmatrix_x4(bl, plane_piece(sm.u[1], brow, bpiece));
+#pragma unroll
+      for (int nt = 0; nt < 2; ++nt) {
+        mma3(aa, nt, doh, dol, bh[2 * nt], bh[2 * nt + 1], bl[2 * nt], bl[2 * nt + 1], kv == 0);
+      }
+    }
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt) {
+      const int j = 8 * nt + 2 * t4;
+      *reinterpret_cast<float2*>(dr + kDRecAqk + g * C + j) = make_float2(sum3(aa, nt, 0), sum3(aa, nt, 1));
+      *reinterpret_cast<float2*>(dr + kDRecAqk + (g + 8) * C + j) = make_float2(sum3(aa, nt, 2), sum3(aa, nt, 3));
+    }
+  }
+  if (tid < D) {
+    float a = 0.f;
+#pragma unroll
+    for (int w = 0; w < kGradWarps; ++w) {
+      a += sm.dgl[w][tid];
+    }
+    dr[kDRecGl + tid] = a;
+  }
+}
+
 }  // namespace
 
 void launch_sweep_backward(const SweepBwdParams& bp, cudaStream_t stream) {
   if (bp.fwd.N == 0 || bp.fwd.H == 0) {
     return;
   }
-  constexpr size_t kSmem = sizeof(SweepSmem);
+  if (bp.grad_out_fp32) {
+    launch_ds_for<true>(bp, stream);
+  } else {
+    launch_ds_for<false>(bp, stream);
+  }
+  const int64_t blocks = bp.fwd.num_slots * bp.fwd.H;
+  if (blocks == 0) {
+    return;
+  }
+  constexpr size_t kSmem = sizeof(GradSmem);
   static_assert(kSmem <= 227 * 1024, "over the per-block shared memory of sm_90");
-  auto* kernel = bp.grad_out_fp32 ? sweep_backward_kernel<true> : sweep_backward_kernel<false>;
+  auto* kernel = bp.grad_out_fp32 ? record_grads_kernel<true> : record_grads_kernel<false>;
   C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(kSmem)));
-  const int64_t blocks = bp.fwd.N * bp.fwd.H;
-  TORCH_CHECK(blocks <= INT32_MAX, "kda.bwd: ", std::to_string(bp.fwd.N), " sequences x ",
+  TORCH_CHECK(blocks <= INT32_MAX, "kda.bwd: ", std::to_string(bp.fwd.num_slots), " chunks x ",
               std::to_string(bp.fwd.H), " heads is more blocks than one launch takes");
-  kernel<<<static_cast<unsigned int>(blocks), kThreads, kSmem, stream>>>(bp);
+  kernel<<<static_cast<unsigned int>(blocks), kGradThreads, kSmem, stream>>>(bp);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 

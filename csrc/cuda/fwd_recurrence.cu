@@ -217,7 +217,7 @@ __global__ void __launch_bounds__(kWarps * 32) recurrence_kernel(const FwdParams
     // S W^T and S Qs^T over the warp's key columns, 16 at a time; each of the
     // three bf16x3 terms has its own accumulators, so that consecutive mmas
     // rarely wait on each other.
-    float acc_w[3][2][4] = {}, acc_o[3][2][4] = {};
+    float acc_w[3][2][4], acc_o[3][2][4];  // written first by the kk = 0 products
 #pragma unroll
     for (int kk = 0; kk < kKk; ++kk) {
       uint32_t a_hi[4], a_lo[4];
@@ -234,12 +234,12 @@ __global__ void __launch_bounds__(kWarps * 32) recurrence_kernel(const FwdParams
       ldmatrix_x4(ql, plane_piece(st.mat[kQsLo], row, piece));
 #pragma unroll
       for (int nt = 0; nt < 2; ++nt) {
-        mma_bf16(acc_w[0][nt], a_lo, wh[2 * nt], wh[2 * nt + 1]);
-        mma_bf16(acc_w[1][nt], a_hi, wl[2 * nt], wl[2 * nt + 1]);
-        mma_bf16(acc_w[2][nt], a_hi, wh[2 * nt], wh[2 * nt + 1]);
-        mma_bf16(acc_o[0][nt], a_lo, qh[2 * nt], qh[2 * nt + 1]);
-        mma_bf16(acc_o[1][nt], a_hi, ql[2 * nt], ql[2 * nt + 1]);
-        mma_bf16(acc_o[2][nt], a_hi, qh[2 * nt], qh[2 * nt + 1]);
+        mma_bf16_into(acc_w[0][nt], a_lo, wh[2 * nt], wh[2 * nt + 1], kk == 0);
+        mma_bf16_into(acc_w[1][nt], a_hi, wl[2 * nt], wl[2 * nt + 1], kk == 0);
+        mma_bf16_into(acc_w[2][nt], a_hi, wh[2 * nt], wh[2 * nt + 1], kk == 0);
+        mma_bf16_into(acc_o[0][nt], a_lo, qh[2 * nt], qh[2 * nt + 1], kk == 0);
+        mma_bf16_into(acc_o[1][nt], a_hi, ql[2 * nt], ql[2 * nt + 1], kk == 0);
+        mma_bf16_into(acc_o[2][nt], a_hi, qh[2 * nt], qh[2 * nt + 1], kk == 0);
       }
     }
     float sw[2][4], so[2][4];  // the small terms first, as mma_bf16x3 sums them
@@ -330,7 +330,7 @@ __global__ void __launch_bounds__(kWarps * 32) recurrence_kernel(const FwdParams
     }
 
     // S <- S diag(gl) + U^T Kd; ldmatrix.trans turns Kd's rows (tokens) into the
-    // k dimension. The products go into zeroed accumulators and reach the state
+    // k dimension. The products go into zero accumulators and reach the state
     // through one fp32 FMA: the tensor cores' own fp32 additions are reported to
     // truncate, which would pull the state towards zero a little every chunk.
 #pragma unroll
@@ -340,9 +340,9 @@ __global__ void __launch_bounds__(kWarps * 32) recurrence_kernel(const FwdParams
       uint32_t kh[4], kl[4];
       ldmatrix_x4_trans(kh, plane_piece(st.mat[kKdHi], row, piece));
       ldmatrix_x4_trans(kl, plane_piece(st.mat[kKdLo], row, piece));
-      float upd[2][4] = {};
-      mma_bf16x3(upd[0], ua_hi, ua_lo, kh[0], kh[1], kl[0], kl[1]);
-      mma_bf16x3(upd[1], ua_hi, ua_lo, kh[2], kh[3], kl[2], kl[3]);
+      float upd[2][4];
+      mma_bf16x3_zero(upd[0], ua_hi, ua_lo, kh[0], kh[1], kl[0], kl[1]);
+      mma_bf16x3_zero(upd[1], ua_hi, ua_lo, kh[2], kh[3], kl[2], kl[3]);
 #pragma unroll
       for (int h2 = 0; h2 < 2; ++h2) {
         const int j = 2 * jj + h2;

@@ -35,8 +35,9 @@ void launch_recurrence(const FwdParams& params, cudaStream_t stream, RecurrenceB
 // those of q^, k^, v, lambda, sigmoid(beta) (the private test op).
 void launch_prepare_backward(const PrepareBwdParams& params, cudaStream_t stream);
 
-// The backward sweep (bwd_sweep.cu): one block per (sequence, head), backward
-// over its chunks; the record gradients and the initial state's gradient.
+// The backward sweep (bwd_sweep.cu): the dS recurrence (row groups of each
+// (sequence, head) spread over blocks, backward over its chunks), then one block
+// per (chunk slot, head) for the record gradients; and the initial state's gradient.
 void launch_sweep_backward(const SweepBwdParams& params, cudaStream_t stream);
 
 // TORCH_KDA_RECURRENCE_BLOCK=WxS forces K2's block shape (8x1, 4x1, 2x1 or

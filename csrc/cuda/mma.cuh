@@ -24,11 +24,39 @@ __device__ __forceinline__ void mma_bf16(float (&d)[4], const uint32_t (&a)[4], 
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
+// d = a * b: the zero accumulator is the C operand RZ, where zeroing four
+// registers first costs four instructions (a tenth of K2's per-chunk count).
+__device__ __forceinline__ void mma_bf16_zero(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%10,%10,%10,%10};\n"
+      : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1), "f"(0.f));
+}
+
+// d = a * b when `zero` (a constant once loops are unrolled), else d += a * b.
+__device__ __forceinline__ void mma_bf16_into(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1,
+                                              bool zero) {
+  if (zero) {
+    mma_bf16_zero(d, a, b0, b1);
+  } else {
+    mma_bf16(d, a, b0, b1);
+  }
+}
+
 // d += (a_hi + a_lo) * (b_hi + b_lo) without the lo * lo term (below fp32's
 // rounding of the sum).
 __device__ __forceinline__ void mma_bf16x3(float (&d)[4], const uint32_t (&a_hi)[4], const uint32_t (&a_lo)[4],
                                           uint32_t b_hi0, uint32_t b_hi1, uint32_t b_lo0, uint32_t b_lo1) {
   mma_bf16(d, a_lo, b_hi0, b_hi1);
+  mma_bf16(d, a_hi, b_lo0, b_lo1);
+  mma_bf16(d, a_hi, b_hi0, b_hi1);
+}
+
+// The same into a zero accumulator: d = (a_hi + a_lo) * (b_hi + b_lo).
+__device__ __forceinline__ void mma_bf16x3_zero(float (&d)[4], const uint32_t (&a_hi)[4], const uint32_t (&a_lo)[4],
+                                               uint32_t b_hi0, uint32_t b_hi1, uint32_t b_lo0, uint32_t b_lo1) {
+  mma_bf16_zero(d, a_lo, b_hi0, b_hi1);
   mma_bf16(d, a_hi, b_lo0, b_lo1);
   mma_bf16(d, a_hi, b_hi0, b_hi1);
 }
@@ -68,6 +96,11 @@ __device__ __forceinline__ uint32_t smem_u32(const void* smem_ptr) {
 // fold their offsets into the instruction.
 __device__ __forceinline__ void cp_async_16(uint32_t smem_dst, const void* gmem_src) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(smem_dst), "l"(gmem_src));
+}
+
+// The same, or 16 zero bytes where !valid (src is then not read).
+__device__ __forceinline__ void cp_async_16_or_zero(uint32_t smem_dst, const void* gmem_src, bool valid) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_dst), "l"(gmem_src), "r"(valid ? 16 : 0));
 }
 
 __device__ __forceinline__ void cp_async_commit() {

@@ -256,9 +256,9 @@ void fwd_inplace(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor
 // (bwd_sweep.cu: record gradients and dS), then K1's backward with the chain
 // rule through the activations (bwd_prepare.cu), which writes the gradients;
 // only dA_log's and dt_bias's per-chunk parts are summed here. One pass over the
-// call: the workspace, the states and the record gradients take 2,144 + 4,096 +
-// 2,144 bytes per (token, head) for full chunks while the sweep runs (windows,
-// as in the forward, are the plan to bound them).
+// call: the workspace, the states, dS at every chunk's end and the record
+// gradients take 2,144 + 4,096 + 4,096 + 2,144 bytes per (token, head) for full
+// chunks while the sweep runs (windows, as in the forward, are the plan to bound them).
 BackwardTuple backward_by_kernels(const Problem& p, const Tensor& grad_out, const optional<Tensor>& grad_final_state,
                                   const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g,
                                   const Tensor& beta, const Tensor& A_log, const Tensor& dt_bias,
@@ -289,9 +289,11 @@ BackwardTuple backward_by_kernels(const Problem& p, const Tensor& grad_out, cons
   Tensor gf = staged16(grad_final_state.has_value() ? grad_final_state->to(at::kFloat) : Tensor());
   Tensor d_record = at::empty({bounds.num_slots, H, kDRecFloats}, f32);
   Tensor d_initial = init.defined() ? at::empty({N, H, kHeadDim, kHeadDim}, f32) : Tensor();
+  Tensor d_states = at::empty({bounds.num_slots, H, kHeadDim, kHeadDim}, f32);
   SweepBwdParams sp;
   sp.fwd = fp;
   sp.states = states.data_ptr<float>();
+  sp.d_states = d_states.data_ptr<float>();
   sp.grad_out = go.data_ptr();
   sp.grad_out_fp32 = go.scalar_type() == at::kFloat;
   sp.grad_final = gf.defined() ? gf.data_ptr<float>() : nullptr;
@@ -301,6 +303,7 @@ BackwardTuple backward_by_kernels(const Problem& p, const Tensor& grad_out, cons
   // K1's backward recomputes the records: the workspace and the states go back now.
   workspace.reset();
   states.reset();
+  d_states.reset();
   go.reset();
   // Allocated only now, so that the peak (while the sweep runs) does not hold them.
   BackwardOutputs o = allocate_backward_outputs(p, q, k, v, g, beta, A_log, dt_bias, initial_state);
@@ -420,7 +423,9 @@ std::tuple<Tensor, Tensor> sweep_bwd(const Tensor& q, const Tensor& k, const Ten
   Tensor workspace = at::empty({slots, H, kWsChunkFloats}, f32);
   Tensor d_record = at::empty({slots, H, kDRecFloats}, f32);
   Tensor d_initial = at::empty({B, H, kHeadDim, kHeadDim}, f32);
+  Tensor d_states = at::empty({slots, H, kHeadDim, kHeadDim}, f32);
   SweepBwdParams bp;
+  bp.d_states = d_states.data_ptr<float>();
   bp.fwd = in.params;
   bp.fwd.workspace = workspace.data_ptr<float>();
   FwdParams& fp = bp.fwd;

@@ -134,15 +134,18 @@ struct PrepareBwdParams {
   bool chain = false;  // write `grads` instead of the activation gradients
 };
 
-// The backward sweep (bwd_sweep.cu): per (sequence, head), backward over its
-// chunks, from the chunk-start states and the forward's records to the record
-// gradients (above) and the initial state's gradient.
+// The backward sweep (bwd_sweep.cu): from the chunk-start states and the
+// forward's records to the record gradients (above) and the initial state's
+// gradient, in two kernels: the dS recurrence, backward over each sequence's
+// chunks, which leaves dS at every chunk's end in d_states, then the record
+// gradients of all chunks at once.
 struct SweepBwdParams {
   FwdParams fwd;                 // sizes, offsets, the records (fwd.workspace, one pass: slots [0, num_slots))
   const float* states = nullptr;  // [num_slots, H, V, K] fp32: the state at each chunk's start
   const void* grad_out = nullptr;  // [tokens, H, V], bf16 or (grad_out_fp32) fp32, 16-byte aligned
   bool grad_out_fp32 = false;
   const float* grad_final = nullptr;  // [N, H, V, K] fp32, or null (zero)
+  float* d_states = nullptr;     // [num_slots, H, V, K] fp32 scratch: dS at each chunk's end
   float* d_record = nullptr;     // [num_slots, H, kDRecFloats]
   float* d_initial = nullptr;    // [N, H, V, K] fp32
 };
