@@ -808,6 +808,52 @@ def test_backward_misaligned_grad_final_state():
         assert torch.equal(x, y), name
 
 
+@pytest.mark.parametrize("case", list(WINDOW_CASES))
+def test_backward_windows_are_bitwise_one_pass(case, monkeypatch):
+    """The backward in windows of slots (a forward pass for the window-start
+    checkpoints, then the windows from the last to the first, with dS waiting
+    between them in fp32) gives the one-pass gradients bit for bit; sequences
+    start, end and are empty at and across window edges, with and without a
+    gradient flowing into the final state."""
+    kw, windows = WINDOW_CASES[case]
+    _, g = cuda_inputs(state_dtype=torch.float32, **kw)
+    grad_out = torch.randn(*g["v"].shape, device=DEV).to(torch.bfloat16)
+    for gf in (torch.randn(*g["initial_state"].shape, device=DEV), None):
+        def grads(window):
+            monkeypatch.setenv("TORCH_KDA_WINDOW_SLOTS", str(window))
+            try:
+                return torch.ops.kda.bwd(grad_out, gf, *positional(g), lower_bound=-5.0,
+                                         initial_state=g["initial_state"], cu_seqlens=g["cu_seqlens"])
+            finally:
+                monkeypatch.delenv("TORCH_KDA_WINDOW_SLOTS")
+        want = grads(0)
+        for window in windows:
+            got = grads(window)
+            for name, x, y in zip(GRAD_NAMES, got, want):
+                assert torch.equal(x, y), (window, gf is None, name)
+
+
+def test_backward_windows_engage_and_bound_memory(monkeypatch):
+    """Long few-head calls get windows without any setting: far less memory than
+    the one-pass scratch (12.5 KB per token and head), the one-pass gradients."""
+    _, g = cuda_inputs(B=1, T=16384, H=16, state_dtype=torch.float32)
+    grad_out = torch.randn(*g["v"].shape, device=DEV).to(torch.bfloat16)
+    kw = dict(lower_bound=-5.0, initial_state=g["initial_state"])
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    got = torch.ops.kda.bwd(grad_out, None, *positional(g), **kw)
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - base
+    one_pass_scratch = 16384 * 16 * 12480
+    print(f"\nbackward peak {peak / 2**20:.0f} MiB (one-pass scratch alone {one_pass_scratch / 2**20:.0f} MiB)", end="")
+    assert peak < one_pass_scratch / 2
+    monkeypatch.setenv("TORCH_KDA_WINDOW_SLOTS", "0")
+    want = torch.ops.kda.bwd(grad_out, None, *positional(g), **kw)
+    for name, x, y in zip(GRAD_NAMES, got, want):
+        assert torch.equal(x, y), name
+
+
 def test_backward_agrees_with_fla_chunk_kda():
     fla_kda = pytest.importorskip("fla.ops.kda")
     d, g = cuda_inputs(B=2, T=1024, H=4, state_dtype=torch.float32)

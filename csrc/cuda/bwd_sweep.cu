@@ -111,14 +111,26 @@ __global__ void __launch_bounds__(kWarps * 32) ds_recurrence_kernel(const SweepB
   const int64_t seq_bos = seq_offset(p, n), seq_eos = seq_offset(p, n + 1);
   const int64_t c_begin = chunk_offset(p, n);
   const int64_t c_end = min64(chunk_offset(p, n + 1), p.num_slots);
-  const int64_t nchunks = c_end > c_begin ? c_end - c_begin : 0;
+  // The sequence's part of this window [lo, hi), as in K2: its dS starts from
+  // grad_final in the window where it ends, and goes to d_initial in the window
+  // where it starts (an empty sequence: where its offset falls).
+  const bool last_window = p.slot_end >= p.num_slots;
+  const bool starts_here = c_begin >= p.slot_begin && (c_begin < p.slot_end || last_window);
+  const bool ends_here = c_end <= p.slot_end || last_window;
+  const int64_t lo = c_begin > p.slot_begin ? c_begin : p.slot_begin;
+  const int64_t hi = min64(c_end, p.slot_end);
+  const int64_t nchunks = hi > lo ? hi - lo : 0;
+  if (nchunks == 0 && !starts_here) {
+    return;  // the whole block: nothing of this sequence here
+  }
   const unsigned char* records = reinterpret_cast<const unsigned char*>(p.workspace);
   const unsigned char* gout = static_cast<const unsigned char*>(bp.grad_out);
 
-  // Step c (from 0) handles slot c_end - 1 - c: the sequence backward.
+  // Step c (from 0) handles slot hi - 1 - c: the sequence backward. Per-slot
+  // buffers are indexed from the window's first slot.
   auto load_stage = [&](St& st, int64_t c) {
-    const int64_t slot = c_end - 1 - c;
-    const unsigned char* rec = records + (slot * H + h) * kWsChunkBytes;
+    const int64_t slot = hi - 1 - c;
+    const unsigned char* rec = records + ((slot - p.slot_begin) * H + h) * kWsChunkBytes;
     const uint32_t mat = smem_u32(&st.mat[0][0]);
     for (int e = tid; e < kWsU0 / 16; e += Cfg::kThreads) {
       cp_async_16(mat + e * 16, rec + e * 16);
@@ -146,13 +158,14 @@ __global__ void __launch_bounds__(kWarps * 32) ds_recurrence_kernel(const SweepB
   // ds[j][e]: dS rows v0 + g (e = 0, 1) and v0 + g + 8 (e = 2, 3), key columns
   // 8j + 2t4 (e even) and + 1 (e odd).
   const int64_t state_base = (n * H + h) * D * D;
+  const float* ds_in = ends_here ? bp.grad_final : bp.d_carry;
   float ds[D / 8][4];
 #pragma unroll
   for (int j = 0; j < D / 8; ++j) {
     const int64_t i0 = state_base + (v0 + g) * D + 8 * j + 2 * t4;
-    if (bp.grad_final != nullptr) {
-      const float2 a = *reinterpret_cast<const float2*>(bp.grad_final + i0);
-      const float2 b = *reinterpret_cast<const float2*>(bp.grad_final + i0 + 8 * D);
+    if (ds_in != nullptr) {
+      const float2 a = *reinterpret_cast<const float2*>(ds_in + i0);
+      const float2 b = *reinterpret_cast<const float2*>(ds_in + i0 + 8 * D);
       ds[j][0] = a.x, ds[j][1] = a.y, ds[j][2] = b.x, ds[j][3] = b.y;
     } else {
       ds[j][0] = ds[j][1] = ds[j][2] = ds[j][3] = 0.f;
@@ -160,13 +173,13 @@ __global__ void __launch_bounds__(kWarps * 32) ds_recurrence_kernel(const SweepB
   }
 
   for (int64_t c = 0; c < nchunks; ++c) {
-    const int64_t slot = c_end - 1 - c;
+    const int64_t slot = hi - 1 - c, wslot = slot - p.slot_begin;
     if (c + kSt - 1 < nchunks) {
       load_stage(stages[(c + kSt - 1) % kSt], c + kSt - 1);
     }
     cp_async_commit();
     {  // dS1, the gradient of this chunk's end state, for the record gradients
-      float* out = bp.d_states + ((slot * H + h) * D + v0 + g) * D;
+      float* out = bp.d_states + ((wslot * H + h) * D + v0 + g) * D;
 #pragma unroll
       for (int j = 0; j < D / 8; ++j) {
         const int k0 = 8 * j + 2 * t4;
@@ -221,7 +234,7 @@ __global__ void __launch_bounds__(kWarps * 32) ds_recurrence_kernel(const SweepB
     }
     // du[nt][e]: rows v0 + g (+ 8 for e >= 2), tokens 8nt + 2t4 (+ 1 for odd e); dU0 = dU.
     float du[2][4];
-    float* dr = bp.d_record + (slot * H + h) * kDRecFloats;
+    float* dr = bp.d_record + (wslot * H + h) * kDRecFloats;
 #pragma unroll
     for (int nt = 0; nt < 2; ++nt) {
 #pragma unroll
@@ -266,12 +279,13 @@ __global__ void __launch_bounds__(kWarps * 32) ds_recurrence_kernel(const SweepB
     __syncthreads();  // the stage is refilled kSt - 1 steps on
   }
 
-  if (bp.d_initial != nullptr) {
+  float* ds_out = starts_here ? bp.d_initial : bp.d_carry;
+  if (ds_out != nullptr) {
 #pragma unroll
     for (int j = 0; j < D / 8; ++j) {
       const int64_t i0 = state_base + (v0 + g) * D + 8 * j + 2 * t4;
-      *reinterpret_cast<float2*>(bp.d_initial + i0) = make_float2(ds[j][0], ds[j][1]);
-      *reinterpret_cast<float2*>(bp.d_initial + i0 + 8 * D) = make_float2(ds[j][2], ds[j][3]);
+      *reinterpret_cast<float2*>(ds_out + i0) = make_float2(ds[j][0], ds[j][1]);
+      *reinterpret_cast<float2*>(ds_out + i0 + 8 * D) = make_float2(ds[j][2], ds[j][3]);
     }
   }
 }
@@ -353,7 +367,8 @@ __global__ void __launch_bounds__(kGradThreads, 1) record_grads_kernel(const Swe
 
   const int64_t H = p.H;
   const int64_t h = blockIdx.x % H;
-  const int64_t slot = blockIdx.x / H;
+  const int64_t wslot = blockIdx.x / H;  // per-slot buffers are indexed from the window's first slot
+  const int64_t slot = p.slot_begin + wslot;
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   const int g = lane / 4, t4 = lane % 4;
   const int mi = lane / 8, mr = lane % 8;
@@ -361,10 +376,10 @@ __global__ void __launch_bounds__(kGradThreads, 1) record_grads_kernel(const Swe
   const int64_t n = sequence_of_slot(p, slot);
   const int64_t bos = seq_offset(p, n) + (slot - chunk_offset(p, n)) * C;
   const int len = static_cast<int>(min64(C, seq_offset(p, n + 1) - bos));
-  float* dr = bp.d_record + (slot * H + h) * kDRecFloats;
+  float* dr = bp.d_record + (wslot * H + h) * kDRecFloats;
 
   {
-    const unsigned char* rec = reinterpret_cast<const unsigned char*>(p.workspace) + (slot * H + h) * kWsChunkBytes;
+    const unsigned char* rec = reinterpret_cast<const unsigned char*>(p.workspace) + (wslot * H + h) * kWsChunkBytes;
     const uint32_t dst = smem_u32(sm.rec);
     for (int e = tid; e < kWsChunkBytes / 16; e += kGradThreads) {
       cp_async_16(dst + e * 16, rec + e * 16);
@@ -375,8 +390,8 @@ __global__ void __launch_bounds__(kGradThreads, 1) record_grads_kernel(const Swe
   // holds key columns 4 (tid % 32).. +4 of rows tid / 32 + 8 it, so it adds up
   // dgl's products over those rows in fp32 as they pass.
   {
-    const float* s0g = bp.states + (slot * H + h) * D * D;
-    const float* dsg = bp.d_states + (slot * H + h) * D * D;
+    const float* s0g = bp.states + (wslot * H + h) * D * D;
+    const float* dsg = bp.d_states + (wslot * H + h) * D * D;
     constexpr int kIt = D * D / 4 / kGradThreads;
     float4 gsum = make_float4(0.f, 0.f, 0.f, 0.f);
 #pragma unroll
@@ -538,7 +553,7 @@ void launch_sweep_backward(const SweepBwdParams& bp, cudaStream_t stream) {
   } else {
     launch_ds_for<false>(bp, stream);
   }
-  const int64_t blocks = bp.fwd.num_slots * bp.fwd.H;
+  const int64_t blocks = (bp.fwd.slot_end - bp.fwd.slot_begin) * bp.fwd.H;
   if (blocks == 0) {
     return;
   }
@@ -546,7 +561,7 @@ void launch_sweep_backward(const SweepBwdParams& bp, cudaStream_t stream) {
   static_assert(kSmem <= 227 * 1024, "over the per-block shared memory of sm_90");
   auto* kernel = bp.grad_out_fp32 ? record_grads_kernel<true> : record_grads_kernel<false>;
   C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(kSmem)));
-  TORCH_CHECK(blocks <= INT32_MAX, "kda.bwd: ", std::to_string(bp.fwd.num_slots), " chunks x ",
+  TORCH_CHECK(blocks <= INT32_MAX, "kda.bwd: ", std::to_string(bp.fwd.slot_end - bp.fwd.slot_begin), " chunks x ",
               std::to_string(bp.fwd.H), " heads is more blocks than one launch takes");
   kernel<<<static_cast<unsigned int>(blocks), kGradThreads, kSmem, stream>>>(bp);
   C10_CUDA_KERNEL_LAUNCH_CHECK();

@@ -202,7 +202,7 @@ __global__ void __launch_bounds__(kWarps * 32) recurrence_kernel(const FwdParams
     }
     cp_async_commit();
     if constexpr (kStates) {  // the backward's checkpoint: the state at this chunk's start
-      const int64_t cs = (((lo + c) * H + h) * D + v0 + g) * D;
+      const int64_t cs = (((lo + c - p.slot_begin) * H + h) * D + v0 + g) * D;
 #pragma unroll
       for (int j = 0; j < kNt; ++j) {
         const int k0 = 8 * (j0 + j) + 2 * t;

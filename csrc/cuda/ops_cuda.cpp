@@ -9,6 +9,7 @@
 #include <torch/library.h>
 
 #include "chunked_backward.h"
+#include "cuda/backward_schedule.h"
 #include "cuda/forward_schedule.h"
 #include "cuda/launch.h"
 #include "kda.h"
@@ -251,14 +252,11 @@ void fwd_inplace(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor
   forward_into("kda.fwd_", p, q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, out, final_state);
 }
 
-// kda.bwd with the backward kernels: K1 for the records and K2 storing every
-// chunk-start state (the output it also writes is scratch), the sweep
-// (bwd_sweep.cu: record gradients and dS), then K1's backward with the chain
-// rule through the activations (bwd_prepare.cu), which writes the gradients;
-// only dA_log's and dt_bias's per-chunk parts are summed here. One pass over the
-// call: the workspace, the states, dS at every chunk's end and the record
-// gradients take 2,144 + 4,096 + 4,096 + 2,144 bytes per (token, head) for full
-// chunks while the sweep runs (windows, as in the forward, are the plan to bound them).
+// kda.bwd with the backward kernels (backward_schedule.h: K1, K2 storing the
+// chunk-start states, the dS recurrence, the record gradients, then K1's
+// backward with the chain rule through the activations, which writes the
+// gradients, in windows of slots where one pass would hold too much); only
+// dA_log's and dt_bias's per-chunk parts are summed here.
 BackwardTuple backward_by_kernels(const Problem& p, const Tensor& grad_out, const optional<Tensor>& grad_final_state,
                                   const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g,
                                   const Tensor& beta, const Tensor& A_log, const Tensor& dt_bias,
@@ -266,48 +264,18 @@ BackwardTuple backward_by_kernels(const Problem& p, const Tensor& grad_out, cons
   const char* op = "kda.bwd";
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(q.device().index()).stream();
   const int64_t H = concrete(p.H), N = concrete(p.N);
+  // Read before any kernel is enqueued: a bad value leaves none behind.
+  const RecurrenceBlock block = forced_recurrence_block();
   Boundaries bounds = sequence_boundaries(op, p, q, cu_seqlens, stream);
   CallInputs in = call_inputs(p, q, k, v, g, beta, A_log, dt_bias, bounds);
+  const int64_t window = backward_window_slots(in.params);
   Tensor init = staged16(initial_state.value_or(Tensor()));
   const auto f32 = q.options().dtype(at::kFloat);
-  Tensor workspace = at::empty({bounds.num_slots, H, kWsChunkFloats}, f32);
-  Tensor states = at::empty({bounds.num_slots, H, kHeadDim, kHeadDim}, f32);
-  Tensor scratch_out = at::empty_like(in.v);
-
-  FwdParams& fp = in.params;
-  fp.workspace = workspace.data_ptr<float>();
-  fp.initial_state = init.defined() ? init.data_ptr() : nullptr;
-  fp.state_fp32 = p.state_dtype == at::kFloat;
-  fp.out = scratch_out.data_ptr();
-  fp.chunk_states = states.data_ptr<float>();
-  launch_prepare(fp, stream);
-  launch_recurrence(fp, stream, forced_recurrence_block());
-  scratch_out.reset();  // freed on this stream: the allocator reuses it only after K2
-
   Tensor go = sweep_grad_out(grad_out);
-  // The sweep reads it in float2 vectors (a view from cat's backward may start mid-vector).
+  // Read in float2 vectors (a view from cat's backward may start mid-vector).
   Tensor gf = staged16(grad_final_state.has_value() ? grad_final_state->to(at::kFloat) : Tensor());
-  Tensor d_record = at::empty({bounds.num_slots, H, kDRecFloats}, f32);
   Tensor d_initial = init.defined() ? at::empty({N, H, kHeadDim, kHeadDim}, f32) : Tensor();
-  Tensor d_states = at::empty({bounds.num_slots, H, kHeadDim, kHeadDim}, f32);
-  SweepBwdParams sp;
-  sp.fwd = fp;
-  sp.states = states.data_ptr<float>();
-  sp.d_states = d_states.data_ptr<float>();
-  sp.grad_out = go.data_ptr();
-  sp.grad_out_fp32 = go.scalar_type() == at::kFloat;
-  sp.grad_final = gf.defined() ? gf.data_ptr<float>() : nullptr;
-  sp.d_record = d_record.data_ptr<float>();
-  sp.d_initial = d_initial.defined() ? d_initial.data_ptr<float>() : nullptr;
-  launch_sweep_backward(sp, stream);
-  // K1's backward recomputes the records: the workspace and the states go back now.
-  workspace.reset();
-  states.reset();
-  d_states.reset();
-  go.reset();
-  // Allocated only now, so that the peak (while the sweep runs) does not hold them.
   BackwardOutputs o = allocate_backward_outputs(p, q, k, v, g, beta, A_log, dt_bias, initial_state);
-
   // The gradients straight from K1's backward (bf16, contiguous: allocated so,
   // and the CUDA op takes bf16 inputs only). Zeros where no chunk covers a
   // token (only a malformed cu_seqlens leaves any).
@@ -319,21 +287,24 @@ BackwardTuple backward_by_kernels(const Problem& p, const Tensor& grad_out, cons
   // Zeros: the blocks of slots past the live chunks return without writing their part.
   Tensor ddt_part = at::zeros({bounds.num_slots, H, kHeadDim}, f32);
   Tensor dA_part = at::zeros({bounds.num_slots, H}, f32);
-  PrepareBwdParams pp;
-  pp.fwd = fp;
-  pp.fwd.workspace = nullptr;  // freed above; K1's backward recomputes what it needs
-  pp.fwd.chunk_states = nullptr;
-  pp.fwd.out = nullptr;
-  pp.d_record = d_record.data_ptr<float>();
-  pp.chain = true;
-  pp.grads.dq = o.dq.data_ptr();
-  pp.grads.dk = o.dk.data_ptr();
-  pp.grads.dv = o.dv.data_ptr();
-  pp.grads.dg = o.dg.data_ptr();
-  pp.grads.dbeta = o.dbeta.data_ptr();
-  pp.grads.ddt_bias_part = ddt_part.data_ptr<float>();
-  pp.grads.dA_log_part = dA_part.data_ptr<float>();
-  launch_prepare_backward(pp, stream);
+
+  BackwardCall call;
+  call.fwd = in.params;
+  call.fwd.initial_state = init.defined() ? init.data_ptr() : nullptr;
+  call.fwd.state_fp32 = p.state_dtype == at::kFloat;
+  call.grad_out = go.data_ptr();
+  call.grad_out_fp32 = go.scalar_type() == at::kFloat;
+  call.grad_final = gf.defined() ? gf.data_ptr<float>() : nullptr;
+  call.d_initial = d_initial.defined() ? d_initial.data_ptr<float>() : nullptr;
+  call.grads.dq = o.dq.data_ptr();
+  call.grads.dk = o.dk.data_ptr();
+  call.grads.dv = o.dv.data_ptr();
+  call.grads.dg = o.dg.data_ptr();
+  call.grads.dbeta = o.dbeta.data_ptr();
+  call.grads.ddt_bias_part = ddt_part.data_ptr<float>();
+  call.grads.dA_log_part = dA_part.data_ptr<float>();
+  run_backward(call, in.v, window, block);
+
   o.ddt_bias.copy_(ddt_part.sum(0));
   o.dA_log.copy_(dA_part.sum(0));
   if (init.defined()) {

@@ -72,8 +72,9 @@ struct FwdParams {
   float* workspace = nullptr;   // [slot_end - slot_begin, H] records of kWsChunkBytes
   // fp32 [N, H, V, K]: the states between windows; null with one window.
   float* carry = nullptr;
-  // fp32 [num_slots, H, V, K]: K2 stores the state at each chunk's start here
-  // (the backward's checkpoints); null in the forward.
+  // fp32 [slot_end - slot_begin, H, V, K]: K2 stores the state at each chunk's
+  // start here, indexed from the window's first slot (for the backward); null in
+  // the forward.
   float* chunk_states = nullptr;
 
   // States [N, H, V, K] (V-first), both in one dtype, bf16 or fp32; null when absent.
@@ -103,9 +104,7 @@ constexpr int kDRecFloats = kDRecGl + kHeadDim;
 
 struct PrepareBwdParams {
   FwdParams fwd;  // the inputs, sizes, offsets and slot window, as K1 reads them
-  // [slot_end - slot_begin, H, kDRecFloats]: indexed from the window's first
-  // slot, whereas the sweep (below) indexes records and record gradients by
-  // absolute slot; the same while the backward runs in one pass (slot_begin = 0).
+  // [slot_end - slot_begin, H, kDRecFloats]: indexed from the window's first slot.
   const float* d_record = nullptr;
   // Outputs, fp32, written for the chunks' real tokens only: the gradients of
   // q^ and k^ (L2-normalised), v and the log decays lambda, [tokens, H, 128]
@@ -138,16 +137,22 @@ struct PrepareBwdParams {
 // forward's records to the record gradients (above) and the initial state's
 // gradient, in two kernels: the dS recurrence, backward over each sequence's
 // chunks, which leaves dS at every chunk's end in d_states, then the record
-// gradients of all chunks at once.
+// gradients of all chunks at once. Over the window of slots [fwd.slot_begin,
+// fwd.slot_end): the windows run from the last to the first, and a sequence's
+// dS starts from grad_final in the window where the sequence ends, waits in
+// d_carry between windows and goes to d_initial in the window where it starts
+// (as the state does forward in K2). Every per-slot buffer is indexed from the
+// window's first slot.
 struct SweepBwdParams {
-  FwdParams fwd;                 // sizes, offsets, the records (fwd.workspace, one pass: slots [0, num_slots))
-  const float* states = nullptr;  // [num_slots, H, V, K] fp32: the state at each chunk's start
+  FwdParams fwd;                 // sizes, offsets, the window, the records (fwd.workspace)
+  const float* states = nullptr;  // [window slots, H, V, K] fp32: the state at each chunk's start
   const void* grad_out = nullptr;  // [tokens, H, V], bf16 or (grad_out_fp32) fp32, 16-byte aligned
   bool grad_out_fp32 = false;
   const float* grad_final = nullptr;  // [N, H, V, K] fp32, or null (zero)
-  float* d_states = nullptr;     // [num_slots, H, V, K] fp32 scratch: dS at each chunk's end
-  float* d_record = nullptr;     // [num_slots, H, kDRecFloats]
-  float* d_initial = nullptr;    // [N, H, V, K] fp32
+  float* d_states = nullptr;     // [window slots, H, V, K] fp32 scratch: dS at each chunk's end
+  float* d_record = nullptr;     // [window slots, H, kDRecFloats]
+  float* d_carry = nullptr;      // [N, H, V, K] fp32: dS between windows; null with one window
+  float* d_initial = nullptr;    // [N, H, V, K] fp32, or null (not wanted)
 };
 
 }  // namespace kda::cuda

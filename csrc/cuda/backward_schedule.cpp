@@ -1,0 +1,122 @@
+#include "cuda/backward_schedule.h"
+
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAStream.h>
+
+#include <algorithm>
+#include <cmath>
+
+#include "cuda/forward_schedule.h"
+
+namespace kda::cuda {
+namespace {
+
+constexpr int64_t kSlotScratchBytes = kWsChunkBytes + 2 * kHeadDim * kHeadDim * 4 + kDRecFloats * 4;
+constexpr int64_t kStateBytes = kHeadDim * kHeadDim * 4;
+// Below this a pass over the whole call is kept: windows cost a second forward
+// (for the checkpoints) and a few launches per window.
+constexpr int64_t kOnePassScratch = int64_t{256} << 20;
+// Windows hold this much scratch or more (fewer, longer windows), unless the
+// checkpoints call for longer ones still.
+constexpr int64_t kWindowScratch = int64_t{512} << 20;
+constexpr int64_t kMinWindowSlots = 16;
+
+}  // namespace
+
+int64_t backward_window_slots(const FwdParams& p) {
+  if (const char* env = std::getenv("TORCH_KDA_WINDOW_SLOTS"); env != nullptr && *env != '\0') {
+    return window_slots(p);  // the forward's reading of it (checks the value)
+  }
+  const int64_t per_slot = p.H * kSlotScratchBytes;
+  if (p.num_slots * per_slot <= kOnePassScratch) {
+    return p.num_slots;
+  }
+  // Scratch grows with the window, the checkpoints (a state per sequence and
+  // head for each window) with the number of windows: their sum is least at
+  // sqrt(slots * checkpoint / per_slot).
+  const double checkpoint = static_cast<double>(p.N) * p.H * kStateBytes;
+  const auto balanced = static_cast<int64_t>(std::ceil(std::sqrt(p.num_slots * checkpoint / per_slot)));
+  const int64_t w = std::max({balanced, kWindowScratch / per_slot, kMinWindowSlots});
+  return w >= p.num_slots ? p.num_slots : w;
+}
+
+void run_backward(const BackwardCall& call, const at::Tensor& like, int64_t window, RecurrenceBlock block) {
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(like.device().index()).stream();
+  const auto f32 = like.options().dtype(at::kFloat);
+  FwdParams p = call.fwd;
+  const int64_t S = p.num_slots, H = p.H, N = p.N, D = kHeadDim;
+  if (window <= 0 || window > S) {
+    window = S;
+  }
+  const int64_t windows = S > 0 ? (S + window - 1) / window : 1;
+  // K2 writes an output in every pass; here it is scratch, and no final state.
+  at::Tensor scratch_out = at::empty_like(like);
+  at::Tensor workspace = at::empty({window, H, kWsChunkFloats}, f32);
+  at::Tensor states = at::empty({window, H, D, D}, f32);
+  at::Tensor d_states = at::empty({window, H, D, D}, f32);
+  at::Tensor d_record = at::empty({window, H, kDRecFloats}, f32);
+  p.out = scratch_out.data_ptr();
+  p.final_state = nullptr;
+  p.workspace = workspace.data_ptr<float>();
+
+  at::Tensor carry, d_carry, checkpoints;
+  if (windows > 1) {
+    carry = at::empty({N, H, D, D}, f32);
+    d_carry = at::empty({N, H, D, D}, f32);
+    // checkpoints[w]: every sequence's state at window w + 1's start (only those
+    // of the sequences that run on into window w + 1 are read).
+    checkpoints = at::empty({windows - 1, N, H, D, D}, f32);
+    p.carry = carry.data_ptr<float>();
+    p.chunk_states = nullptr;
+    for (int64_t w = 0; w + 1 < windows; ++w) {
+      p.slot_begin = w * window;
+      p.slot_end = std::min(S, p.slot_begin + window);
+      launch_prepare(p, stream);
+      launch_recurrence(p, stream, block);
+      C10_CUDA_CHECK(cudaMemcpyAsync(checkpoints[w].data_ptr(), p.carry, N * H * kStateBytes,
+                                     cudaMemcpyDeviceToDevice, stream));
+    }
+  }
+
+  p.chunk_states = states.data_ptr<float>();
+  for (int64_t w = windows - 1; w >= 0; --w) {
+    p.slot_begin = w * window;
+    p.slot_end = std::min(S, p.slot_begin + window);
+    // K2 reads the state of a sequence that runs on from an earlier window from
+    // the checkpoint (and writes it back there at the end: not read again).
+    p.carry = w > 0 ? checkpoints[w - 1].data_ptr<float>() : (carry.defined() ? carry.data_ptr<float>() : nullptr);
+    launch_prepare(p, stream);
+    launch_recurrence(p, stream, block);
+
+    SweepBwdParams sp;
+    sp.fwd = p;
+    sp.states = states.data_ptr<float>();
+    sp.grad_out = call.grad_out;
+    sp.grad_out_fp32 = call.grad_out_fp32;
+    sp.grad_final = call.grad_final;
+    sp.d_states = d_states.data_ptr<float>();
+    sp.d_record = d_record.data_ptr<float>();
+    sp.d_carry = d_carry.defined() ? d_carry.data_ptr<float>() : nullptr;
+    sp.d_initial = call.d_initial;
+    launch_sweep_backward(sp, stream);
+
+    // K1's backward recomputes what it needs of the records from the inputs.
+    PrepareBwdParams pp;
+    pp.fwd = p;
+    pp.fwd.workspace = nullptr;
+    pp.fwd.chunk_states = nullptr;
+    pp.fwd.out = nullptr;
+    pp.fwd.carry = nullptr;
+    pp.d_record = d_record.data_ptr<float>();
+    pp.chain = true;
+    pp.grads = call.grads;
+    // It indexes the parts from the window's first slot; they are kept by absolute slot.
+    pp.grads.ddt_bias_part += p.slot_begin * H * D;
+    pp.grads.dA_log_part += p.slot_begin * H;
+    launch_prepare_backward(pp, stream);
+  }
+}
+
+}  // namespace kda::cuda

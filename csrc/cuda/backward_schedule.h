@@ -1,0 +1,46 @@
+// How one backward call's kernels are enqueued, and the memory between them.
+//
+// Per chunk slot and head the backward's kernels pass each other the record
+// (34,304 bytes), the state at the chunk's start and dS at its end (65,536
+// bytes each, fp32) and the record's gradients (34,304 bytes): 12.5 KB per
+// (token, head), 3.1 GiB for one pass at 8192 tokens x 32 heads. Where one pass
+// would hold more than kOnePassScratch, the slots are cut into windows: a first
+// forward pass (K1, K2) keeps every sequence's state at each window's start (a
+// checkpoint), then the windows run from the last to the first: K1 (records),
+// K2 from the checkpoint (chunk-start states), the dS recurrence from the dS
+// that the later window left in a carry, the record gradients, and K1's
+// backward, which writes the window's tokens of the gradients. The carries are
+// fp32 and every kernel computes what it computes in one pass, so the gradients
+// are bitwise those of one pass.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+
+#include "cuda/launch.h"
+#include "cuda/params.h"
+
+namespace kda::cuda {
+
+struct BackwardCall {
+  FwdParams fwd;  // inputs, sizes, offsets and the initial state, over all the call's slots
+  const void* grad_out = nullptr;  // as SweepBwdParams
+  bool grad_out_fp32 = false;
+  const float* grad_final = nullptr;
+  float* d_initial = nullptr;
+  // The gradients, by token; the parts of ddt_bias and dA_log by absolute slot
+  // ([num_slots, H, 128] and [num_slots, H]).
+  PrepareBwdParams::Grads grads;
+};
+
+// The chunk slots per window for this call: params.num_slots for one pass.
+// Reads TORCH_KDA_WINDOW_SLOTS (as the forward does; raises on a bad value).
+int64_t backward_window_slots(const FwdParams& params);
+
+// Allocates the scratch (`like`: a bf16 tensor shaped like v, for the options
+// and the scratch output) and enqueues every kernel of the backward on the
+// current stream of its device, in windows of `window` slots.
+void run_backward(const BackwardCall& call, const at::Tensor& like, int64_t window, RecurrenceBlock block);
+
+}  // namespace kda::cuda
