@@ -15,6 +15,7 @@
 #include "cuda/chunk_inputs.cuh"
 #include "cuda/device_utils.cuh"
 #include "cuda/launch.h"
+#include "cuda/mma.cuh"
 
 namespace kda::cuda {
 namespace {
@@ -63,6 +64,10 @@ __global__ void __launch_bounds__(kThreads) prepare_backward_kernel(const Prepar
   __shared__ __align__(16) float sDq[kChain ? C : 1][D];  // dqn, dkn of every row (kChain)
   __shared__ __align__(16) float sDk[kChain ? C : 1][D];
   __shared__ float sDA_part[kThreads / 32];
+  // The chunk's record gradients (34 KB), copied in while the inputs load and
+  // the record is recomputed: read from global memory where they are used, they
+  // stalled the block on memory latency at 8 warps per SM (255 registers).
+  extern __shared__ __align__(16) float sRec[];
 
   ChunkPlace c;
   if (!place_chunk(p, c)) {
@@ -70,6 +75,14 @@ __global__ void __launch_bounds__(kThreads) prepare_backward_kernel(const Prepar
   }
   const int64_t H = p.H;
   const int d = threadIdx.x;
+  {
+    const float* src = bp.d_record + ((c.slot - p.slot_begin) * H + c.h) * kDRecFloats;
+    const uint32_t dst = smem_u32(sRec);
+    for (int e = d; e < kDRecFloats / 4; e += kThreads) {
+      cp_async_16(dst + e * 16, src + e * 4);
+    }
+    cp_async_commit();
+  }
   float G[C], v[C];
   load_chunk_inputs<kPad>(p, c, sT0, sT1, sBeta, sInvNorm, G, v);
 
@@ -90,6 +103,7 @@ __global__ void __launch_bounds__(kThreads) prepare_backward_kernel(const Prepar
     sT0[i][d] = kn[i] * E[i];
     sT1[i][d] = kn[i] * __fdividef(1.f, E[i]);
   }
+  cp_async_wait<0>();  // sRec: every thread's copies are in before the barrier
   __syncthreads();
   {
     const int j = d % C, i0 = d / C, i1 = i0 + C / 2;
@@ -101,7 +115,7 @@ __global__ void __launch_bounds__(kThreads) prepare_backward_kernel(const Prepar
     sA[i1][j] = j < i1 ? sBeta[i1] * p1 : 0.f;
   }
   // The record's gradients for this column (and dAqk, scaled and masked, for all).
-  const float* dr = bp.d_record + ((c.slot - p.slot_begin) * H + c.h) * kDRecFloats;
+  const float* dr = sRec;
   for (int e = d; e < C * C; e += kThreads) {
     const int i = e / C, j = e % C;
     sDPq[i][j] = j <= i ? p.scale * dr[kDRecAqk + e] : 0.f;
@@ -306,11 +320,10 @@ void launch_prepare_backward(const PrepareBwdParams& bp, cudaStream_t stream) {
   const int64_t blocks = slots * bp.fwd.H;
   TORCH_CHECK(blocks <= INT32_MAX, "kda.bwd: ", std::to_string(slots), " chunks x ", std::to_string(bp.fwd.H),
               " heads is more blocks than one launch takes");
-  if (bp.chain) {
-    prepare_backward_kernel<true><<<static_cast<unsigned int>(blocks), kThreads, 0, stream>>>(bp);
-  } else {
-    prepare_backward_kernel<false><<<static_cast<unsigned int>(blocks), kThreads, 0, stream>>>(bp);
-  }
+  constexpr int kSmem = kDRecFloats * 4;  // sRec; with the static part over the 48 KB default
+  auto* kernel = bp.chain ? prepare_backward_kernel<true> : prepare_backward_kernel<false>;
+  C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem));
+  kernel<<<static_cast<unsigned int>(blocks), kThreads, kSmem, stream>>>(bp);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 

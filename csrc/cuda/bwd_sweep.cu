@@ -131,20 +131,31 @@ __global__ void __launch_bounds__(kWarps * 32) ds_recurrence_kernel(const SweepB
   auto load_stage = [&](St& st, int64_t c) {
     const int64_t slot = hi - 1 - c;
     const unsigned char* rec = records + ((slot - p.slot_begin) * H + h) * kWsChunkBytes;
-    const uint32_t mat = smem_u32(&st.mat[0][0]);
-    for (int e = tid; e < kWsU0 / 16; e += Cfg::kThreads) {
-      cp_async_16(mat + e * 16, rec + e * 16);
+    // Fully unrolled: every thread's pieces at fixed offsets from its first.
+    constexpr int kPieces = kWsU0 / 16, kThreads = Cfg::kThreads;
+    const uint32_t mat = smem_u32(&st.mat[0][0]) + tid * 16;
+    const unsigned char* rec_t = rec + tid * 16;
+#pragma unroll
+    for (int it = 0; it < (kPieces + kThreads - 1) / kThreads; ++it) {
+      if (kPieces % kThreads == 0 || tid + it * kThreads < kPieces) {
+        cp_async_16(mat + it * kThreads * 16, rec_t + it * kThreads * 16);
+      }
     }
     if (tid < D / 4) {
       cp_async_16(smem_u32(&st.gl[tid * 4]), rec + kWsGl + tid * 16);
     }
     const int64_t bos = seq_bos + (slot - c_begin) * C;
-    for (int e = tid; e < C * Cfg::kRowPieces; e += Cfg::kThreads) {
-      const int t = e / Cfg::kRowPieces, piece = e % Cfg::kRowPieces;
-      const bool valid = bos + t < seq_eos;
-      const unsigned char* src =
-          valid ? gout + (((bos + t) * H + h) * D + vcol0) * Cfg::kDoutBytes + piece * 16 : gout;
-      cp_async_16_or_zero(smem_u32(st.dout + t * Cfg::kDoutPitch + piece * 16), src, valid);
+    constexpr int kDoutPieces = C * Cfg::kRowPieces;
+#pragma unroll
+    for (int it = 0; it < (kDoutPieces + kThreads - 1) / kThreads; ++it) {
+      const int e = tid + it * kThreads;
+      if (kDoutPieces % kThreads == 0 || e < kDoutPieces) {
+        const int t = e / Cfg::kRowPieces, piece = e % Cfg::kRowPieces;
+        const bool valid = bos + t < seq_eos;
+        const unsigned char* src =
+            valid ? gout + (((bos + t) * H + h) * D + vcol0) * Cfg::kDoutBytes + piece * 16 : gout;
+        cp_async_16_or_zero(smem_u32(st.dout + t * Cfg::kDoutPitch + piece * 16), src, valid);
+      }
     }
   };
 #pragma unroll
