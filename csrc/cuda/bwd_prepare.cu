@@ -56,6 +56,7 @@ __global__ void __launch_bounds__(kThreads) prepare_backward_kernel(const Prepar
   __shared__ float sP[C][C + 1];    // P = (k^ exp(G)) (k^ exp(-G))^T, strictly lower
   __shared__ float sA[C][C + 1];    // A = diag(beta) P
   __shared__ float sDA[C][C + 1];   // dA, strictly lower
+  __shared__ float sDAb[C][C + 1];  // dP = diag(beta) dA
   __shared__ float sDPq[C][C + 1];  // scale * dAqk, lower with the diagonal
   __shared__ float sInvNorm[2][C];
   __shared__ float sBeta[C];
@@ -174,6 +175,8 @@ __global__ void __launch_bounds__(kThreads) prepare_backward_kernel(const Prepar
     const int j = d % C, i0 = d / C, i1 = i0 + C / 2;
     sDA[i0][j] = j < i0 ? -(da0 + u0) : 0.f;
     sDA[i1][j] = j < i1 ? -(da1 + u1) : 0.f;
+    sDAb[i0][j] = j < i0 ? sBeta[i0] * -(da0 + u0) : 0.f;
+    sDAb[i1][j] = j < i1 ? sBeta[i1] * -(da1 + u1) : 0.f;
     __syncthreads();
   }
 
@@ -205,21 +208,49 @@ __global__ void __launch_bounds__(kThreads) prepare_backward_kernel(const Prepar
   }
   __syncthreads();
 
+  // v's gradient now: ru is not needed past here.
+#pragma unroll
+  for (int i = 0; i < C; ++i) {
+    if (i < c.len) {
+      const int64_t idx = ((c.bos + i) * H + c.h) * D + d;
+      if constexpr (kChain) {
+        store_bf16(bp.grads.dv, idx, sBeta[i] * ru[i]);
+      } else {
+        bp.dv[idx] = sBeta[i] * ru[i];
+      }
+    }
+  }
+
   // Per column: dKe = diag(beta) dRw + dP Ki, dKi = dP^T Ke + dPq^T Qe,
-  // dQe = scale dQs + dPq Ki (dP = diag(beta) dA), then the decays.
+  // dQe = scale dQs + dPq Ki (dP = diag(beta) dA), then the decays. dP is
+  // strictly lower and dPq lower: the sums run over their nonzero triangles
+  // (the loops are unrolled, so the bounds cost nothing).
   const float dgl_in = dr[kDRecGl + d];
   float dG[C];
   float dgl = dgl_in;
+  float ki[C];  // Ki column d: k^ exp(-G)
+#pragma unroll
+  for (int j = 0; j < C; ++j) {
+    ki[j] = kn[j] * __fdividef(1.f, E[j]);
+  }
 #pragma unroll
   for (int i = 0; i < C; ++i) {
     const float ei = E[i], ei_inv = __fdividef(1.f, ei);
     float dKe = sBeta[i] * rw[i], dKi = 0.f, dQe = p.scale * dr[kDRecQs + i * D + d];
 #pragma unroll
-    for (int j = 0; j < C; ++j) {
-      const float ki_j = kn[j] * __fdividef(1.f, E[j]);
-      dKe += sBeta[i] * sDA[i][j] * ki_j;
-      dQe += sDPq[i][j] * ki_j;
-      dKi += sBeta[j] * sDA[j][i] * kn[j] * E[j] + sDPq[j][i] * qn[j] * E[j];
+    for (int j = 0; j < i; ++j) {
+      dKe += sDAb[i][j] * ki[j];
+    }
+#pragma unroll
+    for (int j = 0; j <= i; ++j) {
+      dQe += sDPq[i][j] * ki[j];
+    }
+#pragma unroll
+    for (int j = i; j < C; ++j) {
+      if (j > i) {
+        dKi += sDAb[j][i] * (kn[j] * E[j]);
+      }
+      dKi += sDPq[j][i] * (qn[j] * E[j]);
     }
     const float dKd = dr[kDRecKd + i * D + d];
     const float dq = ei * dQe;
@@ -234,13 +265,9 @@ __global__ void __launch_bounds__(kThreads) prepare_backward_kernel(const Prepar
       sT1[i][d] = kn[i] * dk;
       sDq[i][d] = dq;
       sDk[i][d] = dk;
-      if (i < c.len) {
-        store_bf16(bp.grads.dv, idx, sBeta[i] * ru[i]);
-      }
     } else if (i < c.len) {
       bp.dqn[idx] = dq;
       bp.dkn[idx] = dk;
-      bp.dv[idx] = sBeta[i] * ru[i];
     }
   }
   dG[C - 1] += gl * dgl;

@@ -68,14 +68,31 @@ __device__ __forceinline__ void load_chunk_inputs(const FwdParams& p, const Chun
   const int64_t H = p.H;
   const int d = threadIdx.x;
   // Every global load up front: the block's latency is one memory round trip.
+  // Token i of the chunk is i * H * D elements on from token 0; a full chunk
+  // (all but a sequence's last) loads without a predicate per token, which with
+  // the 64-bit index per load cost ~1,000 instructions per thread.
+  const int64_t first = (c.bos * H + c.h) * D + d, stride = H * D;
+  const __nv_bfloat16* q = static_cast<const __nv_bfloat16*>(p.q) + first;
+  const __nv_bfloat16* k = static_cast<const __nv_bfloat16*>(p.k) + first;
+  const __nv_bfloat16* g = static_cast<const __nv_bfloat16*>(p.g) + first;
+  const __nv_bfloat16* vv = static_cast<const __nv_bfloat16*>(p.v) + first;
+  if (c.len == C) {
 #pragma unroll
-  for (int i = 0; i < C; ++i) {
-    const int64_t idx = ((c.bos + i) * H + c.h) * D + d;
-    const bool valid = i < c.len;
-    sQ[i][d] = valid ? load_bf16(p.q, idx) : 0.f;
-    sK[i][d] = valid ? load_bf16(p.k, idx) : 0.f;
-    gsum[i] = valid ? load_bf16(p.g, idx) : 0.f;
-    v[i] = valid ? load_bf16(p.v, idx) : 0.f;
+    for (int i = 0; i < C; ++i) {
+      sQ[i][d] = __bfloat162float(q[i * stride]);
+      sK[i][d] = __bfloat162float(k[i * stride]);
+      gsum[i] = __bfloat162float(g[i * stride]);
+      v[i] = __bfloat162float(vv[i * stride]);
+    }
+  } else {
+#pragma unroll
+    for (int i = 0; i < C; ++i) {
+      const bool valid = i < c.len;
+      sQ[i][d] = valid ? __bfloat162float(q[i * stride]) : 0.f;
+      sK[i][d] = valid ? __bfloat162float(k[i * stride]) : 0.f;
+      gsum[i] = valid ? __bfloat162float(g[i * stride]) : 0.f;
+      v[i] = valid ? __bfloat162float(vv[i * stride]) : 0.f;
+    }
   }
   if (d < C) {
     sBeta[d] = d < c.len ? 1.f / (1.f + expf(-load_bf16(p.beta, (c.bos + d) * H + c.h))) : 0.f;
