@@ -331,19 +331,25 @@ void launch_ds_for(const SweepBwdParams& bp, cudaStream_t stream) {
 
 // ---------------------------------------------------------------------------
 // The record gradients: one block of eight warps per (chunk slot, head).
+//
+// S0 and dS1 take turns in one pair of hi/lo planes (the products that read S0,
+// then the one that reads dS1), and of the record only W and U0 are loaded:
+// 108 KB of shared memory, two blocks per SM, so that one block's loads overlap
+// the other's products (the kernel moves ~180 KB per chunk and head).
 
 constexpr int kGradWarps = D / 16;
 constexpr int kGradThreads = 32 * kGradWarps;
 
 struct __align__(16) GradSmem {
-  __nv_bfloat16 s0[2][D * D];    // S0 [v][k], hi and lo, swizzled 128-wide rows (plane_index)
-  __nv_bfloat16 ds[2][D * D];    // dS1 [v][k], hi and lo
-  unsigned char rec[kWsChunkBytes];  // the chunk's record, verbatim
+  __nv_bfloat16 mat[2][D * D];   // S0 [v][k], then dS1 [v][k]: hi and lo, swizzled 128-wide rows (plane_index)
+  __nv_bfloat16 w[2][C * D];     // the record's W planes, verbatim
+  float u0[C * D];               // the record's U0 [t][v]
   __nv_bfloat16 dout[2][C * D];  // dO [t][v], hi and lo
   __nv_bfloat16 u[2][C * D];     // U [t][v]
   __nv_bfloat16 du[2][C * D];    // dU [t][v]
   float dgl[kGradWarps][D];      // per warp: the sum over its rows of S0 * dS1
 };
+static_assert(kWsU0 - kWsW >= 2 * kPlaneBytes && kWsW % 16 == 0 && kWsU0 % 16 == 0, "W's planes, then U0");
 
 // Four consecutive values of one row into the hi and lo planes at idx (a multiple of 4).
 __device__ __forceinline__ void store_split4(__nv_bfloat16* hi, __nv_bfloat16* lo, int idx, float4 x) {
@@ -352,6 +358,17 @@ __device__ __forceinline__ void store_split4(__nv_bfloat16* hi, __nv_bfloat16* l
   split_pack(x.z, x.w, h1, l1);
   *reinterpret_cast<uint2*>(hi + idx) = make_uint2(h0, h1);
   *reinterpret_cast<uint2*>(lo + idx) = make_uint2(l0, l1);
+}
+
+// The four values at idx of a hi/lo plane pair, as hi + lo.
+__device__ __forceinline__ float4 load_split4(const __nv_bfloat16* hi, const __nv_bfloat16* lo, int idx) {
+  const uint2 h = *reinterpret_cast<const uint2*>(hi + idx);
+  const uint2 l = *reinterpret_cast<const uint2*>(lo + idx);
+  const float2 h0 = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&h.x));
+  const float2 h1 = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&h.y));
+  const float2 l0 = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&l.x));
+  const float2 l1 = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&l.y));
+  return make_float4(h0.x + l0.x, h0.y + l0.y, h1.x + l1.x, h1.y + l1.y);
 }
 
 // Four consecutive values of dO from bf16 or fp32; a compile-time choice, so
@@ -368,13 +385,40 @@ __device__ __forceinline__ float4 load_dout4(const void* base, int64_t idx) {
   }
 }
 
+// A [128][128] fp32 matrix into the planes, half of it at a time. Thread tid
+// holds key columns 4 (tid % 32).. +4 of rows tid / 32 + 8 it; with `dgl`, it
+// first adds up the products of the new values with those the planes held
+// (S0 * dS1, over those rows) before overwriting them.
+template <bool kDgl>
+__device__ __forceinline__ void load_matrix(GradSmem& sm, const float* src, int tid, float4& gsum) {
+  constexpr int kIt = D * D / 4 / kGradThreads;
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    float4 x[kIt / 2];
+#pragma unroll
+    for (int it = 0; it < kIt / 2; ++it) {
+      x[it] = *reinterpret_cast<const float4*>(src + (tid + (half * kIt / 2 + it) * kGradThreads) * 4);
+    }
+#pragma unroll
+    for (int it = 0; it < kIt / 2; ++it) {
+      const int e = (tid + (half * kIt / 2 + it) * kGradThreads) * 4, idx = plane_index(e / D, e % D);
+      if constexpr (kDgl) {
+        const float4 s0 = load_split4(sm.mat[0], sm.mat[1], idx);
+        gsum.x = fmaf(s0.x, x[it].x, gsum.x);
+        gsum.y = fmaf(s0.y, x[it].y, gsum.y);
+        gsum.z = fmaf(s0.z, x[it].z, gsum.z);
+        gsum.w = fmaf(s0.w, x[it].w, gsum.w);
+      }
+      store_split4(sm.mat[0], sm.mat[1], idx, x[it]);
+    }
+  }
+}
+
 template <bool kDoutFp32>
-__global__ void __launch_bounds__(kGradThreads, 1) record_grads_kernel(const SweepBwdParams bp) {
+__global__ void __launch_bounds__(kGradThreads, 2) record_grads_kernel(const SweepBwdParams bp) {
   const FwdParams& p = bp.fwd;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   GradSmem& sm = *reinterpret_cast<GradSmem*>(smem_raw);
-  const __nv_bfloat16* planes = reinterpret_cast<const __nv_bfloat16*>(sm.rec);
-  const float* u0 = reinterpret_cast<const float*>(sm.rec + kWsU0);
 
   const int64_t H = p.H;
   const int64_t h = blockIdx.x % H;
@@ -388,45 +432,22 @@ __global__ void __launch_bounds__(kGradThreads, 1) record_grads_kernel(const Swe
   const int64_t bos = seq_offset(p, n) + (slot - chunk_offset(p, n)) * C;
   const int len = static_cast<int>(min64(C, seq_offset(p, n + 1) - bos));
   float* dr = bp.d_record + (wslot * H + h) * kDRecFloats;
+  const float* s0g = bp.states + (wslot * H + h) * D * D;
+  const float* dsg = bp.d_states + (wslot * H + h) * D * D;
 
-  {
+  {  // W's planes and U0, verbatim
     const unsigned char* rec = reinterpret_cast<const unsigned char*>(p.workspace) + (wslot * H + h) * kWsChunkBytes;
-    const uint32_t dst = smem_u32(sm.rec);
-    for (int e = tid; e < kWsChunkBytes / 16; e += kGradThreads) {
-      cp_async_16(dst + e * 16, rec + e * 16);
+    const uint32_t w = smem_u32(&sm.w[0][0]), u0 = smem_u32(sm.u0);
+#pragma unroll
+    for (int it = 0; it < 2 * kPlaneBytes / 16 / kGradThreads; ++it) {
+      const int e = tid + it * kGradThreads;
+      cp_async_16(w + e * 16, rec + kWsW + e * 16);
+      cp_async_16(u0 + e * 16, rec + kWsU0 + e * 16);
     }
     cp_async_commit();
   }
-  // S0 and dS1 (fp32) into hi/lo planes, half of each at a time. Thread tid
-  // holds key columns 4 (tid % 32).. +4 of rows tid / 32 + 8 it, so it adds up
-  // dgl's products over those rows in fp32 as they pass.
-  {
-    const float* s0g = bp.states + (wslot * H + h) * D * D;
-    const float* dsg = bp.d_states + (wslot * H + h) * D * D;
-    constexpr int kIt = D * D / 4 / kGradThreads;
-    float4 gsum = make_float4(0.f, 0.f, 0.f, 0.f);
-#pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      float4 xs[kIt / 2], xd[kIt / 2];
-#pragma unroll
-      for (int it = 0; it < kIt / 2; ++it) {
-        const int e = (tid + (half * kIt / 2 + it) * kGradThreads) * 4;
-        xs[it] = *reinterpret_cast<const float4*>(s0g + e);
-        xd[it] = *reinterpret_cast<const float4*>(dsg + e);
-      }
-#pragma unroll
-      for (int it = 0; it < kIt / 2; ++it) {
-        const int e = (tid + (half * kIt / 2 + it) * kGradThreads) * 4;
-        gsum.x = fmaf(xs[it].x, xd[it].x, gsum.x);
-        gsum.y = fmaf(xs[it].y, xd[it].y, gsum.y);
-        gsum.z = fmaf(xs[it].z, xd[it].z, gsum.z);
-        gsum.w = fmaf(xs[it].w, xd[it].w, gsum.w);
-        store_split4(sm.s0[0], sm.s0[1], plane_index(e / D, e % D), xs[it]);
-        store_split4(sm.ds[0], sm.ds[1], plane_index(e / D, e % D), xd[it]);
-      }
-    }
-    *reinterpret_cast<float4*>(&sm.dgl[warp][4 * lane]) = gsum;
-  }
+  float4 gsum = make_float4(0.f, 0.f, 0.f, 0.f);
+  load_matrix<false>(sm, s0g, tid, gsum);
   // dO (bf16 or fp32; zero past the sequence's end) and dU (the dS recurrence's) as planes.
   {
     constexpr int kIt = C * D / 4 / kGradThreads;
@@ -457,13 +478,13 @@ __global__ void __launch_bounds__(kGradThreads, 1) record_grads_kernel(const Swe
       uint32_t sh[4], sl[4];
       {
         const int row = v0 + (mi % 2) * 8 + mr, piece = 2 * kk + mi / 2;
-        ldmatrix_x4(sh, plane_piece(sm.s0[0], row, piece));
-        ldmatrix_x4(sl, plane_piece(sm.s0[1], row, piece));
+        ldmatrix_x4(sh, plane_piece(sm.mat[0], row, piece));
+        ldmatrix_x4(sl, plane_piece(sm.mat[1], row, piece));
       }
       const int row = (mi / 2) * 8 + mr, piece = 2 * kk + mi % 2;
       uint32_t wh[4], wl[4];
-      ldmatrix_x4(wh, plane_piece(planes + kWHi * C * D, row, piece));
-      ldmatrix_x4(wl, plane_piece(planes + kWLo * C * D, row, piece));
+      ldmatrix_x4(wh, plane_piece(sm.w[0], row, piece));
+      ldmatrix_x4(wl, plane_piece(sm.w[1], row, piece));
 #pragma unroll
       for (int nt = 0; nt < 2; ++nt) {
         mma3(acc_u, nt, sh, sl, wh[2 * nt], wh[2 * nt + 1], wl[2 * nt], wl[2 * nt + 1], kk == 0);
@@ -475,52 +496,49 @@ __global__ void __launch_bounds__(kGradThreads, 1) record_grads_kernel(const Swe
       for (int e = 0; e < 4; ++e) {
         const int t = 8 * nt + 2 * t4 + (e & 1), v = v0 + g + 8 * (e >> 1);
         store_split(reinterpret_cast<unsigned char*>(sm.u[0]), kPlaneBytes, plane_index(t, v),
-                    u0[t * D + v] - sum3(acc_u, nt, e));
+                    sm.u0[t * D + v] - sum3(acc_u, nt, e));
       }
     }
   }
   __syncthreads();  // U's planes complete
 
   // The record gradients [t][k] for key columns v0.. +16, summed over all value
-  // rows: A = dO, dU, U [t][v] (rows t), B = S0, dS1 [v][k] (k dimension v).
-  float aq[3][2][4] = {}, aw[3][2][4] = {}, ak[3][2][4] = {};
-#pragma unroll 2  // fully unrolled it spills twice as much (255 registers either way)
-  for (int kv = 0; kv < D / 16; ++kv) {
-    const int arow = (mi % 2) * 8 + mr, apiece = 2 * kv + mi / 2;
-    uint32_t doh[4], dol[4], duh[4], dul[4], uh[4], ul[4];
-    ldmatrix_x4(doh, plane_piece(sm.dout[0], arow, apiece));
-    ldmatrix_x4(dol, plane_piece(sm.dout[1], arow, apiece));
-    ldmatrix_x4(duh, plane_piece(sm.du[0], arow, apiece));
-    ldmatrix_x4(dul, plane_piece(sm.du[1], arow, apiece));
-    ldmatrix_x4(uh, plane_piece(sm.u[0], arow, apiece));
-    ldmatrix_x4(ul, plane_piece(sm.u[1], arow, apiece));
-    const int brow = 16 * kv + (mi % 2) * 8 + mr, bpiece = v0 / 8 + mi / 2;
-    uint32_t sh[4], sl[4], dh[4], dl[4];
-    ldmatrix_x4_trans(sh, plane_piece(sm.s0[0], brow, bpiece));
-    ldmatrix_x4_trans(sl, plane_piece(sm.s0[1], brow, bpiece));
-    ldmatrix_x4_trans(dh, plane_piece(sm.ds[0], brow, bpiece));
-    ldmatrix_x4_trans(dl, plane_piece(sm.ds[1], brow, bpiece));
+  // rows: A = dO, dU, U [t][v] (rows t), B = S0, then dS1 [v][k] (k dimension v).
+  // First dQs = dO S0 and dW = -dU S0.
+  {
+    float aq[3][2][4], aw[3][2][4];  // written first by the kv = 0 products
+#pragma unroll
+    for (int kv = 0; kv < D / 16; ++kv) {
+      const int arow = (mi % 2) * 8 + mr, apiece = 2 * kv + mi / 2;
+      uint32_t doh[4], dol[4], duh[4], dul[4];
+      ldmatrix_x4(doh, plane_piece(sm.dout[0], arow, apiece));
+      ldmatrix_x4(dol, plane_piece(sm.dout[1], arow, apiece));
+      ldmatrix_x4(duh, plane_piece(sm.du[0], arow, apiece));
+      ldmatrix_x4(dul, plane_piece(sm.du[1], arow, apiece));
+      const int brow = 16 * kv + (mi % 2) * 8 + mr, bpiece = v0 / 8 + mi / 2;
+      uint32_t sh[4], sl[4];
+      ldmatrix_x4_trans(sh, plane_piece(sm.mat[0], brow, bpiece));
+      ldmatrix_x4_trans(sl, plane_piece(sm.mat[1], brow, bpiece));
+#pragma unroll
+      for (int nt = 0; nt < 2; ++nt) {
+        mma3(aq, nt, doh, dol, sh[2 * nt], sh[2 * nt + 1], sl[2 * nt], sl[2 * nt + 1], kv == 0);
+        mma3(aw, nt, duh, dul, sh[2 * nt], sh[2 * nt + 1], sl[2 * nt], sl[2 * nt + 1], kv == 0);
+      }
+    }
 #pragma unroll
     for (int nt = 0; nt < 2; ++nt) {
-      mma3(aq, nt, doh, dol, sh[2 * nt], sh[2 * nt + 1], sl[2 * nt], sl[2 * nt + 1]);
-      mma3(aw, nt, duh, dul, sh[2 * nt], sh[2 * nt + 1], sl[2 * nt], sl[2 * nt + 1]);
-      mma3(ak, nt, uh, ul, dh[2 * nt], dh[2 * nt + 1], dl[2 * nt], dl[2 * nt + 1]);
-    }
-  }
+      const int k = v0 + 8 * nt + 2 * t4;
 #pragma unroll
-  for (int nt = 0; nt < 2; ++nt) {
-    const int k = v0 + 8 * nt + 2 * t4;
-#pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      const int t = g + 8 * half, e = 2 * half;
-      *reinterpret_cast<float2*>(dr + kDRecQs + t * D + k) = make_float2(sum3(aq, nt, e), sum3(aq, nt, e + 1));
-      *reinterpret_cast<float2*>(dr + kDRecW + t * D + k) = make_float2(-sum3(aw, nt, e), -sum3(aw, nt, e + 1));
-      *reinterpret_cast<float2*>(dr + kDRecKd + t * D + k) = make_float2(sum3(ak, nt, e), sum3(ak, nt, e + 1));
+      for (int half = 0; half < 2; ++half) {
+        const int t = g + 8 * half, e = 2 * half;
+        *reinterpret_cast<float2*>(dr + kDRecQs + t * D + k) = make_float2(sum3(aq, nt, e), sum3(aq, nt, e + 1));
+        *reinterpret_cast<float2*>(dr + kDRecW + t * D + k) = make_float2(-sum3(aw, nt, e), -sum3(aw, nt, e + 1));
+      }
     }
   }
   if (warp == kGradWarps - 1) {
     // dAqk [i][j] = sum_v dO[i][v] U[j][v]: B (k = v, n = j) is U's plane as it
-    // stands. One warp's extra work; the others sum dgl meanwhile.
+    // stands. One warp's extra work.
     float aa[3][2][4];  // written first by the kv = 0 products
 #pragma unroll
     for (int kv = 0; kv < D / 16; ++kv) {
@@ -541,6 +559,39 @@ __global__ void __launch_bounds__(kGradThreads, 1) record_grads_kernel(const Swe
       const int j = 8 * nt + 2 * t4;
       *reinterpret_cast<float2*>(dr + kDRecAqk + g * C + j) = make_float2(sum3(aa, nt, 0), sum3(aa, nt, 1));
       *reinterpret_cast<float2*>(dr + kDRecAqk + (g + 8) * C + j) = make_float2(sum3(aa, nt, 2), sum3(aa, nt, 3));
+    }
+  }
+  __syncthreads();  // every read of S0's planes is done
+
+  // dS1 into the planes, and dgl's products with S0 as they pass; then dKd = U dS1.
+  load_matrix<true>(sm, dsg, tid, gsum);
+  *reinterpret_cast<float4*>(&sm.dgl[warp][4 * lane]) = gsum;
+  __syncthreads();
+  {
+    float ak[3][2][4];  // written first by the kv = 0 products
+#pragma unroll
+    for (int kv = 0; kv < D / 16; ++kv) {
+      const int arow = (mi % 2) * 8 + mr, apiece = 2 * kv + mi / 2;
+      uint32_t uh[4], ul[4];
+      ldmatrix_x4(uh, plane_piece(sm.u[0], arow, apiece));
+      ldmatrix_x4(ul, plane_piece(sm.u[1], arow, apiece));
+      const int brow = 16 * kv + (mi % 2) * 8 + mr, bpiece = v0 / 8 + mi / 2;
+      uint32_t dh[4], dl[4];
+      ldmatrix_x4_trans(dh, plane_piece(sm.mat[0], brow, bpiece));
+      ldmatrix_x4_trans(dl, plane_piece(sm.mat[1], brow, bpiece));
+#pragma unroll
+      for (int nt = 0; nt < 2; ++nt) {
+        mma3(ak, nt, uh, ul, dh[2 * nt], dh[2 * nt + 1], dl[2 * nt], dl[2 * nt + 1], kv == 0);
+      }
+    }
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt) {
+      const int k = v0 + 8 * nt + 2 * t4;
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const int t = g + 8 * half, e = 2 * half;
+        *reinterpret_cast<float2*>(dr + kDRecKd + t * D + k) = make_float2(sum3(ak, nt, e), sum3(ak, nt, e + 1));
+      }
     }
   }
   if (tid < D) {
