@@ -854,6 +854,40 @@ def test_backward_windows_engage_and_bound_memory(monkeypatch):
         assert torch.equal(x, y), name
 
 
+@pytest.mark.parametrize("window", ["0", "3"])
+def test_backward_cuda_graph_capture_and_replay(window, monkeypatch):
+    """The backward forks a second stream (K2 beside the dS recurrence) from the
+    caller's and joins it again: captured in a CUDA graph, in one pass and in
+    windows of 3 slots, it replays the eager gradients for new incoming gradients."""
+    monkeypatch.setenv("TORCH_KDA_WINDOW_SLOTS", window)
+    _, g = cuda_inputs(seqlens=[40, 0, 100, 17], H=2, state_dtype=torch.float32)
+    grad_out = torch.randn(*g["v"].shape, device=DEV).to(torch.bfloat16)
+    gf = torch.randn(*g["initial_state"].shape, device=DEV)
+    kw = dict(lower_bound=-5.0, initial_state=g["initial_state"], cu_seqlens=g["cu_seqlens"])
+
+    def step():
+        return torch.ops.kda.bwd(grad_out, gf, *positional(g), **kw)
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        step()  # warm-up outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        got = step()
+    for _ in range(2):
+        grad_out.copy_(torch.randn(*g["v"].shape, device=DEV).to(torch.bfloat16))
+        gf.copy_(torch.randn_like(gf))
+        for t in got:
+            t.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        want = step()
+        for name, x, y in zip(GRAD_NAMES, got, want):
+            assert torch.equal(x, y), (window, name)
+
+
 def test_backward_agrees_with_fla_chunk_kda():
     fla_kda = pytest.importorskip("fla.ops.kda")
     d, g = cuda_inputs(B=2, T=1024, H=4, state_dtype=torch.float32)

@@ -1,5 +1,6 @@
 #include "cuda/backward_schedule.h"
 
+#include <ATen/cuda/CUDAEvent.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
 #include <c10/cuda/CUDAException.h>
@@ -51,7 +52,8 @@ int64_t backward_window_slots(const FwdParams& p) {
 }
 
 void run_backward(const BackwardCall& call, const at::Tensor& like, int64_t window, RecurrenceBlock block) {
-  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(like.device().index()).stream();
+  const c10::cuda::CUDAStream main_stream = c10::cuda::getCurrentCUDAStream(like.device().index());
+  const cudaStream_t stream = main_stream.stream();
   const auto f32 = like.options().dtype(at::kFloat);
   FwdParams p = call.fwd;
   const int64_t S = p.num_slots, H = p.H, N = p.N, D = kHeadDim;
@@ -88,6 +90,13 @@ void run_backward(const BackwardCall& call, const at::Tensor& like, int64_t wind
     }
   }
 
+  // K2 storing the chunk-start states and the dS recurrence need only the
+  // window's records, not each other: both sequential over the chunks with a
+  // few warps per SM, they run side by side, K2 on a second stream (forked
+  // after K1 and joined before the record gradients, which read both; the
+  // scratch stays in use on the caller's stream, which waits for the fork).
+  const c10::cuda::CUDAStream side = c10::cuda::getStreamFromPool(false, like.device().index());
+  at::cuda::CUDAEvent records_ready, states_ready;
   p.chunk_states = states.data_ptr<float>();
   for (int64_t w = windows - 1; w >= 0; --w) {
     p.slot_begin = w * window;
@@ -96,7 +105,10 @@ void run_backward(const BackwardCall& call, const at::Tensor& like, int64_t wind
     // the checkpoint (and writes it back there at the end: not read again).
     p.carry = w > 0 ? checkpoints[w - 1].data_ptr<float>() : (carry.defined() ? carry.data_ptr<float>() : nullptr);
     launch_prepare(p, stream);
-    launch_recurrence(p, stream, block);
+    records_ready.record(main_stream);
+    records_ready.block(side);
+    launch_recurrence(p, side.stream(), block);
+    states_ready.record(side);
 
     SweepBwdParams sp;
     sp.fwd = p;
@@ -108,7 +120,9 @@ void run_backward(const BackwardCall& call, const at::Tensor& like, int64_t wind
     sp.d_record = d_record.data_ptr<float>();
     sp.d_carry = d_carry.defined() ? d_carry.data_ptr<float>() : nullptr;
     sp.d_initial = call.d_initial;
-    launch_sweep_backward(sp, stream);
+    launch_ds_recurrence(sp, stream);
+    states_ready.block(main_stream);
+    launch_record_grads(sp, stream);
 
     // K1's backward recomputes what it needs of the records from the inputs.
     PrepareBwdParams pp;

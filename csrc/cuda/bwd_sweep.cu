@@ -606,7 +606,7 @@ __global__ void __launch_bounds__(kGradThreads, 2) record_grads_kernel(const Swe
 
 }  // namespace
 
-void launch_sweep_backward(const SweepBwdParams& bp, cudaStream_t stream) {
+void launch_ds_recurrence(const SweepBwdParams& bp, cudaStream_t stream) {
   if (bp.fwd.N == 0 || bp.fwd.H == 0) {
     return;
   }
@@ -614,6 +614,12 @@ void launch_sweep_backward(const SweepBwdParams& bp, cudaStream_t stream) {
     launch_ds_for<true>(bp, stream);
   } else {
     launch_ds_for<false>(bp, stream);
+  }
+}
+
+void launch_record_grads(const SweepBwdParams& bp, cudaStream_t stream) {
+  if (bp.fwd.N == 0 || bp.fwd.H == 0) {
+    return;
   }
   const int64_t blocks = (bp.fwd.slot_end - bp.fwd.slot_begin) * bp.fwd.H;
   if (blocks == 0) {
