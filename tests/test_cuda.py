@@ -567,6 +567,20 @@ def test_deterministic():
 # --------------------------------------------------------------------------
 
 
+def capture_graph(step):
+    """A CUDA graph of step() (warmed up once on a side stream, as capture wants),
+    and what step returned during the capture."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        step()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outputs = step()
+    return graph, outputs
+
+
 @pytest.mark.parametrize("window", ["0", "3"])
 def test_cuda_graph_capture_and_replay(window, monkeypatch):
     """window "3": the call runs in windows of 3 chunk slots, so the graph holds
@@ -580,14 +594,7 @@ def test_cuda_graph_capture_and_replay(window, monkeypatch):
         torch_kda.fwd(g["q"], g["k"], g["v"], g["g"], g["beta"], None, out, g["A_log"], g["dt_bias"], -5.0,
                       initial_state=g["initial_state"], final_state=final, cu_seqlens=g["cu_seqlens"])
 
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        step()  # warm-up outside the capture
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
+    graph, _ = capture_graph(step)
 
     for lengths in ([40, 0, 100, 17], [1, 60, 60, 36]):
         d2, g2 = cuda_inputs(seqlens=lengths, H=2, state_dtype=torch.float32)
@@ -868,14 +875,7 @@ def test_backward_cuda_graph_capture_and_replay(window, monkeypatch):
     def step():
         return torch.ops.kda.bwd(grad_out, gf, *positional(g), **kw)
 
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        step()  # warm-up outside the capture
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        got = step()
+    graph, got = capture_graph(step)
     for _ in range(2):
         grad_out.copy_(torch.randn(*g["v"].shape, device=DEV).to(torch.bfloat16))
         gf.copy_(torch.randn_like(gf))
