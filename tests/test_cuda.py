@@ -840,9 +840,30 @@ def test_backward_windows_are_bitwise_one_pass(case, monkeypatch):
                 assert torch.equal(x, y), (window, gf is None, name)
 
 
+def test_backward_window_setting_makes_windows(monkeypatch):
+    """The setting really cuts the backward: 2 x 300 tokens are 38 slots, so windows
+    of 7 slots are 6 launches of the dS recurrence (one per window); 0 is one pass.
+    Added after the last device call of the fifth session; not yet run on a GPU."""
+    _, g = cuda_inputs(B=2, T=300, H=2, state_dtype=torch.float32)
+    grad_out = torch.randn(*g["v"].shape, device=DEV).to(torch.bfloat16)
+
+    def ds_launches():
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            torch.ops.kda.bwd(grad_out, None, *positional(g), lower_bound=-5.0, initial_state=g["initial_state"])
+            torch.cuda.synchronize()
+        names = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+        return sum("ds_recurrence_kernel" in n for n in names)
+
+    monkeypatch.setenv("TORCH_KDA_WINDOW_SLOTS", "7")
+    assert ds_launches() == 6
+    monkeypatch.setenv("TORCH_KDA_WINDOW_SLOTS", "0")
+    assert ds_launches() == 1
+
+
 def test_backward_windows_engage_and_bound_memory(monkeypatch):
     """Long few-head calls get windows without any setting: far less memory than
     the one-pass scratch (12.5 KB per token and head), the one-pass gradients."""
+    monkeypatch.delenv("TORCH_KDA_WINDOW_SLOTS", raising=False)
     _, g = cuda_inputs(B=1, T=16384, H=16, state_dtype=torch.float32)
     grad_out = torch.randn(*g["v"].shape, device=DEV).to(torch.bfloat16)
     kw = dict(lower_bound=-5.0, initial_state=g["initial_state"])

@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 
 #include "cuda/forward_schedule.h"
 
@@ -24,7 +25,8 @@ constexpr int64_t kOnePassScratch = int64_t{256} << 20;
 // holds few of them and the sequential kernels lose their parallelism across
 // sequences (8 x 8192 tokens x 32 heads: 41 -> 66 ms per step). Calls of
 // several sequences keep one pass up to this much scratch: speed over memory
-// where the memory is there. (Windows along each sequence would serve both.)
+// where the memory is there: at most a quarter of the device's. (Windows along
+// each sequence would serve both.)
 constexpr int64_t kOnePassScratchSeveralSequences = int64_t{32} << 30;
 // Windows hold this much scratch or more (fewer, longer windows: the
 // checkpoint pass covers all windows but the last), unless the checkpoints call
@@ -34,12 +36,14 @@ constexpr int64_t kMinWindowSlots = 16;
 
 }  // namespace
 
-int64_t backward_window_slots(const FwdParams& p) {
+int64_t backward_window_slots(const FwdParams& p, int64_t device_memory) {
   if (const char* env = std::getenv("TORCH_KDA_WINDOW_SLOTS"); env != nullptr && *env != '\0') {
     return window_slots(p);  // the forward's reading of it (checks the value)
   }
   const int64_t per_slot = p.H * kSlotScratchBytes;
-  if (p.num_slots * per_slot <= (p.N > 1 ? kOnePassScratchSeveralSequences : kOnePassScratch)) {
+  const int64_t one_pass_limit =
+      p.N > 1 ? std::min(kOnePassScratchSeveralSequences, device_memory / 4) : kOnePassScratch;
+  if (p.num_slots * per_slot <= one_pass_limit) {
     return p.num_slots;
   }
   // Scratch grows with the window, the checkpoints (a state per sequence and

@@ -34,9 +34,10 @@ struct BackwardCall {
   PrepareBwdParams::Grads grads;
 };
 
-// The chunk slots per window for this call: params.num_slots for one pass.
-// Reads TORCH_KDA_WINDOW_SLOTS (as the forward does; raises on a bad value).
-int64_t backward_window_slots(const FwdParams& params);
+// The chunk slots per window for this call (device_memory: the device's total,
+// in bytes): params.num_slots for one pass. Reads TORCH_KDA_WINDOW_SLOTS (as
+// the forward does; raises on a bad value).
+int64_t backward_window_slots(const FwdParams& params, int64_t device_memory);
 
 // Allocates the scratch (`like`: a bf16 tensor shaped like v, for the options
 // and the scratch output) and enqueues every kernel of the backward on the

@@ -4,6 +4,7 @@
 // unless TORCH_KDA_CHECK=1 asks for the contents of cu_seqlens to be checked;
 // neither does the backward (its kernels take the offsets from the device).
 #include <ATen/MemoryOverlap.h>
+#include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
@@ -268,7 +269,8 @@ BackwardTuple backward_by_kernels(const Problem& p, const Tensor& grad_out, cons
   const RecurrenceBlock block = forced_recurrence_block();
   Boundaries bounds = sequence_boundaries(op, p, q, cu_seqlens, stream);
   CallInputs in = call_inputs(p, q, k, v, g, beta, A_log, dt_bias, bounds);
-  const int64_t window = backward_window_slots(in.params);
+  const int64_t window = backward_window_slots(
+      in.params, static_cast<int64_t>(at::cuda::getDeviceProperties(q.device().index())->totalGlobalMem));
   Tensor init = staged16(initial_state.value_or(Tensor()));
   const auto f32 = q.options().dtype(at::kFloat);
   Tensor go = sweep_grad_out(grad_out);
