@@ -97,6 +97,58 @@ def test_chunk_records_compose_to_the_recurrence(lower_bound):
     assert torch.allclose(out, ref_out, rtol=1e-10, atol=1e-12)
 
 
+def _strong_gate(T, H, K, V, dtype):
+    """lower_bound -5 with the sigmoid saturated: lambda ~ -5 on every channel, so the
+    cumulative log decay reaches -320 over 64 tokens (exp(-G) overflows fp32)."""
+    q, k, v = (torch.randn(1, T, H, d, dtype=dtype) for d in (K, K, V))
+    g = 20.0 + torch.rand(1, T, H, K, dtype=dtype)
+    beta, A_log, dt_bias = torch.randn(1, T, H, dtype=dtype), torch.rand(H, dtype=dtype), torch.rand(H, K, dtype=dtype)
+    return q, k, v, g, beta, A_log, dt_bias
+
+
+@pytest.mark.parametrize("C", [64, 48, 37])
+@pytest.mark.parametrize("strong", [False, True])
+def test_blocked_records_compose_to_the_recurrence(C, strong):
+    """64-token (and ragged) chunks built from 16-token blocks, stepped with
+    chunk_step, are the token-by-token recurrence in float64; in float32 every
+    record entry stays finite, also where the log decay over a chunk reaches -320
+    (the 16-token record's exp(-G) would overflow there), and the outputs keep
+    fp32 accuracy."""
+    B, T, H, K, V = 1, 130, 2, 8, 6
+    lower_bound = -5.0
+    if strong:
+        q, k, v, g, beta, A_log, dt_bias = _strong_gate(T, H, K, V, torch.float64)
+    else:
+        q, k, v, g = (torch.randn(B, T, H, d, dtype=torch.float64) for d in (K, K, V, K))
+        beta, A_log, dt_bias = torch.randn(B, T, H, dtype=torch.float64), torch.rand(H, dtype=torch.float64), \
+            torch.rand(H, K, dtype=torch.float64)
+    h0 = torch.randn(1, H, V, K, dtype=torch.float64)
+    ref_out, ref_final = reference.kda_recurrent(q, k, v, g, beta, A_log, dt_bias, lower_bound=lower_bound,
+                                                 initial_state=h0)
+    scale = K ** -0.5
+    for dtype, tol in ((torch.float64, 1e-10), (torch.float32, 5e-6)):
+        qn, kn, lam, b = (t.to(dtype) for t in reference.activations(q, k, g, beta, A_log, dt_bias, lower_bound))
+        x = v.to(dtype)
+        out = torch.full_like(ref_out, float("nan"))
+        finals = []
+        for h in range(H):
+            S = h0[0, h].to(dtype).clone()
+            for s in range(0, T, C):
+                e = min(T, s + C)
+                rec = reference.chunk_record_blocked(qn[0, s:e, h], kn[0, s:e, h], x[0, s:e, h], lam[0, s:e, h],
+                                                     b[0, s:e, h], scale)
+                assert all(torch.isfinite(t).all() for t in rec.values()), (dtype, s)
+                o, S, _ = reference.chunk_step(S, rec)
+                out[0, s:e, h] = o.double()
+            finals.append(S.double())
+        assert rel(out, ref_out) <= tol, dtype
+        assert rel(torch.stack(finals), ref_final[0]) <= tol, dtype
+    if strong:
+        # The case this is for: the log decay over one 64-token chunk passes fp32's range.
+        G = reference.activations(q, k, g, beta, A_log, dt_bias, lower_bound)[2][0, :64].cumsum(0)
+        assert G.min() < -300 and not torch.isfinite(torch.exp(-G.float())).all()
+
+
 @pytest.mark.parametrize("C", [16, 5])
 def test_chunk_step_backward_matches_autograd(C):
     K, V = 8, 6
