@@ -23,7 +23,7 @@ os.environ.setdefault("FLA_FLASH_KDA", "0")
 import torch  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_fwd import CASES, LOWER_BOUND, make_case, time_ms  # noqa: E402
+from bench_fwd import CASES, D, LOWER_BOUND, copy_bandwidth, make_case, time_ms  # noqa: E402
 
 import torch_kda  # noqa: E402
 
@@ -67,6 +67,16 @@ def step_fla(c, grads):
         torch.autograd.backward([out, final], grads)
 
     return fn, x
+
+
+def step_floor_bytes(c):
+    """The least one training step of the op must move: the forward reads q, k, v, g,
+    beta and writes out; the backward reads them again with grad_out and writes dq,
+    dk, dv, dg, dbeta (bf16); per (sequence, head), the fp32 initial state is read twice,
+    the final state written, its gradient read and the initial state's written."""
+    per_token_head = (4 * D * 2 + 2 + D * 2) + (4 * D * 2 + 2 + D * 2) + (4 * D * 2 + 2)
+    states = 5 * c["N"] * c["H"] * D * D * 4
+    return c["T"] * c["H"] * per_token_head + states
 
 
 def peak_bytes(fn, x):
@@ -126,6 +136,8 @@ def main():
 
     torch.manual_seed(0)
     print(f"GPU: {torch.cuda.get_device_name()}  torch {torch.__version__}")
+    bw = copy_bandwidth()
+    print(f"device-to-device copy bandwidth: {bw / 1e12:.2f} TB/s (the floor: a step's least traffic at it)")
     have_fla = not args.no_fla
     if have_fla:
         try:
@@ -135,7 +147,7 @@ def main():
             have_fla = False
 
     print(f"{'#':>3} {'case':<18} {'H':>3} {'torch_kda ms':>12} {'fla ms':>8} {'speedup':>8} "
-          f"{'torch_kda GiB':>13} {'fla GiB':>8}")
+          f"{'torch_kda GiB':>13} {'fla GiB':>8} {'floor ms':>9} {'x floor':>8}")
     speedups = []
     for idx in [int(x) for x in args.cases.split(",")]:
         name, lengths, H = CASES[idx]
@@ -152,8 +164,9 @@ def main():
         if fla_here and math.isfinite(speedup):
             speedups.append(speedup)
         gib = 1 << 30
+        floor = step_floor_bytes(c) / bw * 1e3
         print(f"{idx:>3} {name:<18} {H:>3} {ours:>12.3f} {theirs:>8.3f} {speedup:>8.2f} "
-              f"{ours_mem / gib:>13.2f} {theirs_mem / gib:>8.2f}")
+              f"{ours_mem / gib:>13.2f} {theirs_mem / gib:>8.2f} {floor:>9.3f} {ours / floor:>8.2f}")
         if args.stages and math.isfinite(ours):
             print_stages(step_torch_kda, c, grads)
         del c, grads
