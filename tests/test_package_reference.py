@@ -72,15 +72,24 @@ def _chunk_inputs(C, K=8, V=6, lower_bound=-5.0):
     return qn, kn, v, lam, b
 
 
+def _one_sequence(T, H, K, V, strong=False):
+    """float64 inputs of one sequence and an initial state. strong: g + dt_bias ~ 20, so
+    with lower_bound -5 the sigmoid saturates and lambda ~ -5 on every channel (the
+    cumulative log decay reaches -320 over 64 tokens: exp(-G) overflows fp32)."""
+    q, k, v, g = (torch.randn(1, T, H, d, dtype=torch.float64) for d in (K, K, V, K))
+    if strong:
+        g = 20.0 + torch.rand_like(g)
+    beta, A_log, dt_bias = (torch.randn(1, T, H, dtype=torch.float64), torch.rand(H, dtype=torch.float64),
+                            torch.rand(H, K, dtype=torch.float64))
+    return q, k, v, g, beta, A_log, dt_bias, torch.randn(1, H, V, K, dtype=torch.float64)
+
+
 @pytest.mark.parametrize("lower_bound", [-5.0, None])
 def test_chunk_records_compose_to_the_recurrence(lower_bound):
     """Record + step, chunk after chunk, is the token-by-token recurrence (a last
     partial chunk included)."""
-    B, T, H, K, V = 1, 37, 2, 8, 6
-    q, k, v, g = (torch.randn(B, T, H, d, dtype=torch.float64) for d in (K, K, V, K))
-    beta, A_log, dt_bias = torch.randn(B, T, H, dtype=torch.float64), torch.rand(H, dtype=torch.float64), \
-        torch.rand(H, K, dtype=torch.float64)
-    h0 = torch.randn(1, H, V, K, dtype=torch.float64)
+    T, H, K = 37, 2, 8
+    q, k, v, g, beta, A_log, dt_bias, h0 = _one_sequence(T, H, K, V=6)
     ref_out, ref_final = reference.kda_recurrent(q, k, v, g, beta, A_log, dt_bias, lower_bound=lower_bound,
                                                  initial_state=h0)
     qn, kn, lam, b = reference.activations(q, k, g, beta, A_log, dt_bias, lower_bound)
@@ -97,15 +106,6 @@ def test_chunk_records_compose_to_the_recurrence(lower_bound):
     assert torch.allclose(out, ref_out, rtol=1e-10, atol=1e-12)
 
 
-def _strong_gate(T, H, K, V, dtype):
-    """lower_bound -5 with the sigmoid saturated: lambda ~ -5 on every channel, so the
-    cumulative log decay reaches -320 over 64 tokens (exp(-G) overflows fp32)."""
-    q, k, v = (torch.randn(1, T, H, d, dtype=dtype) for d in (K, K, V))
-    g = 20.0 + torch.rand(1, T, H, K, dtype=dtype)
-    beta, A_log, dt_bias = torch.randn(1, T, H, dtype=dtype), torch.rand(H, dtype=dtype), torch.rand(H, K, dtype=dtype)
-    return q, k, v, g, beta, A_log, dt_bias
-
-
 @pytest.mark.parametrize("C", [64, 48, 37])
 @pytest.mark.parametrize("strong", [False, True])
 def test_blocked_records_compose_to_the_recurrence(C, strong):
@@ -114,15 +114,9 @@ def test_blocked_records_compose_to_the_recurrence(C, strong):
     record entry stays finite, also where the log decay over a chunk reaches -320
     (the 16-token record's exp(-G) would overflow there), and the outputs keep
     fp32 accuracy."""
-    B, T, H, K, V = 1, 130, 2, 8, 6
+    T, H, K = 130, 2, 8
     lower_bound = -5.0
-    if strong:
-        q, k, v, g, beta, A_log, dt_bias = _strong_gate(T, H, K, V, torch.float64)
-    else:
-        q, k, v, g = (torch.randn(B, T, H, d, dtype=torch.float64) for d in (K, K, V, K))
-        beta, A_log, dt_bias = torch.randn(B, T, H, dtype=torch.float64), torch.rand(H, dtype=torch.float64), \
-            torch.rand(H, K, dtype=torch.float64)
-    h0 = torch.randn(1, H, V, K, dtype=torch.float64)
+    q, k, v, g, beta, A_log, dt_bias, h0 = _one_sequence(T, H, K, V=6, strong=strong)
     ref_out, ref_final = reference.kda_recurrent(q, k, v, g, beta, A_log, dt_bias, lower_bound=lower_bound,
                                                  initial_state=h0)
     scale = K ** -0.5
