@@ -890,9 +890,9 @@ def test_backward_windows_engage_and_bound_memory(monkeypatch):
 
 @pytest.mark.parametrize("window", ["0", "3"])
 def test_backward_cuda_graph_capture_and_replay(window, monkeypatch):
-    """The backward forks a second stream (K2 beside the dS recurrence) from the
-    caller's and joins it again: captured in a CUDA graph, in one pass and in
-    windows of 3 slots, it replays the eager gradients for new incoming gradients."""
+    """The backward captured in a CUDA graph, in one pass and in windows of 3 slots
+    (the checkpoint pass, its copies and the carries in the graph), replays the eager
+    gradients for new incoming gradients."""
     monkeypatch.setenv("TORCH_KDA_WINDOW_SLOTS", window)
     _, g = cuda_inputs(seqlens=[40, 0, 100, 17], H=2, state_dtype=torch.float32)
     grad_out = torch.randn(*g["v"].shape, device=DEV).to(torch.bfloat16)

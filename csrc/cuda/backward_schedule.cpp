@@ -1,6 +1,5 @@
 #include "cuda/backward_schedule.h"
 
-#include <ATen/cuda/CUDAEvent.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
 #include <c10/cuda/CUDAException.h>
@@ -38,7 +37,7 @@ constexpr int64_t kMinWindowSlots = 16;
 
 int64_t backward_window_slots(const FwdParams& p, int64_t device_memory) {
   if (const char* env = std::getenv("TORCH_KDA_WINDOW_SLOTS"); env != nullptr && *env != '\0') {
-    return window_slots(p);  // the forward's reading of it (checks the value)
+    return window_slots(p, "kda.bwd");  // the forward's reading of it (checks the value)
   }
   const int64_t per_slot = p.H * kSlotScratchBytes;
   const int64_t one_pass_limit =
@@ -56,8 +55,7 @@ int64_t backward_window_slots(const FwdParams& p, int64_t device_memory) {
 }
 
 void run_backward(const BackwardCall& call, const at::Tensor& like, int64_t window, RecurrenceBlock block) {
-  const c10::cuda::CUDAStream main_stream = c10::cuda::getCurrentCUDAStream(like.device().index());
-  const cudaStream_t stream = main_stream.stream();
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(like.device().index()).stream();
   const auto f32 = like.options().dtype(at::kFloat);
   FwdParams p = call.fwd;
   const int64_t S = p.num_slots, H = p.H, N = p.N, D = kHeadDim;
@@ -94,16 +92,10 @@ void run_backward(const BackwardCall& call, const at::Tensor& like, int64_t wind
     }
   }
 
-  // K2 storing the chunk-start states and the dS recurrence need only the
-  // window's records, not each other, so they run side by side, K2 on a second
-  // stream (forked after K1 and joined before the record gradients, which read
-  // both; the scratch stays in use on the caller's stream, which waits for the
-  // fork). Both are sequential over the chunks with a few warps per SM, but
-  // both issue-bound there too: side by side each ran slower, and the step
-  // gained ~1 % over five cases (H200: 15.87 against 16.78 ms at 8192 x 96
-  // heads, 6.39 against 6.32 at 8192 x 32).
-  const c10::cuda::CUDAStream side = c10::cuda::getStreamFromPool(false, like.device().index());
-  at::cuda::CUDAEvent records_ready, states_ready;
+  // All on the caller's stream, in order. K2 storing the states and the dS
+  // recurrence share only the records and were run side by side on two streams
+  // once (fifth session): both issue-bound, each ran slower, and the step was
+  // slower on four of five cases, so they run one after the other.
   p.chunk_states = states.data_ptr<float>();
   for (int64_t w = windows - 1; w >= 0; --w) {
     p.slot_begin = w * window;
@@ -112,10 +104,7 @@ void run_backward(const BackwardCall& call, const at::Tensor& like, int64_t wind
     // the checkpoint (and writes it back there at the end: not read again).
     p.carry = w > 0 ? checkpoints[w - 1].data_ptr<float>() : (carry.defined() ? carry.data_ptr<float>() : nullptr);
     launch_prepare(p, stream);
-    records_ready.record(main_stream);
-    records_ready.block(side);
-    launch_recurrence(p, side.stream(), block);
-    states_ready.record(side);
+    launch_recurrence(p, stream, block);
 
     SweepBwdParams sp;
     sp.fwd = p;
@@ -127,9 +116,7 @@ void run_backward(const BackwardCall& call, const at::Tensor& like, int64_t wind
     sp.d_record = d_record.data_ptr<float>();
     sp.d_carry = d_carry.defined() ? d_carry.data_ptr<float>() : nullptr;
     sp.d_initial = call.d_initial;
-    launch_ds_recurrence(sp, stream);
-    states_ready.block(main_stream);
-    launch_record_grads(sp, stream);
+    launch_sweep_backward(sp, stream);
 
     // K1's backward recomputes what it needs of the records from the inputs.
     PrepareBwdParams pp;

@@ -125,18 +125,9 @@ __global__ void __launch_bounds__(kThreads) prepare_backward_kernel(const Prepar
 
   // W and U0, column d: (I + A) X = diag(beta) [k^ exp(G) | v].
   float x[C], y[C];
-#pragma unroll
-  for (int i = 0; i < C; ++i) {
-    float xi = sBeta[i] * kn[i] * E[i];
-    float yi = sBeta[i] * v[i];
-#pragma unroll
-    for (int j = 0; j < i; ++j) {
-      xi -= sA[i][j] * x[j];
-      yi -= sA[i][j] * y[j];
-    }
-    x[i] = xi;
-    y[i] = yi;
-  }
+  forward_substitute(
+      sA, [&](int i) { return make_float2(sBeta[i] * kn[i] * E[i], sBeta[i] * v[i]); }, x, y,
+      [](int, float, float) {});
   // dRw, dRu = (I + A)^-T [dW | dU0], column d: back substitution.
   float rw[C], ru[C];
 #pragma unroll

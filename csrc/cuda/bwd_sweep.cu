@@ -109,17 +109,12 @@ __global__ void __launch_bounds__(kWarps * 32) ds_recurrence_kernel(const SweepB
   const int v0 = vcol0 + vloc;
 
   const int64_t seq_bos = seq_offset(p, n), seq_eos = seq_offset(p, n + 1);
-  const int64_t c_begin = chunk_offset(p, n);
-  const int64_t c_end = min64(chunk_offset(p, n + 1), p.num_slots);
   // The sequence's part of this window [lo, hi), as in K2: its dS starts from
   // grad_final in the window where it ends, and goes to d_initial in the window
-  // where it starts (an empty sequence: where its offset falls).
-  const bool last_window = p.slot_end >= p.num_slots;
-  const bool starts_here = c_begin >= p.slot_begin && (c_begin < p.slot_end || last_window);
-  const bool ends_here = c_end <= p.slot_end || last_window;
-  const int64_t lo = c_begin > p.slot_begin ? c_begin : p.slot_begin;
-  const int64_t hi = min64(c_end, p.slot_end);
-  const int64_t nchunks = hi > lo ? hi - lo : 0;
+  // where it starts.
+  const WindowPart part = window_part(p, n);
+  const bool starts_here = part.starts_here, ends_here = part.ends_here;
+  const int64_t c_begin = part.c_begin, hi = part.hi, nchunks = part.chunks();
   if (nchunks == 0 && !starts_here) {
     return;  // the whole block: nothing of this sequence here
   }
@@ -414,6 +409,22 @@ __device__ __forceinline__ void load_matrix(GradSmem& sm, const float* src, int 
   }
 }
 
+// The warp's slice of a record gradient, tokens [16] x key columns v0.. +16,
+// from its bf16x3 accumulators (C fragments), into the row-major [16][128] at dst.
+template <bool kNegate>
+__device__ __forceinline__ void store_slice(float* dst, const float (&acc)[3][2][4], int v0, int g, int t4) {
+#pragma unroll
+  for (int nt = 0; nt < 2; ++nt) {
+    const int k = v0 + 8 * nt + 2 * t4;
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int t = g + 8 * half, e = 2 * half;
+      const float x = sum3(acc, nt, e), y = sum3(acc, nt, e + 1);
+      *reinterpret_cast<float2*>(dst + t * D + k) = kNegate ? make_float2(-x, -y) : make_float2(x, y);
+    }
+  }
+}
+
 template <bool kDoutFp32>
 __global__ void __launch_bounds__(kGradThreads, 2) record_grads_kernel(const SweepBwdParams bp) {
   const FwdParams& p = bp.fwd;
@@ -525,16 +536,8 @@ __global__ void __launch_bounds__(kGradThreads, 2) record_grads_kernel(const Swe
         mma3(aw, nt, duh, dul, sh[2 * nt], sh[2 * nt + 1], sl[2 * nt], sl[2 * nt + 1], kv == 0);
       }
     }
-#pragma unroll
-    for (int nt = 0; nt < 2; ++nt) {
-      const int k = v0 + 8 * nt + 2 * t4;
-#pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        const int t = g + 8 * half, e = 2 * half;
-        *reinterpret_cast<float2*>(dr + kDRecQs + t * D + k) = make_float2(sum3(aq, nt, e), sum3(aq, nt, e + 1));
-        *reinterpret_cast<float2*>(dr + kDRecW + t * D + k) = make_float2(-sum3(aw, nt, e), -sum3(aw, nt, e + 1));
-      }
-    }
+    store_slice<false>(dr + kDRecQs, aq, v0, g, t4);
+    store_slice<true>(dr + kDRecW, aw, v0, g, t4);
   }
   if (warp == kGradWarps - 1) {
     // dAqk [i][j] = sum_v dO[i][v] U[j][v]: B (k = v, n = j) is U's plane as it
@@ -584,15 +587,7 @@ __global__ void __launch_bounds__(kGradThreads, 2) record_grads_kernel(const Swe
         mma3(ak, nt, uh, ul, dh[2 * nt], dh[2 * nt + 1], dl[2 * nt], dl[2 * nt + 1], kv == 0);
       }
     }
-#pragma unroll
-    for (int nt = 0; nt < 2; ++nt) {
-      const int k = v0 + 8 * nt + 2 * t4;
-#pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        const int t = g + 8 * half, e = 2 * half;
-        *reinterpret_cast<float2*>(dr + kDRecKd + t * D + k) = make_float2(sum3(ak, nt, e), sum3(ak, nt, e + 1));
-      }
-    }
+    store_slice<false>(dr + kDRecKd, ak, v0, g, t4);
   }
   if (tid < D) {
     float a = 0.f;
@@ -606,7 +601,7 @@ __global__ void __launch_bounds__(kGradThreads, 2) record_grads_kernel(const Swe
 
 }  // namespace
 
-void launch_ds_recurrence(const SweepBwdParams& bp, cudaStream_t stream) {
+void launch_sweep_backward(const SweepBwdParams& bp, cudaStream_t stream) {
   if (bp.fwd.N == 0 || bp.fwd.H == 0) {
     return;
   }
@@ -614,12 +609,6 @@ void launch_ds_recurrence(const SweepBwdParams& bp, cudaStream_t stream) {
     launch_ds_for<true>(bp, stream);
   } else {
     launch_ds_for<false>(bp, stream);
-  }
-}
-
-void launch_record_grads(const SweepBwdParams& bp, cudaStream_t stream) {
-  if (bp.fwd.N == 0 || bp.fwd.H == 0) {
-    return;
   }
   const int64_t blocks = (bp.fwd.slot_end - bp.fwd.slot_begin) * bp.fwd.H;
   if (blocks == 0) {

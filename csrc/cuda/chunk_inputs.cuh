@@ -55,6 +55,28 @@ __device__ __forceinline__ void reduce_rows32(const float (*X)[kPad], const floa
   }
 }
 
+// Forward substitution with the unit lower triangular I + A (A = sA, strictly
+// lower, [16][16 + 1]), column d of two right-hand sides at once: row i of the
+// right-hand sides is rhs(i) (a float2, x then y), already scaled by beta; row(i,
+// x_i, y_i) is called as each row is solved (K1 stores its record there).
+template <typename Rhs, typename Row>
+__device__ __forceinline__ void forward_substitute(const float (*sA)[kChunk + 1], Rhs rhs, float (&x)[kChunk],
+                                                   float (&y)[kChunk], Row row) {
+#pragma unroll
+  for (int i = 0; i < kChunk; ++i) {
+    const float2 r = rhs(i);
+    float xi = r.x, yi = r.y;
+#pragma unroll
+    for (int j = 0; j < i; ++j) {
+      xi -= sA[i][j] * x[j];
+      yi -= sA[i][j] * y[j];
+    }
+    x[i] = xi;
+    y[i] = yi;
+    row(i, xi, yi);
+  }
+}
+
 // Loads the chunk and computes G (into gsum), sigmoid(beta) (sBeta), and the
 // inverse norms of q's and k's rows (sInvNorm[0], [1]); sQ and sK keep the raw
 // rows. Rows past the sequence's end are zeros with lambda = 0 and beta = 0, so

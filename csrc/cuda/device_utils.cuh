@@ -66,6 +66,31 @@ __device__ __forceinline__ int64_t chunk_offset(const FwdParams& p, int64_t n) {
   return p.chunk_offsets != nullptr ? p.chunk_offsets[n] : n * ((p.T + kChunk - 1) / kChunk);
 }
 
+// Sequence n's part of a launch's window of chunk slots [slot_begin,
+// slot_end): its chunks [lo, hi) (none where hi <= lo), and whether its state
+// starts in this window (where the sequence starts; an empty sequence: where its
+// offset falls, the last window for one at the very end) and ends in it (where
+// it ends, or the last window). K2 carries the state through the parts forward,
+// the backward's dS recurrence carries dS through them backward.
+struct WindowPart {
+  int64_t c_begin = 0;  // the sequence's first chunk slot
+  int64_t lo = 0, hi = 0;
+  bool starts_here = false, ends_here = false;
+  __device__ __forceinline__ int64_t chunks() const { return hi > lo ? hi - lo : 0; }
+};
+
+__device__ __forceinline__ WindowPart window_part(const FwdParams& p, int64_t n) {
+  WindowPart w;
+  w.c_begin = chunk_offset(p, n);
+  const int64_t c_end = min64(chunk_offset(p, n + 1), p.num_slots);
+  const bool last_window = p.slot_end >= p.num_slots;
+  w.starts_here = w.c_begin >= p.slot_begin && (w.c_begin < p.slot_end || last_window);
+  w.ends_here = c_end <= p.slot_end || last_window;
+  w.lo = w.c_begin > p.slot_begin ? w.c_begin : p.slot_begin;
+  w.hi = min64(c_end, p.slot_end);
+  return w;
+}
+
 // The sequence that owns chunk slot `slot` < chunk_offset(p, N): the largest n
 // with chunk_offset(p, n) <= slot (offsets are non-decreasing; empty sequences
 // share an offset with the next one, and the largest index skips them).

@@ -19,8 +19,8 @@
 namespace kda::cuda {
 
 // The chunk slots per window for this call: params.num_slots for one pass.
-// Reads TORCH_KDA_WINDOW_SLOTS (raises on a bad value).
-int64_t window_slots(const FwdParams& params);
+// Reads TORCH_KDA_WINDOW_SLOTS (raises on a bad value, naming `op`, the op called).
+int64_t window_slots(const FwdParams& params, const char* op);
 
 // Allocates the workspace (and carry), fills the window fields of `params` and
 // enqueues the kernels on the current stream of `like`'s device, in windows of

@@ -93,20 +93,12 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm) prepare_kernel(cons
   // Forward substitution with the unit lower triangular (I + A_kk), column d
   // of both right-hand sides: diag(beta) k^ exp(G) and diag(beta) v.
   float x[C], y[C];
-#pragma unroll
-  for (int i = 0; i < C; ++i) {
-    float xi = sBeta[i] * sKe[i][d];
-    float yi = sBeta[i] * v[i];
-#pragma unroll
-    for (int j = 0; j < i; ++j) {
-      xi -= sA[i][j] * x[j];
-      yi -= sA[i][j] * y[j];
-    }
-    x[i] = xi;
-    y[i] = yi;
-    store_split(ws + kWsW, kPlaneBytes, plane_index(i, d), xi);
-    ws_u0[i * D + d] = yi;
-  }
+  forward_substitute(
+      sA, [&](int i) { return make_float2(sBeta[i] * sKe[i][d], sBeta[i] * v[i]); }, x, y,
+      [&](int i, float xi, float yi) {
+        store_split(ws + kWsW, kPlaneBytes, plane_index(i, d), xi);
+        ws_u0[i * D + d] = yi;
+      });
 }
 
 }  // namespace

@@ -148,17 +148,12 @@ __global__ void __launch_bounds__(kWarps * 32) recurrence_kernel(const FwdParams
   const int mi = lane / 8, mr = lane % 8;
 
   const int64_t seq_bos = seq_offset(p, n), seq_eos = seq_offset(p, n + 1);
-  const int64_t c_begin = chunk_offset(p, n);
-  const int64_t c_end = min64(chunk_offset(p, n + 1), p.num_slots);
   // The sequence's part of this launch's window of slots. Its state comes from
-  // initial_state in the window where the sequence starts (an empty one: where
-  // its offset falls, the last window for one at the very end) and goes to
+  // initial_state in the window where the sequence starts and goes to
   // final_state in the window where it ends; in between it waits in the carry.
-  const bool last_window = p.slot_end >= p.num_slots;
-  const bool starts_here = c_begin >= p.slot_begin && (c_begin < p.slot_end || last_window);
-  const bool ends_here = c_end <= p.slot_end || last_window;
-  const int64_t lo = c_begin > p.slot_begin ? c_begin : p.slot_begin;
-  const int64_t nchunks = min64(c_end, p.slot_end) > lo ? min64(c_end, p.slot_end) - lo : 0;
+  const WindowPart part = window_part(p, n);
+  const bool starts_here = part.starts_here, ends_here = part.ends_here;
+  const int64_t c_begin = part.c_begin, lo = part.lo, nchunks = part.chunks();
   if (nchunks == 0 && !starts_here) {
     return;  // the whole block: nothing of this sequence here
   }

@@ -37,14 +37,9 @@ void launch_prepare_backward(const PrepareBwdParams& params, cudaStream_t stream
 
 // The backward sweep (bwd_sweep.cu), two kernels: the dS recurrence (row
 // groups of each (sequence, head) spread over blocks, backward over its chunks;
-// dU, dS at each chunk's end, the initial state's gradient), which does not read
-// params.states, then one block per (chunk slot, head) for the record gradients.
-void launch_ds_recurrence(const SweepBwdParams& params, cudaStream_t stream);
-void launch_record_grads(const SweepBwdParams& params, cudaStream_t stream);
-inline void launch_sweep_backward(const SweepBwdParams& params, cudaStream_t stream) {
-  launch_ds_recurrence(params, stream);
-  launch_record_grads(params, stream);
-}
+// dU, dS at each chunk's end, the initial state's gradient), then one block per
+// (chunk slot, head) for the record gradients.
+void launch_sweep_backward(const SweepBwdParams& params, cudaStream_t stream);
 
 // TORCH_KDA_RECURRENCE_BLOCK=WxS forces K2's block shape (8x1, 4x1, 2x1 or
 // 4x4), for measurements and tests: the shape, or kAuto when unset; raises on

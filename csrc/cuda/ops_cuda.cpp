@@ -208,7 +208,7 @@ void forward_into(const char* op, const Problem& p, const Tensor& q, const Tenso
   // Both settings are read before K1 and K2 are enqueued, so a bad one leaves
   // no kernel behind that writes the caller's tensors.
   const RecurrenceBlock block = forced_recurrence_block();
-  int64_t window = window_slots(params);
+  int64_t window = window_slots(params, op);
   // Windows (forward_schedule.h) write outputs before they read every input:
   // only when no output shares memory with an input.
   if (window < params.num_slots) {
@@ -327,6 +327,14 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> bwd(
                              cu_seqlens);
 }
 
+// An fp32 intermediate that a private test op takes in (what the backward's
+// kernels pass each other): contiguous, on q's device, of exactly this shape.
+void check_scratch_input(const char* op, const char* name, const Tensor& t, const Tensor& q,
+                         at::IntArrayRef shape) {
+  TORCH_CHECK(t.device() == q.device() && t.scalar_type() == at::kFloat && t.is_contiguous() && t.sizes() == shape,
+              op, ": ", name, " must be a contiguous float32 tensor on q's device of shape ", shape);
+}
+
 // kda::_prepare_bwd (not API): K1's backward alone, for its GPU test.
 std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> prepare_bwd(const Tensor& q, const Tensor& k, const Tensor& v,
                                                                const Tensor& g, const Tensor& beta,
@@ -337,11 +345,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> prepare_bwd(const Tensor& q, 
   Problem p = check_all(op, q, k, v, g, beta, A_log, dt_bias, scale, lower_bound, std::nullopt, std::nullopt);
   const int64_t B = concrete(p.B), T = concrete(p.T), H = concrete(p.H);
   const int64_t slots = B * ((T + kChunk - 1) / kChunk);
-  TORCH_CHECK(d_record.device() == q.device() && d_record.scalar_type() == at::kFloat && d_record.is_contiguous() &&
-                  d_record.dim() == 3 && d_record.size(0) == slots && d_record.size(1) == H &&
-                  d_record.size(2) == kDRecFloats,
-              op, ": d_record must be a contiguous float32 tensor on q's device of shape [", int_str(slots), ", ",
-              int_str(H), ", ", int_str(kDRecFloats), "]");
+  check_scratch_input(op, "d_record", d_record, q, {slots, H, kDRecFloats});
   c10::cuda::CUDAGuard guard(q.device());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(q.device().index()).stream();
   CallInputs in = call_inputs(p, q, k, v, g, beta, A_log, dt_bias, sequence_boundaries(op, p, q, std::nullopt, stream));
@@ -371,11 +375,7 @@ std::tuple<Tensor, Tensor> sweep_bwd(const Tensor& q, const Tensor& k, const Ten
   Problem p = check_all(op, q, k, v, g, beta, A_log, dt_bias, scale, lower_bound, std::nullopt, std::nullopt);
   const int64_t B = concrete(p.B), T = concrete(p.T), H = concrete(p.H);
   const int64_t slots = B * ((T + kChunk - 1) / kChunk);
-  TORCH_CHECK(states.device() == q.device() && states.scalar_type() == at::kFloat && states.is_contiguous() &&
-                  states.dim() == 4 && states.size(0) == slots && states.size(1) == H &&
-                  states.size(2) == kHeadDim && states.size(3) == kHeadDim,
-              op, ": states must be a contiguous float32 tensor on q's device of shape [", int_str(slots), ", ",
-              int_str(H), ", 128, 128]");
+  check_scratch_input(op, "states", states, q, {slots, H, kHeadDim, kHeadDim});
   TORCH_CHECK(grad_out.device() == q.device() && grad_out.scalar_type() == at::kBFloat16 &&
                   grad_out.sizes() == v.sizes(),
               op, ": grad_out must be a bfloat16 tensor on q's device shaped like v");
