@@ -34,7 +34,13 @@ def product(a, b, mode):
     if mode == "bf16":
         return a_hi @ b_hi
     a_lo, b_lo = (a - a_hi).to(BF16).float(), (b - b_hi).to(BF16).float()
-    return a_hi @ b_hi + a_hi @ b_lo + a_lo @ b_hi  # "bf16x3"
+    if mode == "bf16x3":
+        return a_hi @ b_hi + a_hi @ b_lo + a_lo @ b_hi
+    # "<type>x2": the state-side operand b (S or U) split into a hi and a lo part,
+    # the record's operand a rounded once: two products.
+    low = {"bf16x2": BF16, "fp16x2": torch.float16}[mode]
+    a1, b_hi = a.to(low).float(), b.to(low).float()
+    return a1 @ b_hi + a1 @ (b - b_hi).to(low).float()
 
 
 def chunked_forward(q, k, v, g, beta, A_log, dt_bias, h0, lower_bound, mode):
@@ -82,7 +88,7 @@ def main():
             *(x.double()[None, :, None] for x in (q, k, v, g, beta)), A_log.double(), dt_bias.double(),
             lower_bound=-5.0, initial_state=h0.double()[None, None])
         ref_out, ref_state = ref_out[0, :, 0], ref_state[0, 0]
-        for mode in ("fp32", "bf16x3", "tf32", "bf16"):
+        for mode in ("fp32", "bf16x3", "fp16x2", "bf16x2", "tf32", "bf16"):
             out, state = chunked_forward(q, k, v, g, beta, A_log, dt_bias, h0, -5.0, mode)
             e_out = ((out.double() - ref_out).norm() / ref_out.norm()).item()
             e_state = ((state.double() - ref_state).norm() / ref_state.norm()).item()

@@ -134,7 +134,7 @@ def test_every_block_width_matches_reference(H):
     assert e_out <= 5e-3 and e_state <= 1e-4
 
 
-@pytest.mark.parametrize("shape", ["8x1", "4x1", "2x1", "4x4"])
+@pytest.mark.parametrize("shape", ["8x1", "4x1", "2x1", "2x2", "4x4"])
 def test_forced_block_shapes_match_reference(shape, monkeypatch):
     """TORCH_KDA_RECURRENCE_BLOCK (a measurement knob) runs any block shape on any
     problem: each on a varlen batch with an empty sequence and a partial chunk."""
@@ -148,7 +148,7 @@ def test_forced_block_shapes_match_reference(shape, monkeypatch):
 def test_forced_block_shape_is_checked(monkeypatch):
     d, g = cuda_inputs(B=1, T=40, H=2)
     monkeypatch.setenv("TORCH_KDA_RECURRENCE_BLOCK", "16x1")
-    with pytest.raises(RuntimeError, match="TORCH_KDA_RECURRENCE_BLOCK must be one of 8x1, 4x1, 2x1, 4x4, got '16x1'"):
+    with pytest.raises(RuntimeError, match="TORCH_KDA_RECURRENCE_BLOCK must be one of 8x1, 4x1, 2x1, 2x2, 4x4, got '16x1'"):
         run_cuda(g)
 
 

@@ -180,6 +180,10 @@ __global__ void __launch_bounds__(kWarps * 32) ds_recurrence_kernel(const SweepB
 
   for (int64_t c = 0; c < nchunks; ++c) {
     const int64_t slot = hi - 1 - c, wslot = slot - p.slot_begin;
+    // One barrier a step (as K2): chunk c's stage is complete and every warp
+    // has left step c - 1, whose stage is the one refilled here.
+    cp_async_wait<kSt - 2>();
+    __syncthreads();
     if (c + kSt - 1 < nchunks) {
       load_stage(stages[(c + kSt - 1) % kSt], c + kSt - 1);
     }
@@ -193,8 +197,6 @@ __global__ void __launch_bounds__(kWarps * 32) ds_recurrence_kernel(const SweepB
         *reinterpret_cast<float2*>(out + 8 * D + k0) = make_float2(ds[j][2], ds[j][3]);
       }
     }
-    cp_async_wait<kSt - 1>();
-    __syncthreads();
     const St& st = stages[c % kSt];
 
     // dO^T as an A operand (rows: the warp's value channels; k: the tokens).
@@ -282,7 +284,6 @@ __global__ void __launch_bounds__(kWarps * 32) ds_recurrence_kernel(const SweepB
         ds[j][3] = fmaf(ds[j][3], decay.y, upd[h2][3]);
       }
     }
-    __syncthreads();  // the stage is refilled kSt - 1 steps on
   }
 
   float* ds_out = starts_here ? bp.d_initial : bp.d_carry;
@@ -435,6 +436,9 @@ __global__ void __launch_bounds__(kGradThreads, 2) record_grads_kernel(const Swe
   const int64_t h = blockIdx.x % H;
   const int64_t wslot = blockIdx.x / H;  // per-slot buffers are indexed from the window's first slot
   const int64_t slot = p.slot_begin + wslot;
+  if (slot >= chunk_offset(p, p.N)) {
+    return;  // a varlen call's capacity past its live chunks: nothing wrote states or dS there
+  }
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   const int g = lane / 4, t4 = lane % 4;
   const int mi = lane / 8, mr = lane % 8;

@@ -191,6 +191,12 @@ __global__ void __launch_bounds__(kWarps * 32) recurrence_kernel(const FwdParams
 
   __nv_bfloat16* out = static_cast<__nv_bfloat16*>(p.out);
   for (int64_t c = 0; c < nchunks; ++c) {
+    // One barrier a step: it shows chunk c's stage to every warp and tells that
+    // every warp has left step c - 1, whose stage (the one refilled next), partial
+    // sums and out tile rows are then free (each warp reads back only the out
+    // rows it wrote).
+    cp_async_wait<kSt - 2>();
+    __syncthreads();
     if (c + kSt - 1 < nchunks) {
       load_stage<Cfg::kCols, Cfg::kThreads>(stages[(c + kSt - 1) % kSt], first + (c + kSt - 1) * stride, vcol0,
                                             tid);
@@ -205,8 +211,6 @@ __global__ void __launch_bounds__(kWarps * 32) recurrence_kernel(const FwdParams
         store_state_pair(p.chunk_states, cs + 8 * D + k0, true, s[j][2], s[j][3]);
       }
     }
-    cp_async_wait<kSt - 1>();
-    __syncthreads();
     const St& st = stages[c % kSt];
 
     // S W^T and S Qs^T over the warp's key columns, 16 at a time; each of the
@@ -348,7 +352,6 @@ __global__ void __launch_bounds__(kWarps * 32) recurrence_kernel(const FwdParams
         s[j][3] = fmaf(s[j][3], decay.y, upd[h2][3]);
       }
     }
-    __syncthreads();  // the stage, the out tile and the partial sums are rewritten next iteration
   }
 
   void* state_out = ends_here ? p.final_state : p.carry;
@@ -386,11 +389,12 @@ RecurrenceBlock forced_recurrence_block() {
     return RecurrenceBlock::kAuto;
   }
   const std::string shape(env);
-  TORCH_CHECK(shape == "8x1" || shape == "4x1" || shape == "2x1" || shape == "4x4",
-              "kda.fwd: TORCH_KDA_RECURRENCE_BLOCK must be one of 8x1, 4x1, 2x1, 4x4, got '", shape, "'");
+  TORCH_CHECK(shape == "8x1" || shape == "4x1" || shape == "2x1" || shape == "2x2" || shape == "4x4",
+              "kda.fwd: TORCH_KDA_RECURRENCE_BLOCK must be one of 8x1, 4x1, 2x1, 2x2, 4x4, got '", shape, "'");
   return shape == "8x1"   ? RecurrenceBlock::k8x1
          : shape == "4x1" ? RecurrenceBlock::k4x1
          : shape == "2x1" ? RecurrenceBlock::k2x1
+         : shape == "2x2" ? RecurrenceBlock::k2x2
                           : RecurrenceBlock::k4x4;
 }
 
@@ -420,6 +424,9 @@ void launch_recurrence(const FwdParams& p, cudaStream_t stream, RecurrenceBlock 
       break;
     case RecurrenceBlock::k2x1:
       launch<2, 1>(p, stream);
+      break;
+    case RecurrenceBlock::k2x2:
+      launch<2, 2>(p, stream);
       break;
     default:
       launch<4, 4>(p, stream);
