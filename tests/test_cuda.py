@@ -125,9 +125,10 @@ def test_hard_case_long_sequence():
 @pytest.mark.parametrize("H", [16, 32, 64, 96, 256])
 def test_every_block_width_matches_reference(H):
     """The recurrence picks its block shape by N * H over the SM count; on a 132-SM
-    H200, H = 16 splits each row group's key columns over four warps, 32 runs two
-    full-width warps per block, 64, 96 and 256 four (256: two waves). Eight-warp
-    blocks run only when forced (test_forced_block_shapes_match_reference)."""
+    H200, H = 16 splits each row group's key columns over four warps, 32 over two,
+    64, 96 and 256 run four full-width warps per block (256: two waves). Eight- and
+    two-warp full-width blocks run only when forced
+    (test_forced_block_shapes_match_reference)."""
     d, g = cuda_inputs(B=1, T=200, H=H, state_dtype=torch.float32)
     e_out, e_state, _, _ = errors(d, g)
     print(f"\nH={H} on {torch.cuda.get_device_properties(0).multi_processor_count} SMs: out rel {e_out:.2e}, state rel {e_state:.2e}")

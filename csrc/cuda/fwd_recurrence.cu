@@ -406,14 +406,15 @@ void launch_recurrence(const FwdParams& p, cudaStream_t stream, RecurrenceBlock 
   // per 16 value rows of a head) go four to a block, two blocks per SM by
   // registers: measured faster than eight-warp blocks, which share a staged
   // chunk twice as widely (K2 1.110 -> 1.053 ms at 8192 x 96, 0.868 -> 0.815 at
-  // 8 x 1024 x 96, 2.360 -> 2.189 at 8 x 8192 x 32; H200). Where each SM must
-  // run only two, two-warp blocks (the key-column split measured slower there:
-  // 0.597 vs 0.555 ms at 8192 x 32). At one per SM, most of each SM would idle
-  // while a single warp walks the sequence: four warps split the row group's
-  // key columns instead.
+  // 8 x 1024 x 96, 2.360 -> 2.189 at 8 x 8192 x 32; H200), and than two-warp
+  // blocks (1.024 -> 1.198 at 8192 x 96). Where each SM would run only two
+  // full-width warps, each row group's key columns are split over two warps
+  // (K2 0.571 -> 0.464 ms at 8192 x 32, 2.318 -> 1.893 at 32768 x 32; a four-way
+  // split measured slower there, 0.597 vs 0.555); at one per SM, over four
+  // (0.409 ms at 8192 x 16, where the two-way split took 0.440).
   if (block == RecurrenceBlock::kAuto) {
     const int64_t warps_per_sm = recurrence_warps_per_sm(p);
-    block = warps_per_sm > 2 ? RecurrenceBlock::k4x1 : warps_per_sm > 1 ? RecurrenceBlock::k2x1 : RecurrenceBlock::k4x4;
+    block = warps_per_sm > 2 ? RecurrenceBlock::k4x1 : warps_per_sm > 1 ? RecurrenceBlock::k2x2 : RecurrenceBlock::k4x4;
   }
   switch (block) {
     case RecurrenceBlock::k8x1:
