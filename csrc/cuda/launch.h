@@ -25,7 +25,7 @@ void launch_prepare(const FwdParams& params, cudaStream_t stream);
 enum class RecurrenceBlock { kAuto, k8x1, k4x1, k2x1, k2x2, k4x4 };
 
 // K2: sequential over chunks; a row group of 16 value rows of one (sequence,
-// head) per warp, or per four warps when its key columns are split; blocks of
+// head) per warp, or per two or four warps when its key columns are split; blocks of
 // two or four warps (eight only when forced). Carries the fp32 state on chip in
 // tensor-core accumulators, writes out and final_state.
 void launch_recurrence(const FwdParams& params, cudaStream_t stream, RecurrenceBlock block);
