@@ -383,14 +383,14 @@ void launch(const FwdParams& p, cudaStream_t stream) {
 
 }  // namespace
 
-RecurrenceBlock forced_recurrence_block() {
+RecurrenceBlock forced_recurrence_block(const char* op) {
   const char* env = std::getenv("TORCH_KDA_RECURRENCE_BLOCK");
   if (env == nullptr || *env == '\0') {
     return RecurrenceBlock::kAuto;
   }
   const std::string shape(env);
   TORCH_CHECK(shape == "8x1" || shape == "4x1" || shape == "2x1" || shape == "2x2" || shape == "4x4",
-              "kda.fwd: TORCH_KDA_RECURRENCE_BLOCK must be one of 8x1, 4x1, 2x1, 2x2, 4x4, got '", shape, "'");
+              op, ": TORCH_KDA_RECURRENCE_BLOCK must be one of 8x1, 4x1, 2x1, 2x2, 4x4, got '", shape, "'");
   return shape == "8x1"   ? RecurrenceBlock::k8x1
          : shape == "4x1" ? RecurrenceBlock::k4x1
          : shape == "2x1" ? RecurrenceBlock::k2x1

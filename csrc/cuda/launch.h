@@ -43,9 +43,9 @@ void launch_sweep_backward(const SweepBwdParams& params, cudaStream_t stream);
 
 // TORCH_KDA_RECURRENCE_BLOCK=WxS forces K2's block shape (8x1, 4x1, 2x1, 2x2
 // or 4x4), for measurements and tests: the shape, or kAuto when unset; raises on
-// any other value. Read once per call, before K1 and K2 are enqueued, so a bad
-// value leaves no kernel behind that writes the caller's tensors.
-RecurrenceBlock forced_recurrence_block();
+// any other value, naming `op` (the op called). Read once per call, before K1 and
+// K2 are enqueued, so a bad value leaves no kernel behind that writes the caller's tensors.
+RecurrenceBlock forced_recurrence_block(const char* op);
 
 // The warps that K2 gives each SM when every (sequence, head) has its eight row
 // groups resident at once; its block shape follows from this.

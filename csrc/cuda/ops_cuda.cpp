@@ -207,7 +207,7 @@ void forward_into(const char* op, const Problem& p, const Tensor& q, const Tenso
 
   // Both settings are read before K1 and K2 are enqueued, so a bad one leaves
   // no kernel behind that writes the caller's tensors.
-  const RecurrenceBlock block = forced_recurrence_block();
+  const RecurrenceBlock block = forced_recurrence_block(op);
   int64_t window = window_slots(params, op);
   // Windows (forward_schedule.h) write outputs before they read every input:
   // only when no output shares memory with an input.
@@ -266,7 +266,7 @@ BackwardTuple backward_by_kernels(const Problem& p, const Tensor& grad_out, cons
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(q.device().index()).stream();
   const int64_t H = concrete(p.H), N = concrete(p.N);
   // Read before any kernel is enqueued: a bad value leaves none behind.
-  const RecurrenceBlock block = forced_recurrence_block();
+  const RecurrenceBlock block = forced_recurrence_block(op);
   Boundaries bounds = sequence_boundaries(op, p, q, cu_seqlens, stream);
   CallInputs in = call_inputs(p, q, k, v, g, beta, A_log, dt_bias, bounds);
   const int64_t window = backward_window_slots(
