@@ -34,8 +34,8 @@ constexpr int C = kChunk;
 constexpr int D = kHeadDim;
 static_assert(C == 16, "the fragments below assume 16-token chunks");
 
-// The record's planes in order (params.h): Qs, W, Kd (hi, lo each), then Aqk's two.
-constexpr int kQsHi = 0, kQsLo = 1, kWHi = 2, kWLo = 3, kKdHi = 4, kKdLo = 5;
+// The record's [16][128] planes before Aqk's hi plane, in order (params.h).
+constexpr int kQsHi = 0, kWHi = 1, kWLo = 2, kKdHi = 3, kKdLo = 4;
 
 template <int kTerms, int kNt>
 __device__ __forceinline__ float sum3(const float (&acc)[kTerms][kNt][4], int nt, int e) {
@@ -70,8 +70,11 @@ struct DsConfig {
 
 template <int kWarps, bool kDoutFp32>
 struct __align__(16) DsStage {
-  __nv_bfloat16 mat[6][C * D];  // Qs, W, Kd hi/lo: the record's planes, verbatim
-  __nv_bfloat16 aqk[2][C * C];
+  // The record's bf16 part, verbatim: Qs hi, W and Kd hi/lo; Aqk hi; Qs lo; Aqk lo.
+  __nv_bfloat16 mat[5][C * D];
+  __nv_bfloat16 aqk_hi[C * C];
+  __nv_bfloat16 qs_lo[C * D];
+  __nv_bfloat16 aqk_lo[C * C];
   float gl[D];
   unsigned char dout[C * DsConfig<kWarps, kDoutFp32>::kDoutPitch];  // dO [t][block's v], as given; zero past the end
 };
@@ -90,8 +93,9 @@ __global__ void __launch_bounds__(kWarps * 32) ds_recurrence_kernel(const SweepB
   using Cfg = DsConfig<kWarps, kDoutFp32>;
   using St = DsStage<kWarps, kDoutFp32>;
   constexpr int kSt = Cfg::kStages;
-  static_assert(offsetof(St, aqk) == kWsAqk && sizeof(St::mat) + sizeof(St::aqk) == kWsU0,
-                "mat and aqk are one verbatim copy of the record's bf16 part");
+  static_assert(offsetof(St, aqk_hi) == kWsAqk && offsetof(St, qs_lo) == kWsQsLo && offsetof(St, aqk_lo) == kWsAqkLo &&
+                    offsetof(St, gl) == kWsU0,
+                "one verbatim copy of the record's bf16 part");
   const FwdParams& p = bp.fwd;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   St* stages = reinterpret_cast<St*>(smem_raw);
@@ -233,8 +237,8 @@ __global__ void __launch_bounds__(kWarps * 32) ds_recurrence_kernel(const SweepB
     {
       const int arow = (mi % 2) * 8 + mr, acol = (mi / 2) * 8;
       uint32_t ah[4], al[4];
-      ldmatrix_x4_trans(ah, &st.aqk[0][arow * C + acol]);
-      ldmatrix_x4_trans(al, &st.aqk[1][arow * C + acol]);
+      ldmatrix_x4_trans(ah, &st.aqk_hi[arow * C + acol]);
+      ldmatrix_x4_trans(al, &st.aqk_lo[arow * C + acol]);
 #pragma unroll
       for (int nt = 0; nt < 2; ++nt) {
         mma3(acc_du, nt, oh, ol, ah[2 * nt], ah[2 * nt + 1], al[2 * nt], al[2 * nt + 1]);
@@ -266,7 +270,7 @@ __global__ void __launch_bounds__(kWarps * 32) ds_recurrence_kernel(const SweepB
       const int row = (mi % 2) * 8 + mr, piece = 2 * jj + mi / 2;
       uint32_t qh[4], ql[4], wh[4], wl[4];
       ldmatrix_x4_trans(qh, plane_piece(st.mat[kQsHi], row, piece));
-      ldmatrix_x4_trans(ql, plane_piece(st.mat[kQsLo], row, piece));
+      ldmatrix_x4_trans(ql, plane_piece(st.qs_lo, row, piece));
       ldmatrix_x4_trans(wh, plane_piece(st.mat[kWHi], row, piece));
       ldmatrix_x4_trans(wl, plane_piece(st.mat[kWLo], row, piece));
       float upd[2][4];

@@ -36,12 +36,14 @@ __device__ __forceinline__ const __nv_bfloat16* plane_piece(const __nv_bfloat16*
   return plane + row * kHeadDim + ((piece ^ (row & 7)) << 3);
 }
 
-// x as hi = bf16(x) in the plane at `planes` and lo = bf16(x - hi) in the plane
-// `plane_bytes` after it (see the workspace layout in params.h).
-__device__ __forceinline__ void store_split(unsigned char* planes, int plane_bytes, int index, float x) {
+// x as hi = bf16(x) in the plane at `planes` and, with `lo`, lo = bf16(x - hi)
+// in the plane `lo_bytes` after it (see the workspace layout in params.h).
+__device__ __forceinline__ void store_split(unsigned char* planes, int lo_bytes, int index, float x, bool lo = true) {
   const __nv_bfloat16 hi = __float2bfloat16_rn(x);
   reinterpret_cast<__nv_bfloat16*>(planes)[index] = hi;
-  reinterpret_cast<__nv_bfloat16*>(planes + plane_bytes)[index] = __float2bfloat16_rn(x - __bfloat162float(hi));
+  if (lo) {
+    reinterpret_cast<__nv_bfloat16*>(planes + lo_bytes)[index] = __float2bfloat16_rn(x - __bfloat162float(hi));
+  }
 }
 
 __device__ __forceinline__ int64_t min64(int64_t a, int64_t b) {

@@ -58,7 +58,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm) prepare_kernel(cons
     sQe[i][d] = qn * e;
     sKe[i][d] = kn * e;
     sKi[i][d] = kn * e_inv;
-    store_split(ws + kWsQs, kPlaneBytes, plane_index(i, d), p.scale * qn * e);
+    store_split(ws + kWsQs, kWsQsLo - kWsQs, plane_index(i, d), p.scale * qn * e, p.lo_for_backward);
     store_split(ws + kWsKd, kPlaneBytes, plane_index(i, d), kn * (e_last * e_inv));
   }
   reinterpret_cast<float*>(ws + kWsGl)[d] = e_last;
@@ -85,8 +85,8 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm) prepare_kernel(cons
     }
     sA[i0][j] = j < i0 ? sBeta[i0] * kk0 : 0.f;
     sA[i1][j] = j < i1 ? sBeta[i1] * kk1 : 0.f;
-    store_split(ws + kWsAqk, kAqkPlaneBytes, i0 * C + j, j <= i0 ? p.scale * qk0 : 0.f);
-    store_split(ws + kWsAqk, kAqkPlaneBytes, i1 * C + j, j <= i1 ? p.scale * qk1 : 0.f);
+    store_split(ws + kWsAqk, kWsAqkLo - kWsAqk, i0 * C + j, j <= i0 ? p.scale * qk0 : 0.f, p.lo_for_backward);
+    store_split(ws + kWsAqk, kWsAqkLo - kWsAqk, i1 * C + j, j <= i1 ? p.scale * qk1 : 0.f, p.lo_for_backward);
   }
   __syncthreads();
 

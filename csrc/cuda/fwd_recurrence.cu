@@ -11,10 +11,11 @@
 // chunk's operands, which the block stages in shared memory one or two chunks
 // ahead with cp.async. The launcher sizes blocks to the warps each SM must run.
 //
-// Per chunk, per row group (v: its 16 rows; c: the 16 tokens), products in
-// bf16x3 (mma.cuh), so an fp32 state stays fp32-accurate:
+// Per chunk, per row group (v: its 16 rows; c: the 16 tokens), the state's
+// products in bf16x3 (mma.cuh), so an fp32 state stays fp32-accurate, and the
+// output's with the record side in bf16 alone (params.h):
 //   U^T = U0^T - S W^T
-//   O^T = S Qs^T + U^T Aqk^T       -> out
+//   O^T = S Qs^T + U^T Aqk^T       -> out (not in the backward's passes)
 //   S   = S diag(gl) + U^T Kd
 #include <c10/cuda/CUDAException.h>
 
@@ -31,36 +32,38 @@ namespace {
 
 constexpr int C = kChunk;
 constexpr int D = kHeadDim;
-// Chunks staged ahead: three hide L2 latency behind a step; a block of eight
-// full-width warps (one per SM, by registers) steps slowly enough for two.
+// Chunks staged ahead (the ring's length): three hide L2 latency behind a step
+// where an SM runs several blocks; a block of eight full-width warps (one per
+// SM, by registers) steps slowly enough for two; the split shapes, one or two
+// blocks per SM, have the shared memory for more.
 template <int kWarps, int kSplit>
-constexpr int kStages = kWarps == 8 && kSplit == 1 ? 2 : 3;
+constexpr int kDefaultStages = kWarps == 8 && kSplit == 1 ? 2 : kSplit == 4 ? 6 : kSplit == 2 ? 4 : 3;
 constexpr int kOutPad = 16 + 8;
 static_assert(C == 16, "the fragments below assume 16-token chunks");
 
-// The bf16 planes of a record, in record order (params.h), then Aqk's two: the
-// first kWsU0 bytes of a record are copied verbatim.
-enum Plane { kQsHi, kQsLo, kWHi, kWLo, kKdHi, kKdLo, kPlanes };
-static_assert(kWsW == 2 * kPlaneBytes && kWsKd == 4 * kPlaneBytes && kWsAqk == kPlanes * kPlaneBytes &&
-                  kWsU0 == kWsAqk + 2 * kAqkPlaneBytes,
-              "the record's bf16 part is contiguous");
+// The bf16 planes that the forward reads, in record order (params.h), then Aqk's
+// hi plane: the first kWsQsLo bytes of a record, copied verbatim.
+enum Plane { kQs, kWHi, kWLo, kKdHi, kKdLo, kPlanes };
+static_assert(kWsW == kPlaneBytes && kWsKd == 3 * kPlaneBytes && kWsAqk == kPlanes * kPlaneBytes &&
+                  kWsQsLo == kWsAqk + kAqkPlaneBytes,
+              "the record's bf16 part read here is contiguous");
 
 template <int kCols>  // value channels of the block
 struct __align__(16) Stage {
   static constexpr int kU0Pad = kCols + 4;  // rows 2t and 2t + 1 apart by 8 banks
   __nv_bfloat16 mat[kPlanes][C * D];         // swizzled planes (plane_index)
-  __nv_bfloat16 aqk[2][C * C];
+  __nv_bfloat16 aqk[C * C];
   float u0[C][kU0Pad];
   float gl[D];
 };
 
-template <int kWarps, int kSplit>
+template <int kWarps, int kSplit, int kSt>
 struct Config {
   static constexpr int kThreads = 32 * kWarps;
   static constexpr int kRowGroups = kWarps / kSplit;
   static constexpr int kCols = 16 * kRowGroups;  // value channels of a block
   static constexpr int kNt = 16 / kSplit;        // 8-column n-tiles of state per warp
-  static constexpr int kStagesAhead = kStages<kWarps, kSplit>;
+  static constexpr int kStagesAhead = kSt;
   using St = Stage<kCols>;
   // Per warp, the partial sums over its key columns of S W^T and S Qs^T in
   // fragment order ([product][n-tile][element][lane]); none when kSplit = 1.
@@ -75,8 +78,9 @@ struct Config {
 // instruction per 16 bytes.
 template <int kCols, int kThreads>
 __device__ __forceinline__ void load_stage(Stage<kCols>& st, const unsigned char* rec, int vcol0, int tid) {
-  static_assert(offsetof(Stage<kCols>, aqk) == kWsAqk, "mat and aqk are one verbatim copy");
-  constexpr int kBf16Pieces = kWsU0 / 16;
+  static_assert(offsetof(Stage<kCols>, aqk) == kWsAqk && offsetof(Stage<kCols>, u0) >= kWsQsLo,
+                "mat and aqk are one verbatim copy");
+  constexpr int kBf16Pieces = kWsQsLo / 16;
   const uint32_t mat = smem_u32(&st.mat[0][0]) + tid * 16;
 #pragma unroll
   for (int it = 0; it < kBf16Pieces / kThreads; ++it) {
@@ -120,13 +124,14 @@ __device__ __forceinline__ void store_state_pair(void* base, int64_t index, bool
   }
 }
 
-// kStates: also store the state at each chunk's start (p.chunk_states), for the
-// backward; a separate instantiation keeps the forward's loop as it was.
-template <int kWarps, int kSplit, bool kStates>
+// kOut: the forward, which writes out. Without it (the backward's passes) only
+// the states move, and the state at each chunk's start is stored where
+// p.chunk_states says.
+template <int kWarps, int kSplit, int kSt, bool kOut>
 __global__ void __launch_bounds__(kWarps * 32) recurrence_kernel(const FwdParams p) {
-  using Cfg = Config<kWarps, kSplit>;
+  using Cfg = Config<kWarps, kSplit, kSt>;
   using St = typename Cfg::St;
-  constexpr int kSt = Cfg::kStagesAhead, kNt = Cfg::kNt, kKk = kNt / 2;
+  constexpr int kNt = Cfg::kNt, kKk = kNt / 2;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   St* stages = reinterpret_cast<St*>(smem_raw);
   auto* out_tile = reinterpret_cast<__nv_bfloat16(*)[C][kOutPad]>(smem_raw + kSt * sizeof(St));
@@ -202,7 +207,7 @@ __global__ void __launch_bounds__(kWarps * 32) recurrence_kernel(const FwdParams
                                             tid);
     }
     cp_async_commit();
-    if constexpr (kStates) {  // the backward's checkpoint: the state at this chunk's start
+    if (!kOut && p.chunk_states != nullptr) {  // for the backward: the state at this chunk's start
       const int64_t cs = (((lo + c - p.slot_begin) * H + h) * D + v0 + g) * D;
 #pragma unroll
       for (int j = 0; j < kNt; ++j) {
@@ -213,10 +218,10 @@ __global__ void __launch_bounds__(kWarps * 32) recurrence_kernel(const FwdParams
     }
     const St& st = stages[c % kSt];
 
-    // S W^T and S Qs^T over the warp's key columns, 16 at a time; each of the
-    // three bf16x3 terms has its own accumulators, so that consecutive mmas
+    // S W^T and S Qs^T over the warp's key columns, 16 at a time; each term of
+    // the split products has its own accumulators, so that consecutive mmas
     // rarely wait on each other.
-    float acc_w[3][2][4], acc_o[3][2][4];  // written first by the kk = 0 products
+    float acc_w[3][2][4], acc_o[2][2][4];  // written first by the kk = 0 products
 #pragma unroll
     for (int kk = 0; kk < kKk; ++kk) {
       uint32_t a_hi[4], a_lo[4];
@@ -226,19 +231,21 @@ __global__ void __launch_bounds__(kWarps * 32) recurrence_kernel(const FwdParams
       split_pack(s[2 * kk + 1][2], s[2 * kk + 1][3], a_hi[3], a_lo[3]);
       // Matrices: tokens 0-7 | 8-15 (n-tiles) x key columns 16K.. | 16K+8.. (K = j0 / 2 + kk)
       const int row = (mi / 2) * 8 + mr, piece = j0 + 2 * kk + mi % 2;
-      uint32_t wh[4], wl[4], qh[4], ql[4];
+      uint32_t wh[4], wl[4], qh[4];
       ldmatrix_x4(wh, plane_piece(st.mat[kWHi], row, piece));
       ldmatrix_x4(wl, plane_piece(st.mat[kWLo], row, piece));
-      ldmatrix_x4(qh, plane_piece(st.mat[kQsHi], row, piece));
-      ldmatrix_x4(ql, plane_piece(st.mat[kQsLo], row, piece));
+      if constexpr (kOut) {
+        ldmatrix_x4(qh, plane_piece(st.mat[kQs], row, piece));
+      }
 #pragma unroll
       for (int nt = 0; nt < 2; ++nt) {
         mma_bf16_into(acc_w[0][nt], a_lo, wh[2 * nt], wh[2 * nt + 1], kk == 0);
         mma_bf16_into(acc_w[1][nt], a_hi, wl[2 * nt], wl[2 * nt + 1], kk == 0);
         mma_bf16_into(acc_w[2][nt], a_hi, wh[2 * nt], wh[2 * nt + 1], kk == 0);
-        mma_bf16_into(acc_o[0][nt], a_lo, qh[2 * nt], qh[2 * nt + 1], kk == 0);
-        mma_bf16_into(acc_o[1][nt], a_hi, ql[2 * nt], ql[2 * nt + 1], kk == 0);
-        mma_bf16_into(acc_o[2][nt], a_hi, qh[2 * nt], qh[2 * nt + 1], kk == 0);
+        if constexpr (kOut) {
+          mma_bf16_into(acc_o[0][nt], a_lo, qh[2 * nt], qh[2 * nt + 1], kk == 0);
+          mma_bf16_into(acc_o[1][nt], a_hi, qh[2 * nt], qh[2 * nt + 1], kk == 0);
+        }
       }
     }
     float sw[2][4], so[2][4];  // the small terms first, as mma_bf16x3 sums them
@@ -247,7 +254,7 @@ __global__ void __launch_bounds__(kWarps * 32) recurrence_kernel(const FwdParams
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         sw[nt][e] = (acc_w[0][nt][e] + acc_w[1][nt][e]) + acc_w[2][nt][e];
-        so[nt][e] = (acc_o[0][nt][e] + acc_o[1][nt][e]) + acc_o[2][nt][e];
+        so[nt][e] = kOut ? acc_o[0][nt][e] + acc_o[1][nt][e] : 0.f;
       }
     }
     if constexpr (kSplit > 1) {
@@ -259,7 +266,9 @@ __global__ void __launch_bounds__(kWarps * 32) recurrence_kernel(const FwdParams
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           mine[((0 * 2 + nt) * 4 + e) * 32 + lane] = sw[nt][e];
-          mine[((1 * 2 + nt) * 4 + e) * 32 + lane] = so[nt][e];
+          if constexpr (kOut) {
+            mine[((1 * 2 + nt) * 4 + e) * 32 + lane] = so[nt][e];
+          }
         }
       }
       __syncthreads();
@@ -272,7 +281,7 @@ __global__ void __launch_bounds__(kWarps * 32) recurrence_kernel(const FwdParams
 #pragma unroll
           for (int w = 0; w < kSplit; ++w) {
             w_sum += group_red[w * Cfg::kRedFloats + ((0 * 2 + nt) * 4 + e) * 32 + lane];
-            if (nt % kSplit == ks) {
+            if (kOut && nt % kSplit == ks) {
               o_sum += group_red[w * Cfg::kRedFloats + ((1 * 2 + nt) * 4 + e) * 32 + lane];
             }
           }
@@ -304,15 +313,15 @@ __global__ void __launch_bounds__(kWarps * 32) recurrence_kernel(const FwdParams
     const int64_t bos = part_bos + c * C;
     const int len = static_cast<int>(min64(C, seq_eos - bos));
     auto& tile = out_tile[rg];
-    if (ks < 2) {
+    if (kOut && ks < 2) {
       const int row = (mi / 2) * 8 + mr, col = (mi % 2) * 8;
-      uint32_t ah[4], al[4];
-      ldmatrix_x4(ah, &st.aqk[0][row * C + col]);
-      ldmatrix_x4(al, &st.aqk[1][row * C + col]);
+      uint32_t ah[4];
+      ldmatrix_x4(ah, &st.aqk[row * C + col]);
 #pragma unroll
       for (int nt = 0; nt < 2; ++nt) {
         if (nt % kSplit == ks) {
-          mma_bf16x3(so[nt], ua_hi, ua_lo, ah[2 * nt], ah[2 * nt + 1], al[2 * nt], al[2 * nt + 1]);
+          mma_bf16(so[nt], ua_lo, ah[2 * nt], ah[2 * nt + 1]);
+          mma_bf16(so[nt], ua_hi, ah[2 * nt], ah[2 * nt + 1]);
           const int i0 = 8 * nt + 2 * t;
           tile[i0][g] = __float2bfloat16_rn(so[nt][0]);
           tile[i0 + 1][g] = __float2bfloat16_rn(so[nt][1]);
@@ -366,12 +375,11 @@ __global__ void __launch_bounds__(kWarps * 32) recurrence_kernel(const FwdParams
   }
 }
 
-template <int kWarps, int kSplit>
-void launch(const FwdParams& p, cudaStream_t stream) {
-  using Cfg = Config<kWarps, kSplit>;
+template <int kWarps, int kSplit, int kSt, bool kOut>
+void launch_kernel(const FwdParams& p, cudaStream_t stream) {
+  using Cfg = Config<kWarps, kSplit, kSt>;
   static_assert(Cfg::kSmem <= 227 * 1024, "over the per-block shared memory of sm_90");
-  auto* kernel = p.chunk_states != nullptr ? recurrence_kernel<kWarps, kSplit, true>
-                                           : recurrence_kernel<kWarps, kSplit, false>;
+  auto* kernel = recurrence_kernel<kWarps, kSplit, kSt, kOut>;
   C10_CUDA_CHECK(
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(Cfg::kSmem)));
   const int64_t blocks = p.N * p.H * (D / Cfg::kCols);
@@ -379,6 +387,25 @@ void launch(const FwdParams& p, cudaStream_t stream) {
               " heads is more blocks than one launch takes");
   kernel<<<static_cast<unsigned int>(blocks), Cfg::kThreads, Cfg::kSmem, stream>>>(p);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+// MEASUREMENT ONLY (TORCH_KDA_K2_STAGES=3): the forward's split shapes with the
+// old three-chunk ring, to time the deeper ring against it in one run.
+template <int kWarps, int kSplit>
+void launch(const FwdParams& p, cudaStream_t stream) {
+  constexpr int kSt = kDefaultStages<kWarps, kSplit>;
+  if (p.out == nullptr) {
+    launch_kernel<kWarps, kSplit, kSt, false>(p, stream);
+    return;
+  }
+  if constexpr (kSt > 3) {
+    const char* env = std::getenv("TORCH_KDA_K2_STAGES");
+    if (env != nullptr && std::string(env) == "3") {
+      launch_kernel<kWarps, kSplit, 3, true>(p, stream);
+      return;
+    }
+  }
+  launch_kernel<kWarps, kSplit, kSt, true>(p, stream);
 }
 
 }  // namespace

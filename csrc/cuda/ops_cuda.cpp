@@ -402,6 +402,7 @@ std::tuple<Tensor, Tensor> sweep_bwd(const Tensor& q, const Tensor& k, const Ten
   bp.fwd = in.params;
   bp.fwd.workspace = workspace.data_ptr<float>();
   FwdParams& fp = bp.fwd;
+  fp.lo_for_backward = true;
   bp.states = st.data_ptr<float>();
   bp.grad_out = go.data_ptr();
   bp.grad_out_fp32 = go.scalar_type() == at::kFloat;

@@ -20,19 +20,28 @@ constexpr int kChunk = 16;     // tokens per chunk
 // j ^ (i % 8) of that row (plane_index in device_utils.cuh): a verbatim copy
 // into shared memory then lets the 8 rows of one ldmatrix hit distinct banks.
 // Byte offsets, every plane 16-byte aligned for cp.async:
-//   Qs  [16][128] hi, lo  scale * exp(G) * q^          (reads the chunk-start state)
+//   Qs  [16][128] hi      scale * exp(G) * q^          (reads the chunk-start state)
 //   W   [16][128] hi, lo  (I + A_kk)^-1 diag(beta) (exp(G) * k^)
 //   Kd  [16][128] hi, lo  exp(G_last - G) * k^         (writes the next state)
-//   Aqk [16][16]  hi, lo  scale * (q^_i . k^_j exp(G_i - G_j)), j <= i
+//   Aqk [16][16]  hi      scale * (q^_i . k^_j exp(G_i - G_j)), j <= i
+//   Qs, Aqk lo            written only for the backward (FwdParams::lo_for_backward)
 //   U0  [16][128] fp32    (I + A_kk)^-1 diag(beta) v   (the accumulator's start)
 //   gl  [128]     fp32    exp(G_last)
+// Qs and Aqk reach only the output, which is rounded to bf16: the forward's
+// recurrence multiplies by their hi planes alone (out 1.66e-3 -> ~2.3e-3 of
+// float64 where the state dominates it; the state's products keep bf16x3),
+// and copies the record's first kWsQsLo bytes verbatim. The backward's dS
+// recurrence carries dO^T Qs into the initial state's gradient, which stays
+// fp32-accurate with both planes.
 constexpr int kPlaneBytes = kChunk * kHeadDim * 2;  // one [16][128] bf16 plane
-constexpr int kWsQs = 0;                            // hi plane, then lo plane
-constexpr int kWsW = kWsQs + 2 * kPlaneBytes;
+constexpr int kAqkPlaneBytes = kChunk * kChunk * 2;
+constexpr int kWsQs = 0;
+constexpr int kWsW = kWsQs + kPlaneBytes;  // hi plane, then lo plane
 constexpr int kWsKd = kWsW + 2 * kPlaneBytes;
 constexpr int kWsAqk = kWsKd + 2 * kPlaneBytes;
-constexpr int kAqkPlaneBytes = kChunk * kChunk * 2;
-constexpr int kWsU0 = kWsAqk + 2 * kAqkPlaneBytes;
+constexpr int kWsQsLo = kWsAqk + kAqkPlaneBytes;
+constexpr int kWsAqkLo = kWsQsLo + kPlaneBytes;
+constexpr int kWsU0 = kWsAqkLo + kAqkPlaneBytes;
 constexpr int kWsGl = kWsU0 + kChunk * kHeadDim * 4;
 constexpr int kWsChunkBytes = kWsGl + kHeadDim * 4;
 constexpr int kWsChunkFloats = kWsChunkBytes / 4;  // the host allocates fp32 elements
@@ -76,6 +85,9 @@ struct FwdParams {
   // start here, indexed from the window's first slot (for the backward); null in
   // the forward.
   float* chunk_states = nullptr;
+  // K1 also writes the lo planes of Qs and Aqk (the backward's dS recurrence
+  // reads them; the forward's recurrence does not).
+  bool lo_for_backward = false;
 
   // States [N, H, V, K] (V-first), both in one dtype, bf16 or fp32; null when absent.
   const void* initial_state = nullptr;
@@ -84,7 +96,9 @@ struct FwdParams {
 
   // Every pointer the kernels touch is 16-byte aligned (the host stages any
   // caller buffer that is not): the recurrence moves 16-byte vectors.
-  void* out = nullptr;  // bf16 [tokens, H, 128]
+  // bf16 [tokens, H, 128]; null in the backward's recurrence passes, which
+  // want only states and skip the output's products.
+  void* out = nullptr;
 
   float scale = 0.f;
   float lower_bound = 0.f;  // bounded gate, in [-5, 0)
