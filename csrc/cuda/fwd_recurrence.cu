@@ -32,12 +32,14 @@ namespace {
 
 constexpr int C = kChunk;
 constexpr int D = kHeadDim;
-// Chunks staged ahead (the ring's length): three hide L2 latency behind a step
-// where an SM runs several blocks; a block of eight full-width warps (one per
-// SM, by registers) steps slowly enough for two; the split shapes, one or two
-// blocks per SM, have the shared memory for more.
+// Chunks staged ahead (the ring's length): three hide L2 latency behind a step;
+// a block of eight full-width warps (one per SM, by registers) steps slowly
+// enough for two. The 2x2 shape (two blocks per SM) measured faster with four
+// (K2 0.456 -> 0.422 ms at 8192 x 32 heads, 1.858 -> 1.737 at 32768 x 32; H200)
+// and the 4x4 shape slower with six (0.413 -> 0.425 at 8192 x 16, 3.340 ->
+// 3.426 at 65536 x 16).
 template <int kWarps, int kSplit>
-constexpr int kDefaultStages = kWarps == 8 && kSplit == 1 ? 2 : kSplit == 4 ? 6 : kSplit == 2 ? 4 : 3;
+constexpr int kDefaultStages = kWarps == 8 && kSplit == 1 ? 2 : kSplit == 2 ? 4 : 3;
 constexpr int kOutPad = 16 + 8;
 static_assert(C == 16, "the fragments below assume 16-token chunks");
 
@@ -195,10 +197,15 @@ __global__ void __launch_bounds__(kWarps * 32) recurrence_kernel(const FwdParams
   }
 
   // The state as the A operand of a step's products, k-step kk (n-tiles 2kk and
-  // 2kk + 1) split into bf16 hi and lo; each k-step is split as soon as the
-  // previous step's update has written it, where its ~24 dependent instructions
-  // fill the gaps between the update's products instead of standing in front of
-  // the next step's (one warp per scheduler issues them in order).
+  // 2kk + 1) split into bf16 hi and lo. Full-width warps split each k-step as
+  // soon as the previous step's update has written it: its ~24 dependent
+  // instructions then fill the gaps between the update's products instead of
+  // standing between the next step's (K2 at 8192 x 64 heads, one four-warp
+  // block per SM: 0.756 -> 0.570 ms; 8192 x 96: 1.048 -> 0.931). Split warps
+  // update only a few k-steps, behind which the splits would lengthen the
+  // step's chain before the barrier: they split at the step's start (measured
+  // 0.375 against 0.425 ms at 8192 x 16, 3.03 against 3.43 at 65536 x 16).
+  constexpr bool kSplitEarly = kSplit == 1;
   uint32_t a_hi[kKk][4], a_lo[kKk][4];
   auto split_state = [&](int kk) {
     split_pack(s[2 * kk][0], s[2 * kk][1], a_hi[kk][0], a_lo[kk][0]);
@@ -206,9 +213,11 @@ __global__ void __launch_bounds__(kWarps * 32) recurrence_kernel(const FwdParams
     split_pack(s[2 * kk + 1][0], s[2 * kk + 1][1], a_hi[kk][2], a_lo[kk][2]);
     split_pack(s[2 * kk + 1][2], s[2 * kk + 1][3], a_hi[kk][3], a_lo[kk][3]);
   };
+  if constexpr (kSplitEarly) {
 #pragma unroll
-  for (int kk = 0; kk < kKk; ++kk) {
-    split_state(kk);
+    for (int kk = 0; kk < kKk; ++kk) {
+      split_state(kk);
+    }
   }
 
   __nv_bfloat16* out = static_cast<__nv_bfloat16*>(p.out);
@@ -260,6 +269,9 @@ __global__ void __launch_bounds__(kWarps * 32) recurrence_kernel(const FwdParams
       const int b = kk % 2;
       if (kk + 1 < kKk) {
         load_wq(kk + 1, 1 - b);
+      }
+      if constexpr (!kSplitEarly) {
+        split_state(kk);
       }
 #pragma unroll
       for (int nt = 0; nt < 2; ++nt) {
@@ -392,7 +404,9 @@ __global__ void __launch_bounds__(kWarps * 32) recurrence_kernel(const FwdParams
         s[j][2] = fmaf(s[j][2], decay.x, upd[h2][2]);
         s[j][3] = fmaf(s[j][3], decay.y, upd[h2][3]);
       }
-      split_state(jj);  // k-step jj of the next chunk's products
+      if constexpr (kSplitEarly) {
+        split_state(jj);  // k-step jj of the next chunk's products
+      }
     }
   }
 
@@ -422,23 +436,14 @@ void launch_kernel(const FwdParams& p, cudaStream_t stream) {
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-// MEASUREMENT ONLY (TORCH_KDA_K2_STAGES=3): the forward's split shapes with the
-// old three-chunk ring, to time the deeper ring against it in one run.
 template <int kWarps, int kSplit>
 void launch(const FwdParams& p, cudaStream_t stream) {
   constexpr int kSt = kDefaultStages<kWarps, kSplit>;
-  if (p.out == nullptr) {
+  if (p.out != nullptr) {
+    launch_kernel<kWarps, kSplit, kSt, true>(p, stream);
+  } else {
     launch_kernel<kWarps, kSplit, kSt, false>(p, stream);
-    return;
   }
-  if constexpr (kSt > 3) {
-    const char* env = std::getenv("TORCH_KDA_K2_STAGES");
-    if (env != nullptr && std::string(env) == "3") {
-      launch_kernel<kWarps, kSplit, 3, true>(p, stream);
-      return;
-    }
-  }
-  launch_kernel<kWarps, kSplit, kSt, true>(p, stream);
 }
 
 }  // namespace
