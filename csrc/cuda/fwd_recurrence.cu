@@ -305,34 +305,39 @@ __global__ void __launch_bounds__(kWarps * 32) recurrence_kernel(const FwdParams
     if constexpr (kSplit > 1) {
       // The row group's warps add their partial sums: every warp needs all of
       // S W^T (for U), the warps that write out need their n-tile of S Qs^T.
-      float* mine = red + warp * Cfg::kRedFloats;
+      // A lane's four values of an n-tile travel as one 16-byte vector (lanes
+      // 16 bytes apart: no bank conflicts), a warp's own part stays in its
+      // registers, and the parts are added in warp order (deterministic).
+      float4* mine = reinterpret_cast<float4*>(red) + warp * (Cfg::kRedFloats / 4);
 #pragma unroll
       for (int nt = 0; nt < 2; ++nt) {
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          mine[((0 * 2 + nt) * 4 + e) * 32 + lane] = sw[nt][e];
-          if constexpr (kOut) {
-            mine[((1 * 2 + nt) * 4 + e) * 32 + lane] = so[nt][e];
-          }
+        mine[(0 * 2 + nt) * 32 + lane] = make_float4(sw[nt][0], sw[nt][1], sw[nt][2], sw[nt][3]);
+        if constexpr (kOut) {
+          mine[(1 * 2 + nt) * 32 + lane] = make_float4(so[nt][0], so[nt][1], so[nt][2], so[nt][3]);
         }
       }
       __syncthreads();
-      const float* group_red = red + rg * kSplit * Cfg::kRedFloats;
+      const float4* group_red = reinterpret_cast<const float4*>(red) + rg * kSplit * (Cfg::kRedFloats / 4);
+      auto part = [&](int w, int product, int nt, const float (&own)[4]) {
+        return w == ks ? make_float4(own[0], own[1], own[2], own[3])
+                       : group_red[w * (Cfg::kRedFloats / 4) + (product * 2 + nt) * 32 + lane];
+      };
 #pragma unroll
       for (int nt = 0; nt < 2; ++nt) {
+        const bool out_tile_nt = kOut && nt % kSplit == ks;
+        float4 w_sum = part(0, 0, nt, sw[nt]);
+        float4 o_sum = out_tile_nt ? part(0, 1, nt, so[nt]) : make_float4(0.f, 0.f, 0.f, 0.f);
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          float w_sum = 0.f, o_sum = 0.f;
-#pragma unroll
-          for (int w = 0; w < kSplit; ++w) {
-            w_sum += group_red[w * Cfg::kRedFloats + ((0 * 2 + nt) * 4 + e) * 32 + lane];
-            if (kOut && nt % kSplit == ks) {
-              o_sum += group_red[w * Cfg::kRedFloats + ((1 * 2 + nt) * 4 + e) * 32 + lane];
-            }
+        for (int w = 1; w < kSplit; ++w) {
+          const float4 x = part(w, 0, nt, sw[nt]);
+          w_sum = make_float4(w_sum.x + x.x, w_sum.y + x.y, w_sum.z + x.z, w_sum.w + x.w);
+          if (out_tile_nt) {
+            const float4 y = part(w, 1, nt, so[nt]);
+            o_sum = make_float4(o_sum.x + y.x, o_sum.y + y.y, o_sum.z + y.z, o_sum.w + y.w);
           }
-          sw[nt][e] = w_sum;
-          so[nt][e] = o_sum;
         }
+        sw[nt][0] = w_sum.x, sw[nt][1] = w_sum.y, sw[nt][2] = w_sum.z, sw[nt][3] = w_sum.w;
+        so[nt][0] = o_sum.x, so[nt][1] = o_sum.y, so[nt][2] = o_sum.z, so[nt][3] = o_sum.w;
       }
     }
 
