@@ -29,12 +29,22 @@ TORCH_LIBRARY(kda, m) {
       "fwd_(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor A_log, Tensor dt_bias, "
       "Tensor(a!) out, Tensor(b!)? final_state=None, float? scale=None, float? lower_bound=None, "
       "Tensor? initial_state=None, Tensor? cu_seqlens=None) -> ()");
+  // Not API: fwd that also returns checkpoints, the states at which the CUDA
+  // backward's windows start (checkpoints.h; empty where it needs none), so
+  // that bwd, given them, skips the forward pass it would run for them.
+  // torch_kda.kda calls it on CUDA when a gradient is wanted. CUDA and Meta only.
+  m.def(
+      "_fwd_checkpointed(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor A_log, Tensor dt_bias, "
+      "float? scale=None, float? lower_bound=None, Tensor? initial_state=None, "
+      "bool output_final_state=False, Tensor? cu_seqlens=None) -> (Tensor out, Tensor final_state, "
+      "Tensor checkpoints)");
   // Backward of fwd. dinitial_state is empty when there is no initial_state.
+  // checkpoints: _fwd_checkpointed's for the same inputs, or None / empty.
   m.def(
       "bwd(Tensor grad_out, Tensor? grad_final_state, Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, "
       "Tensor A_log, Tensor dt_bias, float? scale=None, float? lower_bound=None, Tensor? initial_state=None, "
-      "Tensor? cu_seqlens=None) -> (Tensor dq, Tensor dk, Tensor dv, Tensor dg, Tensor dbeta, Tensor dA_log, "
-      "Tensor ddt_bias, Tensor dinitial_state)");
+      "Tensor? cu_seqlens=None, Tensor? checkpoints=None) -> (Tensor dq, Tensor dk, Tensor dv, Tensor dg, "
+      "Tensor dbeta, Tensor dA_log, Tensor ddt_bias, Tensor dinitial_state)");
   // Not API: kda::bwd computed by the chunked ATen composition
   // (chunked_backward.h) on any device, so that the CPU tests can check it.
   m.def(

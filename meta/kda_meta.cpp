@@ -4,6 +4,7 @@
 // the same functions, so shapes, dtypes and strides agree by construction.
 #include <torch/library.h>
 
+#include "checkpoints.h"
 #include "kda.h"
 
 namespace kda::meta {
@@ -22,6 +23,18 @@ std::tuple<Tensor, Tensor> fwd(const Tensor& q, const Tensor& k, const Tensor& v
   return {o.out, o.final_state};
 }
 
+std::tuple<Tensor, Tensor, Tensor> fwd_checkpointed(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g,
+                                                    const Tensor& beta, const Tensor& A_log, const Tensor& dt_bias,
+                                                    optional<double> scale, optional<double> lower_bound,
+                                                    const optional<Tensor>& initial_state, bool output_final_state,
+                                                    const optional<Tensor>& cu_seqlens) {
+  const char* op = "kda._fwd_checkpointed";
+  Problem p = check_forward_args(op, q, k, v, g, beta, A_log, dt_bias, scale, lower_bound, initial_state, cu_seqlens);
+  ForwardOutputs o = allocate_forward_outputs(p, q, output_final_state);
+  Tensor checkpoints = allocate_checkpoints(p, q, checkpoint_plan(op, p, cu_seqlens.has_value()));
+  return {o.out, o.final_state, checkpoints};
+}
+
 void fwd_inplace(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g, const Tensor& beta,
                  const Tensor& A_log, const Tensor& dt_bias, at::Tensor& out, const optional<Tensor>& final_state,
                  optional<double> scale, optional<double> lower_bound, const optional<Tensor>& initial_state,
@@ -35,10 +48,13 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> bwd(
     const Tensor& grad_out, const optional<Tensor>& grad_final_state, const Tensor& q, const Tensor& k,
     const Tensor& v, const Tensor& g, const Tensor& beta, const Tensor& A_log, const Tensor& dt_bias,
     optional<double> scale, optional<double> lower_bound, const optional<Tensor>& initial_state,
-    const optional<Tensor>& cu_seqlens) {
+    const optional<Tensor>& cu_seqlens, const optional<Tensor>& checkpoints) {
   Problem p = check_forward_args("kda.bwd", q, k, v, g, beta, A_log, dt_bias, scale, lower_bound, initial_state,
                                  cu_seqlens);
   check_backward_grads("kda.bwd", p, q, grad_out, grad_final_state);
+  if (checkpoints.has_value()) {
+    check_checkpoints("kda.bwd", p, cu_seqlens.has_value(), q, *checkpoints);
+  }
   BackwardOutputs o = allocate_backward_outputs(p, q, k, v, g, beta, A_log, dt_bias, initial_state);
   return {o.dq, o.dk, o.dv, o.dg, o.dbeta, o.dA_log, o.ddt_bias, o.dinitial_state};
 }
@@ -48,6 +64,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> bwd(
 TORCH_LIBRARY_IMPL(kda, Meta, m) {
   m.impl("fwd", &fwd);
   m.impl("fwd_", &fwd_inplace);
+  m.impl("_fwd_checkpointed", &fwd_checkpointed);
   m.impl("bwd", &bwd);
 }
 

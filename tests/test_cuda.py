@@ -5,6 +5,8 @@ on an H200 with scripts/gpu_check.sh.
 """
 import os
 
+import math
+
 import pytest
 import torch
 
@@ -887,6 +889,97 @@ def test_backward_windows_engage_and_bound_memory(monkeypatch):
     want = torch.ops.kda.bwd(grad_out, None, *positional(g), **kw)
     for name, x, y in zip(GRAD_NAMES, got, want):
         assert torch.equal(x, y), name
+
+
+def _prepare_launches(fn):
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        result = fn()
+        torch.cuda.synchronize()
+    names = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    return result, sum("prepare_kernel" in n for n in names)
+
+
+@pytest.mark.parametrize("window,T,H", [("7", 300, 2), ("0", 300, 2), (None, 6000, 16)])
+def test_forward_checkpoints_serve_the_backward_bitwise(window, T, H, monkeypatch):
+    """kda._fwd_checkpointed returns fwd's outputs bit for bit and the state at
+    the start of each backward window (bit for bit the final state of a forward
+    over the tokens before it; the first is the initial state). kda.bwd given
+    them runs no forward pass of its own (K1 once per window instead of also
+    once per window but the last before) and gives the gradients it gives
+    without them, bit for bit, also when called again: the checkpoints are
+    left as they were. Windows of 7 slots (19 slots: 3 windows), one pass, and
+    the automatic windows (6000 tokens x 16 heads: 2 windows of 336 slots)."""
+    if window is None:
+        monkeypatch.delenv("TORCH_KDA_WINDOW_SLOTS", raising=False)
+    else:
+        monkeypatch.setenv("TORCH_KDA_WINDOW_SLOTS", window)
+    _, g = cuda_inputs(B=1, T=T, H=H, state_dtype=torch.float32)
+    init = g["initial_state"]
+    out, final, ckpt = torch.ops.kda._fwd_checkpointed(*positional(g), None, -5.0, init, True, None)
+    want_out, want_final = torch.ops.kda.fwd(*positional(g), None, -5.0, init, True, None)
+    assert torch.equal(out, want_out) and torch.equal(final, want_final)
+    slots = math.ceil(T / 16)
+    every = {"7": 7, "0": slots, None: 336}[window]
+    assert ckpt.shape == (math.ceil(slots / every), H, D, D)
+    assert torch.equal(ckpt[0], init[0])
+    for w in range(1, ckpt.shape[0]):
+        n = w * every * 16
+        prefix = [t[:, :n] for t in positional(g)[:5]] + list(positional(g)[5:])
+        _, state = torch.ops.kda.fwd(*prefix, None, -5.0, init, True, None)
+        assert torch.equal(ckpt[w], state[0]), w
+
+    grad_out = torch.randn(*g["v"].shape, device=DEV).to(torch.bfloat16)
+    gf = torch.randn_like(init)
+    kw = dict(lower_bound=-5.0, initial_state=init)
+    saved = ckpt.clone()
+    want, k1_without = _prepare_launches(lambda: torch.ops.kda.bwd(grad_out, gf, *positional(g), **kw))
+    got, k1_with = _prepare_launches(lambda: torch.ops.kda.bwd(grad_out, gf, *positional(g), checkpoints=ckpt, **kw))
+    again = torch.ops.kda.bwd(grad_out, gf, *positional(g), checkpoints=ckpt, **kw)
+    windows = ckpt.shape[0]
+    assert (k1_with, k1_without) == (windows, 2 * windows - 1)
+    assert torch.equal(ckpt, saved)
+    for name, x, y, z in zip(GRAD_NAMES, got, want, again):
+        assert torch.equal(x, y) and torch.equal(z, y), name
+
+
+def test_autograd_uses_the_forward_checkpoints(monkeypatch):
+    """torch_kda.kda with a gradient wanted on CUDA keeps the checkpoints and its
+    backward starts from them: the gradients of kda.bwd without them, bit for
+    bit, and again on a second backward through the same graph."""
+    monkeypatch.setenv("TORCH_KDA_WINDOW_SLOTS", "5")
+    _, g = cuda_inputs(B=1, T=400, H=2, state_dtype=torch.float32)
+    names = ("q", "k", "v", "g", "beta", "A_log", "dt_bias")
+    leaves = {n: g[n].detach().clone().requires_grad_() for n in names}
+    init = g["initial_state"].detach().clone().requires_grad_()
+    out, final = torch_kda.kda(*(leaves[n] for n in names), lower_bound=-5.0, initial_state=init,
+                               output_final_state=True)
+    grad_out = torch.randn_like(out)
+    gf = torch.randn_like(final)
+    want = torch.ops.kda.bwd(grad_out, gf, *positional(g), lower_bound=-5.0, initial_state=g["initial_state"])
+    for attempt in range(2):
+        for t in (*leaves.values(), init):
+            t.grad = None
+        (_, k1) = _prepare_launches(lambda: torch.autograd.backward((out, final), (grad_out, gf), retain_graph=True))
+        assert k1 == math.ceil(math.ceil(400 / 16) / 5), attempt  # the states pass only
+        for name, t, y in zip(GRAD_NAMES, (*leaves.values(), init), want):
+            assert torch.equal(t.grad, y), (attempt, name)
+
+
+def test_opcheck_cuda_fwd_checkpointed(monkeypatch):
+    monkeypatch.setenv("TORCH_KDA_WINDOW_SLOTS", "3")
+    for kw, state in ((dict(B=1, T=100), torch.float32), (dict(seqlens=[10, 0, 33]), torch.float32),
+                      (dict(B=1, T=21), None)):
+        _, g = cuda_inputs(H=2, state_dtype=state, **kw)
+        args = [t.detach().requires_grad_() for t in positional(g)]
+        torch.library.opcheck(torch.ops.kda._fwd_checkpointed.default,
+                              (*args, None, -5.0, g["initial_state"], True, g["cu_seqlens"]))
+        out, _, ckpt = torch.ops.kda._fwd_checkpointed(*positional(g), None, -5.0, g["initial_state"], True,
+                                                       g["cu_seqlens"])
+        torch.library.opcheck(
+            torch.ops.kda.bwd.default, (torch.randn_like(out), None, *positional(g)),
+            {"lower_bound": -5.0, "initial_state": g["initial_state"], "cu_seqlens": g["cu_seqlens"],
+             "checkpoints": ckpt},
+        )
 
 
 @pytest.mark.parametrize("window", ["0", "3"])

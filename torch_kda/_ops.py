@@ -54,7 +54,7 @@ def kda(
     """
     if not isinstance(output_final_state, bool):
         raise TypeError(f"torch_kda.kda: output_final_state must be a bool, got {type(output_final_state).__name__}")
-    out, final_state = torch.ops.kda.fwd(
+    args = (
         q,
         k,
         v,
@@ -68,6 +68,19 @@ def kda(
         output_final_state,
         cu_seqlens,
     )
+    # (Anything that is not a tensor goes to fwd, whose checks name it.)
+    differentiable = (q, k, v, g, beta, A_log, dt_bias, initial_state)
+    if (
+        isinstance(q, torch.Tensor)
+        and q.is_cuda
+        and torch.is_grad_enabled()
+        and any(isinstance(t, torch.Tensor) and t.requires_grad for t in differentiable)
+    ):
+        # Keeps the states the CUDA backward's windows start from, so that the
+        # backward need not run a forward pass for them first.
+        out, final_state, _ = torch.ops.kda._fwd_checkpointed(*args)
+    else:
+        out, final_state = torch.ops.kda.fwd(*args)
     return out, (final_state if output_final_state else None)
 
 
@@ -115,16 +128,30 @@ def cuda_built():
     return torch._C._dispatch_has_kernel_for_dispatch_key("kda::fwd", "CUDA")
 
 
-def _setup_context(ctx, inputs, output):
+def _save(ctx, inputs, checkpoints):
     (q, k, v, g, beta, A_log, dt_bias, scale, lower_bound, initial_state, _output_final_state, cu_seqlens) = inputs
-    ctx.save_for_backward(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens)
+    ctx.save_for_backward(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, checkpoints)
     ctx.scale = scale
     ctx.lower_bound = lower_bound
     ctx.has_initial_state = initial_state is not None
 
 
+def _setup_context(ctx, inputs, output):
+    _save(ctx, inputs, None)
+
+
+def _setup_context_checkpointed(ctx, inputs, output):
+    checkpoints = output[2]
+    ctx.mark_non_differentiable(checkpoints)
+    _save(ctx, inputs, checkpoints)
+
+
+def _backward_checkpointed(ctx, grad_out, grad_final_state, _grad_checkpoints):
+    return _backward(ctx, grad_out, grad_final_state)
+
+
 def _backward(ctx, grad_out, grad_final_state):
-    q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens = ctx.saved_tensors
+    q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, checkpoints = ctx.saved_tensors
     if grad_final_state is not None and grad_final_state.numel() == 0:
         # final_state was not asked for: the op returned an empty placeholder.
         grad_final_state = None
@@ -142,6 +169,7 @@ def _backward(ctx, grad_out, grad_final_state):
         ctx.lower_bound,
         initial_state,
         cu_seqlens,
+        checkpoints,
     )
     if not ctx.has_initial_state:
         dinitial_state = None
@@ -160,6 +188,9 @@ def _no_double_backward(ctx, *grads):
 
 
 torch.library.register_autograd("kda::fwd", _backward, setup_context=_setup_context)
+torch.library.register_autograd(
+    "kda::_fwd_checkpointed", _backward_checkpointed, setup_context=_setup_context_checkpointed
+)
 # Without this, a second-order gradient would silently differentiate only part of the
 # backward kernel's internals; with it, asking for one raises.
 torch.library.register_autograd("kda::bwd", _no_double_backward, setup_context=_no_double_backward_setup)

@@ -8,12 +8,12 @@
 #include <cmath>
 #include <cstdlib>
 
+#include "checkpoints.h"
 #include "cuda/forward_schedule.h"
 
 namespace kda::cuda {
 namespace {
 
-constexpr int64_t kSlotScratchBytes = kWsChunkBytes + 2 * kHeadDim * kHeadDim * 4 + kDRecFloats * 4;
 constexpr int64_t kStateBytes = kHeadDim * kHeadDim * 4;
 // Below this a pass over the whole call is kept: windows cost a second forward
 // (for the checkpoints; measured 7.6 against 6.2 ms per step at 8192 tokens x
@@ -26,11 +26,6 @@ constexpr int64_t kOnePassScratch = int64_t{256} << 20;
 // where the memory is there: at most a quarter of the device's. (Windows along
 // each sequence would serve both.)
 constexpr int64_t kOnePassScratchSeveralSequences = int64_t{32} << 30;
-// Windows hold this much scratch or more (fewer, longer windows: the
-// checkpoint pass covers all windows but the last), unless the checkpoints call
-// for longer ones still.
-constexpr int64_t kWindowScratch = int64_t{1} << 30;
-constexpr int64_t kMinWindowSlots = 16;
 
 }  // namespace
 
@@ -38,22 +33,25 @@ int64_t backward_window_slots(const FwdParams& p, int64_t device_memory) {
   if (const char* env = std::getenv("TORCH_KDA_WINDOW_SLOTS"); env != nullptr && *env != '\0') {
     return window_slots(p, "kda.bwd");  // the forward's reading of it (checks the value)
   }
-  const int64_t per_slot = p.H * kSlotScratchBytes;
+  const int64_t per_slot = p.H * kBwdSlotScratchBytes;
   const int64_t one_pass_limit =
       p.N > 1 ? std::min(kOnePassScratchSeveralSequences, device_memory / 4) : kOnePassScratch;
   if (p.num_slots * per_slot <= one_pass_limit) {
     return p.num_slots;
   }
-  // Scratch grows with the window, the checkpoints (a state per sequence and
-  // head for each window) with the number of windows: their sum is least at
-  // sqrt(slots * checkpoint / per_slot).
+  // Windows hold about 1 GiB of scratch or more (fewer, longer windows: the
+  // checkpoint pass covers all windows but the last). Scratch grows with the
+  // window, the checkpoints (a state per sequence and head for each window)
+  // with the number of windows: their sum is least at sqrt(slots * checkpoint
+  // / per_slot), which calls for longer windows only past ~10^6 tokens.
   const double checkpoint = static_cast<double>(p.N) * p.H * kStateBytes;
   const auto balanced = static_cast<int64_t>(std::ceil(std::sqrt(p.num_slots * checkpoint / per_slot)));
-  const int64_t w = std::max({balanced, kWindowScratch / per_slot, kMinWindowSlots});
+  const int64_t w = std::max(balanced, backward_window_floor(p.H));
   return w >= p.num_slots ? p.num_slots : w;
 }
 
-void run_backward(const BackwardCall& call, const at::Tensor& like, int64_t window, RecurrenceBlock block) {
+void run_backward(const BackwardCall& call, const at::Tensor& like, int64_t window, RecurrenceBlock block,
+                  const float* saved_checkpoints) {
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(like.device().index()).stream();
   const auto f32 = like.options().dtype(at::kFloat);
   FwdParams p = call.fwd;
@@ -72,7 +70,7 @@ void run_backward(const BackwardCall& call, const at::Tensor& like, int64_t wind
   p.workspace = workspace.data_ptr<float>();
 
   at::Tensor carry, d_carry, checkpoints;
-  if (windows > 1) {
+  if (windows > 1 && saved_checkpoints == nullptr) {
     carry = at::empty({N, H, D, D}, f32);
     d_carry = at::empty({N, H, D, D}, f32);
     // checkpoints[w]: every sequence's state at window w + 1's start (only those
@@ -90,6 +88,11 @@ void run_backward(const BackwardCall& call, const at::Tensor& like, int64_t wind
     }
   }
 
+  if (windows > 1 && saved_checkpoints != nullptr) {
+    carry = at::empty({N, H, D, D}, f32);
+    d_carry = at::empty({N, H, D, D}, f32);
+  }
+
   // All on the caller's stream, in order. K2 storing the states and the dS
   // recurrence share only the records and were run side by side on two streams
   // once (fifth session): both issue-bound, each ran slower, and the step was
@@ -100,8 +103,16 @@ void run_backward(const BackwardCall& call, const at::Tensor& like, int64_t wind
     p.slot_begin = w * window;
     p.slot_end = std::min(S, p.slot_begin + window);
     // K2 reads the state of a sequence that runs on from an earlier window from
-    // the checkpoint (and writes it back there at the end: not read again).
-    p.carry = w > 0 ? checkpoints[w - 1].data_ptr<float>() : (carry.defined() ? carry.data_ptr<float>() : nullptr);
+    // the checkpoint (and writes it back there at the end: not read again). The
+    // forward's checkpoints are the caller's (autograd keeps them for another
+    // backward): K2 gets a copy.
+    if (saved_checkpoints != nullptr && w > 0) {
+      C10_CUDA_CHECK(cudaMemcpyAsync(carry.data_ptr(), saved_checkpoints + w * N * H * D * D, N * H * kStateBytes,
+                                     cudaMemcpyDeviceToDevice, stream));
+      p.carry = carry.data_ptr<float>();
+    } else {
+      p.carry = w > 0 ? checkpoints[w - 1].data_ptr<float>() : (carry.defined() ? carry.data_ptr<float>() : nullptr);
+    }
     launch_prepare(p, stream);
     launch_recurrence(p, stream, block);
 

@@ -42,6 +42,10 @@ int64_t backward_window_slots(const FwdParams& params, int64_t device_memory);
 // Allocates the scratch (`like`: a bf16 tensor shaped like v, for the options
 // and the scratch output) and enqueues every kernel of the backward on the
 // current stream of its device, in windows of `window` slots.
-void run_backward(const BackwardCall& call, const at::Tensor& like, int64_t window, RecurrenceBlock block);
+// saved_checkpoints: null, or the state of every sequence at each window's start,
+// fp32 [windows, N, H, 128, 128] (kda._fwd_checkpointed's, its first entry
+// unread): the first forward pass is then skipped.
+void run_backward(const BackwardCall& call, const at::Tensor& like, int64_t window, RecurrenceBlock block,
+                  const float* saved_checkpoints = nullptr);
 
 }  // namespace kda::cuda

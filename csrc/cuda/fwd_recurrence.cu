@@ -220,6 +220,13 @@ __global__ void __launch_bounds__(kWarps * 32) recurrence_kernel(const FwdParams
     }
   }
 
+  // The sequence's next chunk (counted from its first) whose starting state is
+  // a checkpoint; none without checkpoints.
+  int64_t next_checkpoint = -1;
+  if (kOut && p.checkpoints != nullptr) {
+    next_checkpoint = (lo - c_begin + p.checkpoint_every - 1) / p.checkpoint_every * p.checkpoint_every;
+  }
+
   __nv_bfloat16* out = static_cast<__nv_bfloat16*>(p.out);
   for (int64_t c = 0; c < nchunks; ++c) {
     // One barrier a step: it shows chunk c's stage to every warp and tells that
@@ -233,14 +240,23 @@ __global__ void __launch_bounds__(kWarps * 32) recurrence_kernel(const FwdParams
                                             tid);
     }
     cp_async_commit();
-    if (!kOut && p.chunk_states != nullptr) {  // for the backward: the state at this chunk's start
-      const int64_t cs = (((lo + c - p.slot_begin) * H + h) * D + v0 + g) * D;
+    // For the backward: the state at this chunk's start, at every chunk
+    // (its passes) or at each of its windows' starts (the forward's checkpoints).
+    auto store_state = [&](float* base, int64_t index) {
+      const int64_t cs = ((index * H + h) * D + v0 + g) * D;
 #pragma unroll
       for (int j = 0; j < kNt; ++j) {
         const int k0 = 8 * (j0 + j) + 2 * t;
-        store_state_pair(p.chunk_states, cs + k0, true, s[j][0], s[j][1]);
-        store_state_pair(p.chunk_states, cs + 8 * D + k0, true, s[j][2], s[j][3]);
+        store_state_pair(base, cs + k0, true, s[j][0], s[j][1]);
+        store_state_pair(base, cs + 8 * D + k0, true, s[j][2], s[j][3]);
       }
+    };
+    if (!kOut && p.chunk_states != nullptr) {
+      store_state(p.chunk_states, lo + c - p.slot_begin);
+    }
+    if (kOut && lo - c_begin + c == next_checkpoint) {
+      store_state(p.checkpoints, next_checkpoint / p.checkpoint_every);
+      next_checkpoint += p.checkpoint_every;
     }
     const St& st = stages[c % kSt];
 

@@ -9,6 +9,7 @@
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
 
+#include "checkpoints.h"
 #include "chunked_backward.h"
 #include "cuda/backward_schedule.h"
 #include "cuda/forward_schedule.h"
@@ -176,7 +177,8 @@ CallInputs call_inputs(const Problem& p, const Tensor& q, const Tensor& k, const
 void forward_into(const char* op, const Problem& p, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g,
                   const Tensor& beta, const Tensor& A_log, const Tensor& dt_bias,
                   const optional<Tensor>& initial_state, const optional<Tensor>& cu_seqlens, const Tensor& out,
-                  const optional<Tensor>& final_state) {
+                  const optional<Tensor>& final_state, const Tensor& checkpoints = Tensor(),
+                  int64_t checkpoint_every = 0) {
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(q.device().index()).stream();
   Boundaries bounds = sequence_boundaries(op, p, q, cu_seqlens, stream);
   CallInputs in = call_inputs(p, q, k, v, g, beta, A_log, dt_bias, bounds);
@@ -204,6 +206,11 @@ void forward_into(const char* op, const Problem& p, const Tensor& q, const Tenso
   params.final_state = final_c.defined() ? final_c.data_ptr() : nullptr;
   params.state_fp32 = p.state_dtype == at::kFloat;
   params.out = out_c.data_ptr();
+  if (checkpoints.defined() && checkpoints.numel() > 0) {
+    TORCH_CHECK(params.N == 1 && checkpoint_every > 0, op, ": checkpoints serve a single sequence");
+    params.checkpoints = checkpoints.data_ptr<float>();
+    params.checkpoint_every = checkpoint_every;
+  }
 
   // Both settings are read before K1 and K2 are enqueued, so a bad one leaves
   // no kernel behind that writes the caller's tensors.
@@ -242,6 +249,25 @@ std::tuple<Tensor, Tensor> fwd(const Tensor& q, const Tensor& k, const Tensor& v
   return {o.out, o.final_state};
 }
 
+// kda::_fwd_checkpointed (not API): fwd that also keeps the states the CUDA
+// backward's windows start from (checkpoints.h), for autograd to hand to bwd.
+std::tuple<Tensor, Tensor, Tensor> fwd_checkpointed(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g,
+                                                    const Tensor& beta, const Tensor& A_log, const Tensor& dt_bias,
+                                                    optional<double> scale, optional<double> lower_bound,
+                                                    const optional<Tensor>& initial_state, bool output_final_state,
+                                                    const optional<Tensor>& cu_seqlens) {
+  const char* op = "kda._fwd_checkpointed";
+  Problem p = check_all(op, q, k, v, g, beta, A_log, dt_bias, scale, lower_bound, initial_state, cu_seqlens);
+  c10::cuda::CUDAGuard guard(q.device());
+  ForwardOutputs o = allocate_forward_outputs(p, q, output_final_state);
+  const CheckpointPlan plan = checkpoint_plan(op, p, cu_seqlens.has_value());
+  Tensor checkpoints = allocate_checkpoints(p, q, plan);
+  forward_into(op, p, q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, o.out,
+               output_final_state ? optional<Tensor>(o.final_state) : std::nullopt, checkpoints,
+               concrete(plan.every));
+  return {o.out, o.final_state, checkpoints};
+}
+
 void fwd_inplace(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g, const Tensor& beta,
                  const Tensor& A_log, const Tensor& dt_bias, at::Tensor& out, const optional<Tensor>& final_state,
                  optional<double> scale, optional<double> lower_bound, const optional<Tensor>& initial_state,
@@ -261,7 +287,8 @@ void fwd_inplace(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor
 BackwardTuple backward_by_kernels(const Problem& p, const Tensor& grad_out, const optional<Tensor>& grad_final_state,
                                   const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g,
                                   const Tensor& beta, const Tensor& A_log, const Tensor& dt_bias,
-                                  const optional<Tensor>& initial_state, const optional<Tensor>& cu_seqlens) {
+                                  const optional<Tensor>& initial_state, const optional<Tensor>& cu_seqlens,
+                                  const Tensor& checkpoints) {
   const char* op = "kda.bwd";
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(q.device().index()).stream();
   const int64_t H = concrete(p.H), N = concrete(p.N);
@@ -269,8 +296,13 @@ BackwardTuple backward_by_kernels(const Problem& p, const Tensor& grad_out, cons
   const RecurrenceBlock block = forced_recurrence_block(op);
   Boundaries bounds = sequence_boundaries(op, p, q, cu_seqlens, stream);
   CallInputs in = call_inputs(p, q, k, v, g, beta, A_log, dt_bias, bounds);
-  const int64_t window = backward_window_slots(
-      in.params, static_cast<int64_t>(at::cuda::getDeviceProperties(q.device().index())->totalGlobalMem));
+  // With the forward's checkpoints (checked against the plan by bwd), their
+  // windows; else the backward's own choice.
+  const bool saved = checkpoints.defined() && checkpoints.numel() > 0;
+  const int64_t window =
+      saved ? concrete(checkpoint_plan(op, p, cu_seqlens.has_value()).every)
+            : backward_window_slots(in.params, static_cast<int64_t>(
+                                                   at::cuda::getDeviceProperties(q.device().index())->totalGlobalMem));
   Tensor init = staged16(initial_state.value_or(Tensor()));
   const auto f32 = q.options().dtype(at::kFloat);
   Tensor go = sweep_grad_out(grad_out);
@@ -305,7 +337,7 @@ BackwardTuple backward_by_kernels(const Problem& p, const Tensor& grad_out, cons
   call.grads.dbeta = o.dbeta.data_ptr();
   call.grads.ddt_bias_part = ddt_part.data_ptr<float>();
   call.grads.dA_log_part = dA_part.data_ptr<float>();
-  run_backward(call, in.v, window, block);
+  run_backward(call, in.v, window, block, saved ? checkpoints.data_ptr<float>() : nullptr);
 
   o.ddt_bias.copy_(ddt_part.sum(0));
   o.dA_log.copy_(dA_part.sum(0));
@@ -319,12 +351,16 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> bwd(
     const Tensor& grad_out, const optional<Tensor>& grad_final_state, const Tensor& q, const Tensor& k,
     const Tensor& v, const Tensor& g, const Tensor& beta, const Tensor& A_log, const Tensor& dt_bias,
     optional<double> scale, optional<double> lower_bound, const optional<Tensor>& initial_state,
-    const optional<Tensor>& cu_seqlens) {
+    const optional<Tensor>& cu_seqlens, const optional<Tensor>& checkpoints) {
   Problem p = check_all("kda.bwd", q, k, v, g, beta, A_log, dt_bias, scale, lower_bound, initial_state, cu_seqlens);
   check_backward_grads("kda.bwd", p, q, grad_out, grad_final_state);
+  const Tensor ckpt = checkpoints.value_or(Tensor());
+  if (ckpt.defined()) {
+    check_checkpoints("kda.bwd", p, cu_seqlens.has_value(), q, ckpt);
+  }
   c10::cuda::CUDAGuard guard(q.device());
   return backward_by_kernels(p, grad_out, grad_final_state, q, k, v, g, beta, A_log, dt_bias, initial_state,
-                             cu_seqlens);
+                             cu_seqlens, ckpt);
 }
 
 // An fp32 intermediate that a private test op takes in (what the backward's
@@ -419,6 +455,7 @@ std::tuple<Tensor, Tensor> sweep_bwd(const Tensor& q, const Tensor& k, const Ten
 TORCH_LIBRARY_IMPL(kda, CUDA, m) {
   m.impl("fwd", &fwd);
   m.impl("fwd_", &fwd_inplace);
+  m.impl("_fwd_checkpointed", &fwd_checkpointed);
   m.impl("bwd", &bwd);
   m.impl("_prepare_bwd", &prepare_bwd);
   m.impl("_sweep_bwd", &sweep_bwd);

@@ -85,6 +85,11 @@ struct FwdParams {
   // start here, indexed from the window's first slot (for the backward); null in
   // the forward.
   float* chunk_states = nullptr;
+  // fp32 [count, H, V, K] or null: the forward's K2 also stores the state at
+  // the start of every checkpoint_every-th chunk slot of sequence 0 (a single
+  // sequence: checkpoints.h), for the backward's windows.
+  float* checkpoints = nullptr;
+  int64_t checkpoint_every = 0;
   // K1 also writes the lo planes of Qs and Aqk (the backward's dS recurrence
   // reads them; the forward's recurrence does not).
   bool lo_for_backward = false;
@@ -115,6 +120,11 @@ constexpr int kDRecAqk = kDRecKd + kChunk * kHeadDim;
 constexpr int kDRecU0 = kDRecAqk + kChunk * kChunk;
 constexpr int kDRecGl = kDRecU0 + kChunk * kHeadDim;
 constexpr int kDRecFloats = kDRecGl + kHeadDim;
+
+// What the backward's kernels pass each other per (chunk slot, head): the
+// record, the state at the chunk's start and dS at its end (fp32), and the
+// record's gradients (backward_schedule.h).
+constexpr int64_t kBwdSlotScratchBytes = kWsChunkBytes + 2 * kHeadDim * kHeadDim * 4 + kDRecFloats * 4;
 
 struct PrepareBwdParams {
   FwdParams fwd;  // the inputs, sizes, offsets and slot window, as K1 reads them
