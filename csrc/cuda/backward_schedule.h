@@ -4,9 +4,10 @@
 // (34,304 bytes), the state at the chunk's start and dS at its end (65,536
 // bytes each, fp32) and the record's gradients (34,304 bytes): 12.5 KB per
 // (token, head), 3.1 GiB for one pass at 8192 tokens x 32 heads. Where one pass
-// would hold too much (backward_schedule.cpp), the slots are cut into windows: a first
-// forward pass (K1, K2) keeps every sequence's state at each window's start (a
-// checkpoint), then the windows run from the last to the first: K1 (records),
+// would hold too much (backward_schedule.cpp), the slots are cut into windows: every
+// sequence's state at each window's start (a checkpoint) comes from the forward
+// (kda._fwd_checkpointed, checkpoints.h) or else from a first forward pass (K1, K2
+// without output), then the windows run from the last to the first: K1 (records),
 // K2 from the checkpoint (chunk-start states), the dS recurrence from the dS
 // that the later window left in a carry, the record gradients, and K1's
 // backward, which writes the window's tokens of the gradients. The carries are
