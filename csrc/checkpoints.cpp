@@ -1,8 +1,6 @@
 #include "checkpoints.h"
 
 #include <algorithm>
-#include <cerrno>
-#include <cstdlib>
 
 #include <ATen/ops/empty.h>
 
@@ -17,41 +15,20 @@ constexpr int64_t kMinWindowSlots = 16;
 
 }  // namespace
 
-std::optional<int64_t> forced_window_slots(const char* op) {
-  const char* env = std::getenv("TORCH_KDA_WINDOW_SLOTS");
-  if (env == nullptr || *env == '\0') {
-    return std::nullopt;
-  }
-  char* end = nullptr;
-  errno = 0;
-  const long long n = std::strtoll(env, &end, 10);
-  TORCH_CHECK(errno == 0 && *end == '\0' && n >= 0,
-              op, ": TORCH_KDA_WINDOW_SLOTS must be a non-negative integer, got '", env, "'");
-  return static_cast<int64_t>(n);
-}
-
 int64_t backward_window_floor(int64_t H) {
   return std::max(kWindowScratch / (std::max<int64_t>(H, 1) * cuda::kBwdSlotScratchBytes), kMinWindowSlots);
 }
 
-CheckpointPlan checkpoint_plan(const char* op, const Problem& p, bool varlen) {
+CheckpointPlan checkpoint_plan(const Problem& p, bool varlen) {
   CheckpointPlan plan;
   // Specializes B: 1 or not (as dynamic shapes do for sizes 0 and 1 anyway).
   if (varlen || p.B != 1) {
     return plan;
   }
-  const c10::SymInt slots = (p.T + cuda::kChunk - 1) / cuda::kChunk;
-  const std::optional<int64_t> forced = forced_window_slots(op);
-  if (forced.has_value() && *forced == 0) {  // one pass: the initial state only
-    plan.every = slots;
-    plan.count = slots == 0 ? 0 : 1;
-    return plan;
-  }
   // Heads are part of the model: specializing them costs no recompiles in practice.
   const int64_t H = p.H.guard_int(__FILE__, __LINE__);
-  const int64_t every = forced.has_value() ? *forced : backward_window_floor(H);
-  plan.every = every;
-  plan.count = (slots + every - 1) / every;
+  plan.every = backward_window_floor(H);
+  plan.count = ((p.T + cuda::kChunk - 1) / cuda::kChunk + plan.every - 1) / plan.every;
   return plan;
 }
 
@@ -64,7 +41,7 @@ void check_checkpoints(const char* op, const Problem& p, bool varlen, const at::
   if (checkpoints.sym_numel() == 0) {
     return;
   }
-  const CheckpointPlan plan = checkpoint_plan(op, p, varlen);
+  const CheckpointPlan plan = checkpoint_plan(p, varlen);
   const c10::SymInt D = cuda::kHeadDim;
   const bool ok = checkpoints.device() == q.device() && checkpoints.scalar_type() == at::kFloat &&
                   checkpoints.dim() == 4 && checkpoints.sym_size(0) == plan.count && checkpoints.sym_size(1) == p.H &&

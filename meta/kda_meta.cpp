@@ -28,10 +28,10 @@ std::tuple<Tensor, Tensor, Tensor> fwd_checkpointed(const Tensor& q, const Tenso
                                                     optional<double> scale, optional<double> lower_bound,
                                                     const optional<Tensor>& initial_state, bool output_final_state,
                                                     const optional<Tensor>& cu_seqlens) {
-  const char* op = "kda._fwd_checkpointed";
-  Problem p = check_forward_args(op, q, k, v, g, beta, A_log, dt_bias, scale, lower_bound, initial_state, cu_seqlens);
+  Problem p = check_forward_args("kda.fwd", q, k, v, g, beta, A_log, dt_bias, scale, lower_bound, initial_state,
+                                 cu_seqlens);
   ForwardOutputs o = allocate_forward_outputs(p, q, output_final_state);
-  Tensor checkpoints = allocate_checkpoints(p, q, checkpoint_plan(op, p, cu_seqlens.has_value()));
+  Tensor checkpoints = allocate_checkpoints(p, q, checkpoint_plan(p, cu_seqlens.has_value()));
   return {o.out, o.final_state, checkpoints};
 }
 

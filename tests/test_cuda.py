@@ -899,16 +899,35 @@ def _prepare_launches(fn):
     return result, sum("prepare_kernel" in n for n in names)
 
 
-@pytest.mark.parametrize("window,T,H", [("7", 300, 2), ("0", 300, 2), (None, 6000, 16)])
-def test_forward_checkpoints_serve_the_backward_bitwise(window, T, H, monkeypatch):
+# Slots between the forward's checkpoints (csrc/checkpoints.cpp): a backward
+# window of ~1 GiB of scratch (34304 + 2 * 65536 + 34304 bytes per slot and head).
+def _checkpoint_every(H):
+    return max((1 << 30) // (H * 199680), 16)
+
+
+def _assert_checkpoints_are_prefix_states(g, ckpt):
+    """ckpt[w] is bitwise the final state of a forward over the tokens before
+    window w (ckpt[0]: the initial state)."""
+    init = g["initial_state"]
+    every = _checkpoint_every(g["q"].shape[2])
+    assert torch.equal(ckpt[0], init[0])
+    for w in range(1, ckpt.shape[0]):
+        n = w * every * 16
+        prefix = [t[:, :n] for t in positional(g)[:5]] + list(positional(g)[5:])
+        _, state = torch.ops.kda.fwd(*prefix, None, -5.0, init, True, None)
+        assert torch.equal(ckpt[w], state[0]), w
+
+
+@pytest.mark.parametrize("window,T,H,windows,own_windows", [
+    (None, 6000, 16, 2, 2), (None, 4000, 96, 5, 5), ("7", 4000, 96, 5, 36), ("0", 300, 2, 1, 1)])
+def test_forward_checkpoints_serve_the_backward_bitwise(window, T, H, windows, own_windows, monkeypatch):
     """kda._fwd_checkpointed returns fwd's outputs bit for bit and the state at
-    the start of each backward window (bit for bit the final state of a forward
-    over the tokens before it; the first is the initial state). kda.bwd given
-    them runs no forward pass of its own (K1 once per window instead of also
-    once per window but the last before) and gives the gradients it gives
-    without them, bit for bit, also when called again: the checkpoints are
-    left as they were. Windows of 7 slots (19 slots: 3 windows), one pass, and
-    the automatic windows (6000 tokens x 16 heads: 2 windows of 336 slots)."""
+    the start of each backward window (bitwise a prefix forward's final state).
+    kda.bwd given them runs their windows and no forward pass of its own (K1 once
+    per window, against twice but once without them) and gives the gradients it
+    gives without them, bit for bit, also when called again: the checkpoints are
+    left as they were. TORCH_KDA_WINDOW_SLOTS moves the backward's own windows
+    (7 slots: 36 of them) but not the checkpoints."""
     if window is None:
         monkeypatch.delenv("TORCH_KDA_WINDOW_SLOTS", raising=False)
     else:
@@ -918,15 +937,8 @@ def test_forward_checkpoints_serve_the_backward_bitwise(window, T, H, monkeypatc
     out, final, ckpt = torch.ops.kda._fwd_checkpointed(*positional(g), None, -5.0, init, True, None)
     want_out, want_final = torch.ops.kda.fwd(*positional(g), None, -5.0, init, True, None)
     assert torch.equal(out, want_out) and torch.equal(final, want_final)
-    slots = math.ceil(T / 16)
-    every = {"7": 7, "0": slots, None: 336}[window]
-    assert ckpt.shape == (math.ceil(slots / every), H, D, D)
-    assert torch.equal(ckpt[0], init[0])
-    for w in range(1, ckpt.shape[0]):
-        n = w * every * 16
-        prefix = [t[:, :n] for t in positional(g)[:5]] + list(positional(g)[5:])
-        _, state = torch.ops.kda.fwd(*prefix, None, -5.0, init, True, None)
-        assert torch.equal(ckpt[w], state[0]), w
+    assert ckpt.shape == (windows, H, D, D)
+    _assert_checkpoints_are_prefix_states(g, ckpt)
 
     grad_out = torch.randn(*g["v"].shape, device=DEV).to(torch.bfloat16)
     gf = torch.randn_like(init)
@@ -935,19 +947,38 @@ def test_forward_checkpoints_serve_the_backward_bitwise(window, T, H, monkeypatc
     want, k1_without = _prepare_launches(lambda: torch.ops.kda.bwd(grad_out, gf, *positional(g), **kw))
     got, k1_with = _prepare_launches(lambda: torch.ops.kda.bwd(grad_out, gf, *positional(g), checkpoints=ckpt, **kw))
     again = torch.ops.kda.bwd(grad_out, gf, *positional(g), checkpoints=ckpt, **kw)
-    windows = ckpt.shape[0]
-    assert (k1_with, k1_without) == (windows, 2 * windows - 1)
+    assert (k1_with, k1_without) == (windows, 2 * own_windows - 1)
     assert torch.equal(ckpt, saved)
     for name, x, y, z in zip(GRAD_NAMES, got, want, again):
         assert torch.equal(x, y) and torch.equal(z, y), name
 
 
+@pytest.mark.parametrize("shape", ["8x1", "4x1", "2x1", "2x2", "4x4"])
+def test_backward_and_checkpoints_in_every_block_shape(shape, monkeypatch):
+    """Each K2 block shape in the backward's passes (K2 without output), in
+    windows of 5 slots (the checkpoint pass and the carries too): gradients
+    against float64; and in the forward's checkpoint stores: bitwise a prefix
+    forward's final states (4000 tokens x 96 heads: 5 windows)."""
+    monkeypatch.setenv("TORCH_KDA_RECURRENCE_BLOCK", shape)
+    monkeypatch.setenv("TORCH_KDA_WINDOW_SLOTS", "5")
+    d, g = cuda_inputs(B=2, T=300, H=4, state_dtype=torch.float32)
+    got, ref = cuda_and_reference_grads(d, g)
+    check_grads(shape, got, ref)
+    _, g = cuda_inputs(B=1, T=4000, H=96, state_dtype=torch.float32)
+    _, _, ckpt = torch.ops.kda._fwd_checkpointed(*positional(g), None, -5.0, g["initial_state"], False, None)
+    assert ckpt.shape[0] == 5
+    _assert_checkpoints_are_prefix_states(g, ckpt)
+
+
 def test_autograd_uses_the_forward_checkpoints(monkeypatch):
     """torch_kda.kda with a gradient wanted on CUDA keeps the checkpoints and its
-    backward starts from them: the gradients of kda.bwd without them, bit for
-    bit, and again on a second backward through the same graph."""
-    monkeypatch.setenv("TORCH_KDA_WINDOW_SLOTS", "5")
-    _, g = cuda_inputs(B=1, T=400, H=2, state_dtype=torch.float32)
+    backward starts from them (K1 once per window): the gradients of kda.bwd
+    without them, bit for bit, again on a second backward through the same
+    graph, and with a gradient into the final state alone (out's then zero)."""
+    monkeypatch.delenv("TORCH_KDA_WINDOW_SLOTS", raising=False)
+    _, g = cuda_inputs(B=1, T=4000, H=96, state_dtype=torch.float32)
+    windows = math.ceil(250 / _checkpoint_every(96))
+    assert windows == 5
     names = ("q", "k", "v", "g", "beta", "A_log", "dt_bias")
     leaves = {n: g[n].detach().clone().requires_grad_() for n in names}
     init = g["initial_state"].detach().clone().requires_grad_()
@@ -955,18 +986,18 @@ def test_autograd_uses_the_forward_checkpoints(monkeypatch):
                                output_final_state=True)
     grad_out = torch.randn_like(out)
     gf = torch.randn_like(final)
-    want = torch.ops.kda.bwd(grad_out, gf, *positional(g), lower_bound=-5.0, initial_state=g["initial_state"])
-    for attempt in range(2):
+    kw = dict(lower_bound=-5.0, initial_state=g["initial_state"])
+    for outputs, grads in (((out, final), (grad_out, gf)), ((out, final), (grad_out, gf)), ((final,), (gf,))):
+        want = torch.ops.kda.bwd(grads[0] if len(grads) == 2 else torch.zeros_like(out), gf, *positional(g), **kw)
         for t in (*leaves.values(), init):
             t.grad = None
-        (_, k1) = _prepare_launches(lambda: torch.autograd.backward((out, final), (grad_out, gf), retain_graph=True))
-        assert k1 == math.ceil(math.ceil(400 / 16) / 5), attempt  # the states pass only
+        _, k1 = _prepare_launches(lambda: torch.autograd.backward(outputs, grads, retain_graph=True))
+        assert k1 == windows, len(grads)
         for name, t, y in zip(GRAD_NAMES, (*leaves.values(), init), want):
-            assert torch.equal(t.grad, y), (attempt, name)
+            assert torch.equal(t.grad, y), (len(grads), name)
 
 
-def test_opcheck_cuda_fwd_checkpointed(monkeypatch):
-    monkeypatch.setenv("TORCH_KDA_WINDOW_SLOTS", "3")
+def test_opcheck_cuda_fwd_checkpointed():
     for kw, state in ((dict(B=1, T=100), torch.float32), (dict(seqlens=[10, 0, 33]), torch.float32),
                       (dict(B=1, T=21), None)):
         _, g = cuda_inputs(H=2, state_dtype=state, **kw)
@@ -975,6 +1006,7 @@ def test_opcheck_cuda_fwd_checkpointed(monkeypatch):
                               (*args, None, -5.0, g["initial_state"], True, g["cu_seqlens"]))
         out, _, ckpt = torch.ops.kda._fwd_checkpointed(*positional(g), None, -5.0, g["initial_state"], True,
                                                        g["cu_seqlens"])
+        assert ckpt.shape[0] == (1 if kw.get("B") == 1 else 0)
         torch.library.opcheck(
             torch.ops.kda.bwd.default, (torch.randn_like(out), None, *positional(g)),
             {"lower_bound": -5.0, "initial_state": g["initial_state"], "cu_seqlens": g["cu_seqlens"],

@@ -143,10 +143,18 @@ def _setup_context(ctx, inputs, output):
 def _setup_context_checkpointed(ctx, inputs, output):
     checkpoints = output[2]
     ctx.mark_non_differentiable(checkpoints)
+    # No zero-filled gradient for the checkpoints (64 KiB per head and window);
+    # the backward fills in out's where it is missing.
+    ctx.set_materialize_grads(False)
     _save(ctx, inputs, checkpoints)
 
 
 def _backward_checkpointed(ctx, grad_out, grad_final_state, _grad_checkpoints):
+    if grad_out is None:
+        if grad_final_state is None:
+            return (None,) * 12
+        q, v = ctx.saved_tensors[0], ctx.saved_tensors[2]
+        grad_out = torch.zeros(v.shape, dtype=q.dtype, device=q.device)
     return _backward(ctx, grad_out, grad_final_state)
 
 

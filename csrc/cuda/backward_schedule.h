@@ -40,8 +40,8 @@ struct BackwardCall {
 // the forward does; raises on a bad value).
 int64_t backward_window_slots(const FwdParams& params, int64_t device_memory);
 
-// Allocates the scratch (`like`: a bf16 tensor shaped like v, for the options
-// and the scratch output) and enqueues every kernel of the backward on the
+// Allocates the scratch (`like`: a tensor on the device, for the options and
+// the stream) and enqueues every kernel of the backward on the
 // current stream of its device, in windows of `window` slots.
 // saved_checkpoints: null, or the state of every sequence at each window's start,
 // fp32 [windows, N, H, 128, 128] (kda._fwd_checkpointed's, its first entry

@@ -4,9 +4,8 @@
 #include <c10/cuda/CUDAStream.h>
 
 #include <algorithm>
-#include <optional>
-
-#include "checkpoints.h"
+#include <cerrno>
+#include <cstdlib>
 
 namespace kda::cuda {
 namespace {
@@ -29,8 +28,13 @@ constexpr int64_t kTargetWindows = 16;
 // TORCH_KDA_WINDOW_SLOTS=n forces windows of n slots on every call (tests use
 // it to put window edges inside small problems); 0 forces one pass.
 int64_t window_slots(const FwdParams& p, const char* op) {
-  if (const std::optional<int64_t> n = forced_window_slots(op); n.has_value()) {
-    return *n == 0 ? p.num_slots : std::min<int64_t>(*n, p.num_slots);
+  if (const char* env = std::getenv("TORCH_KDA_WINDOW_SLOTS"); env != nullptr && *env != '\0') {
+    char* end = nullptr;
+    errno = 0;
+    const long long n = std::strtoll(env, &end, 10);
+    TORCH_CHECK(errno == 0 && *end == '\0' && n >= 0,
+                op, ": TORCH_KDA_WINDOW_SLOTS must be a non-negative integer, got '", env, "'");
+    return n == 0 ? p.num_slots : std::min<int64_t>(n, p.num_slots);
   }
   if (recurrence_warps_per_sm(p) > 2 || p.num_slots * p.H * kWsChunkBytes <= kOnePassWorkspaceLimit) {
     return p.num_slots;

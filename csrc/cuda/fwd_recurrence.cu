@@ -8,8 +8,8 @@
 // the partial sums over k meet in shared memory once per chunk, which shortens
 // the sequential chain when there are too few (sequence, head) pairs to fill
 // the GPU. A block is kWarps warps of one (sequence, head): they share the
-// chunk's operands, which the block stages in shared memory one or two chunks
-// ahead with cp.async. The launcher sizes blocks to the warps each SM must run.
+// chunk's operands, which the block stages in shared memory one to three chunks
+// ahead with cp.async (kDefaultStages). The launcher sizes blocks to the warps each SM must run.
 //
 // Per chunk, per row group (v: its 16 rows; c: the 16 tokens), the state's
 // products in bf16x3 (mma.cuh), so an fp32 state stays fp32-accurate, and the
@@ -68,7 +68,8 @@ struct Config {
   static constexpr int kStagesAhead = kSt;
   using St = Stage<kCols>;
   // Per warp, the partial sums over its key columns of S W^T and S Qs^T in
-  // fragment order ([product][n-tile][element][lane]); none when kSplit = 1.
+  // fragment order ([product][n-tile][lane] of float4s, a lane's four elements);
+  // none when kSplit = 1.
   static constexpr int kRedFloats = kSplit > 1 ? 2 * 2 * 4 * 32 : 0;
   static constexpr size_t kSmem = kStagesAhead * sizeof(St) + kRowGroups * C * kOutPad * sizeof(__nv_bfloat16) +
                                   kWarps * kRedFloats * sizeof(float);

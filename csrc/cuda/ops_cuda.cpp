@@ -256,15 +256,15 @@ std::tuple<Tensor, Tensor, Tensor> fwd_checkpointed(const Tensor& q, const Tenso
                                                     optional<double> scale, optional<double> lower_bound,
                                                     const optional<Tensor>& initial_state, bool output_final_state,
                                                     const optional<Tensor>& cu_seqlens) {
-  const char* op = "kda._fwd_checkpointed";
+  // Named kda.fwd in messages: torch_kda.kda calls this op in fwd's place.
+  const char* op = "kda.fwd";
   Problem p = check_all(op, q, k, v, g, beta, A_log, dt_bias, scale, lower_bound, initial_state, cu_seqlens);
   c10::cuda::CUDAGuard guard(q.device());
   ForwardOutputs o = allocate_forward_outputs(p, q, output_final_state);
-  const CheckpointPlan plan = checkpoint_plan(op, p, cu_seqlens.has_value());
+  const CheckpointPlan plan = checkpoint_plan(p, cu_seqlens.has_value());
   Tensor checkpoints = allocate_checkpoints(p, q, plan);
   forward_into(op, p, q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, o.out,
-               output_final_state ? optional<Tensor>(o.final_state) : std::nullopt, checkpoints,
-               concrete(plan.every));
+               output_final_state ? optional<Tensor>(o.final_state) : std::nullopt, checkpoints, plan.every);
   return {o.out, o.final_state, checkpoints};
 }
 
@@ -300,7 +300,7 @@ BackwardTuple backward_by_kernels(const Problem& p, const Tensor& grad_out, cons
   // windows; else the backward's own choice.
   const bool saved = checkpoints.defined() && checkpoints.numel() > 0;
   const int64_t window =
-      saved ? concrete(checkpoint_plan(op, p, cu_seqlens.has_value()).every)
+      saved ? checkpoint_plan(p, cu_seqlens.has_value()).every
             : backward_window_slots(in.params, static_cast<int64_t>(
                                                    at::cuda::getDeviceProperties(q.device().index())->totalGlobalMem));
   Tensor init = staged16(initial_state.value_or(Tensor()));
