@@ -64,6 +64,9 @@ __global__ void __launch_bounds__(kThreads) prepare_backward_kernel(const Prepar
   __shared__ float sDot[2][C];   // qn . dqn and kn . dkn per row (kChain)
   __shared__ __align__(16) float sDq[kChain ? C : 1][D];  // dqn, dkn of every row (kChain)
   __shared__ __align__(16) float sDk[kChain ? C : 1][D];
+  // The raw g rows (kChain): the gate's chain rule reads them again at the end,
+  // where reloading them from global memory left each row's loads waiting.
+  __shared__ __align__(16) float sG[kChain ? C : 1][D];
   __shared__ float sDA_part[kThreads / 32];
   // The chunk's record gradients (34 KB), copied in while the inputs load and
   // the record is recomputed: read from global memory where they are used, they
@@ -84,15 +87,15 @@ __global__ void __launch_bounds__(kThreads) prepare_backward_kernel(const Prepar
     }
     cp_async_commit();
   }
-  float G[C], v[C];
-  load_chunk_inputs<kPad>(p, c, sT0, sT1, sBeta, sInvNorm, G, v);
+  float G2[C], v[C];
+  load_chunk_inputs<kPad>(p, c, sT0, sT1, sBeta, sInvNorm, G2, v, kChain ? sG : nullptr);
 
   float qn[C], kn[C], E[C];
 #pragma unroll
   for (int i = 0; i < C; ++i) {
     qn[i] = sT0[i][d] * sInvNorm[0][i];
     kn[i] = sT1[i][d] * sInvNorm[1][i];
-    E[i] = expf(G[i]);  // |G| <= 80: exp(G) and its reciprocal are finite
+    E[i] = fast_exp2(G2[i]);  // |G| <= 80: exp(G) and its reciprocal are finite
   }
   const float gl = E[C - 1];
   // Each thread rewrites only its own column below, and the norms' reads of
@@ -102,7 +105,7 @@ __global__ void __launch_bounds__(kThreads) prepare_backward_kernel(const Prepar
 #pragma unroll
   for (int i = 0; i < C; ++i) {
     sT0[i][d] = kn[i] * E[i];
-    sT1[i][d] = kn[i] * __fdividef(1.f, E[i]);
+    sT1[i][d] = kn[i] * fast_rcp(E[i]);
   }
   cp_async_wait<0>();  // sRec: every thread's copies are in before the barrier
   __syncthreads();
@@ -222,11 +225,11 @@ __global__ void __launch_bounds__(kThreads) prepare_backward_kernel(const Prepar
   float ki[C];  // Ki column d: k^ exp(-G)
 #pragma unroll
   for (int j = 0; j < C; ++j) {
-    ki[j] = kn[j] * __fdividef(1.f, E[j]);
+    ki[j] = kn[j] * fast_rcp(E[j]);
   }
 #pragma unroll
   for (int i = 0; i < C; ++i) {
-    const float ei = E[i], ei_inv = __fdividef(1.f, ei);
+    const float ei = E[i], ei_inv = fast_rcp(ei);
     float dKe = sBeta[i] * rw[i], dKi = 0.f, dQe = p.scale * dr[kDRecQs + i * D + d];
 #pragma unroll
     for (int j = 0; j < i; ++j) {
@@ -275,8 +278,8 @@ __global__ void __launch_bounds__(kThreads) prepare_backward_kernel(const Prepar
       tail += dG[i];
       if (i < c.len) {
         const int64_t idx = ((c.bos + i) * H + c.h) * D + d;
-        const float x = A * (load_bf16(p.g, idx) + bias);
-        const float s = 1.f / (1.f + expf(-x));
+        const float x = A * (sG[i][d] + bias);
+        const float s = fast_rcp(1.f + fast_exp2(-kLog2e * x));
         const float darg = tail * p.lower_bound * s * (1.f - s);
         store_bf16(bp.grads.dg, idx, darg * A);
         ddt += darg * A;

@@ -77,15 +77,19 @@ __device__ __forceinline__ void forward_substitute(const float (*sA)[kChunk + 1]
   }
 }
 
-// Loads the chunk and computes G (into gsum), sigmoid(beta) (sBeta), and the
-// inverse norms of q's and k's rows (sInvNorm[0], [1]); sQ and sK keep the raw
-// rows. Rows past the sequence's end are zeros with lambda = 0 and beta = 0, so
-// that G_last is the last real row's G and the padding moves nothing. All
-// threads of the block call it (two barriers).
+// Loads the chunk and computes G in base 2, G2 = G log2(e) (so exp(+-G) =
+// fast_exp2(+-G2), one instruction), sigmoid(beta) (sBeta), and the inverse
+// norms of q's and k's rows (sInvNorm[0], [1]); sQ and sK keep the raw rows,
+// and sG, where given, the raw g (K1's backward reads it again in the gate's
+// chain rule; each thread writes and reads only its own column). Rows past the
+// sequence's end are zeros with lambda = 0 and beta = 0, so that G_last is the
+// last real row's G and the padding moves nothing. All threads of the block
+// call it (two barriers).
 template <int kPad>
 __device__ __forceinline__ void load_chunk_inputs(const FwdParams& p, const ChunkPlace& c, float (*sQ)[kPad],
                                                   float (*sK)[kPad], float* sBeta, float (*sInvNorm)[kChunk],
-                                                  float (&gsum)[kChunk], float (&v)[kChunk]) {
+                                                  float (&G2)[kChunk], float (&v)[kChunk],
+                                                  float (*sG)[kHeadDim] = nullptr) {
   constexpr int C = kChunk, D = kHeadDim;
   const int64_t H = p.H;
   const int d = threadIdx.x;
@@ -103,7 +107,7 @@ __device__ __forceinline__ void load_chunk_inputs(const FwdParams& p, const Chun
     for (int i = 0; i < C; ++i) {
       sQ[i][d] = __bfloat162float(q[i * stride]);
       sK[i][d] = __bfloat162float(k[i * stride]);
-      gsum[i] = __bfloat162float(g[i * stride]);
+      G2[i] = __bfloat162float(g[i * stride]);
       v[i] = __bfloat162float(vv[i * stride]);
     }
   } else {
@@ -112,7 +116,7 @@ __device__ __forceinline__ void load_chunk_inputs(const FwdParams& p, const Chun
       const bool valid = i < c.len;
       sQ[i][d] = valid ? __bfloat162float(q[i * stride]) : 0.f;
       sK[i][d] = valid ? __bfloat162float(k[i * stride]) : 0.f;
-      gsum[i] = valid ? __bfloat162float(g[i * stride]) : 0.f;
+      G2[i] = valid ? __bfloat162float(g[i * stride]) : 0.f;
       v[i] = valid ? __bfloat162float(vv[i * stride]) : 0.f;
     }
   }
@@ -120,15 +124,22 @@ __device__ __forceinline__ void load_chunk_inputs(const FwdParams& p, const Chun
     sBeta[d] = d < c.len ? 1.f / (1.f + expf(-load_bf16(p.beta, (c.bos + d) * H + c.h))) : 0.f;
   }
 
-  // Gate: lambda = lower_bound * sigmoid(exp(A_log) (g + dt_bias)).
-  const float A = expf(p.A_log[c.h]);
-  const float bias = p.dt_bias[c.h * D + d];
+  // Gate: lambda = lower_bound * sigmoid(x), x = exp(A_log) (g + dt_bias), in
+  // base 2: lambda log2(e) = lower_bound log2(e) / (1 + 2^(-x log2(e))). Every
+  // row is computed and the padding selected away, which is cheaper than a
+  // branch per row now that a row costs five instructions.
+  const float a2 = -expf(p.A_log[c.h]) * kLog2e;
+  const float b2 = a2 * p.dt_bias[c.h * D + d];
+  const float lb2 = p.lower_bound * kLog2e;
   float acc = 0.f;
 #pragma unroll
   for (int i = 0; i < C; ++i) {
-    const float lam = i < c.len ? __fdividef(p.lower_bound, 1.f + expf(-A * (gsum[i] + bias))) : 0.f;
-    acc += lam;
-    gsum[i] = acc;  // now G_i, the cumulative log decay
+    if (sG != nullptr) {
+      sG[i][d] = G2[i];
+    }
+    const float lam2 = lb2 * fast_rcp(1.f + fast_exp2(fmaf(a2, G2[i], b2)));
+    acc += i < c.len ? lam2 : 0.f;
+    G2[i] = acc;  // now G_i log2(e), the cumulative log decay in base 2
   }
   __syncthreads();
 

@@ -46,6 +46,25 @@ __device__ __forceinline__ void store_split(unsigned char* planes, int lo_bytes,
   }
 }
 
+// 2^x and 1 / x in one special-function instruction each (max relative error
+// about 2^-22 and 1 ulp; subnormal results flush to zero). expf and
+// __fdividef cost 9 and 5 instructions with their range fix-ups, which K1 and
+// its backward ran ~100 times per thread and chunk; every value they take
+// here is well inside the normal range (|G| <= 80 nats, params.h).
+__device__ __forceinline__ float fast_exp2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
+__device__ __forceinline__ float fast_rcp(float x) {
+  float y;
+  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
+constexpr float kLog2e = 1.4426950408889634f;
+
 __device__ __forceinline__ int64_t min64(int64_t a, int64_t b) {
   return a < b ? a : b;
 }
