@@ -50,7 +50,8 @@ __device__ __forceinline__ void store_split(unsigned char* planes, int lo_bytes,
 // about 2^-22 and 1 ulp; subnormal results flush to zero). expf and
 // __fdividef cost 9 and 5 instructions with their range fix-ups, which K1 and
 // its backward ran ~100 times per thread and chunk; every value they take
-// here is well inside the normal range (|G| <= 80 nats, params.h).
+// there is well inside the normal range (|G| <= 16 x 5 = 80 nats within a
+// chunk, as lower_bound >= -5).
 __device__ __forceinline__ float fast_exp2(float x) {
   float y;
   asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
