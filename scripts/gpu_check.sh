@@ -5,6 +5,10 @@
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 PY=${PYTHON:-python3}
+procs=${GPU_CHECK_PROCS:-4}  # pytest processes for the GPU tests (below)
+case "$procs" in
+  ''|*[!0-9]*) echo "GPU_CHECK_PROCS must be a whole number, got '$procs'"; exit 2 ;;
+esac
 export TORCH_KDA_CUDA_ARCHS=${TORCH_KDA_CUDA_ARCHS:-90a} MAX_JOBS=${MAX_JOBS:-16} FLA_FLASH_KDA=0 PYTHONUNBUFFERED=1
 LOG=${GPU_CHECK_LOG:-${OUT:-/tmp}/gpu_check.log}
 source scripts/triton_cache.sh  # fla's autotune results from earlier calls, if carried
@@ -28,7 +32,6 @@ echo "build: $(( $(date +%s) - start )) s" | tee -a "$LOG"
 # the suite took ~5 min on an H200 in four, where one spends most of its time in
 # fla's autotuning. Under xdist -s shows nothing, so the tests' printed errors come
 # from the summary of passed tests (-rP), each under its test's name.
-procs=${GPU_CHECK_PROCS:-4}
 if [ "$procs" -gt 1 ] && "$PY" -c "import xdist" >/dev/null 2>&1; then
   run_opts=(-n "$procs" -rsP)
 else
