@@ -31,7 +31,7 @@ echo "build: $(( $(date +%s) - start )) s" | tee -a "$LOG"
 # GPU_CHECK_PROCS pytest processes share the GPU (pytest-xdist, where installed):
 # the suite took ~5 min on an H200 in four, where one spends most of its time in
 # fla's autotuning. Under xdist -s shows nothing, so the tests' printed errors come
-# from the summary of passed tests (-rP), each under its test's name.
+# from the summary of passed tests (the P of -rsP), each under its test's name.
 if [ "$procs" -gt 1 ] && "$PY" -c "import xdist" >/dev/null 2>&1; then
   run_opts=(-n "$procs" -rsP)
 else
