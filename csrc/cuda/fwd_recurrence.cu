@@ -376,17 +376,21 @@ __global__ void __launch_bounds__(kWarps * 32) recurrence_kernel(const FwdParams
 
     // O^T += U^T Aqk^T for the token n-tiles nt with nt % kSplit == ks (Aqk
     // stored [i][j] is Aqk^T's B fragment as it stands); out leaves through the
-    // row group's tile, each token row as two 16-byte stores.
+    // row group's tile, each token row as two 16-byte stores. Split warps own
+    // one n-tile each (warps 0 and 1 of the row group; the others compute it too,
+    // without a branch, and store nothing) and take it after the state update's
+    // products, which then start the step's last stretch without waiting
+    // behind the output's.
     const int64_t bos = part_bos + c * C;
     const int len = static_cast<int>(min64(C, seq_eos - bos));
     auto& tile = out_tile[rg];
-    if (kOut && ks < 2) {
+    auto write_out = [&]() {
       const int row = (mi / 2) * 8 + mr, col = (mi % 2) * 8;
       uint32_t ah[4];
       ldmatrix_x4(ah, &st.aqk[row * C + col]);
+      if constexpr (kSplit == 1) {
 #pragma unroll
-      for (int nt = 0; nt < 2; ++nt) {
-        if (nt % kSplit == ks) {
+        for (int nt = 0; nt < 2; ++nt) {
           mma_bf16(so[nt], ua_lo, ah[2 * nt], ah[2 * nt + 1]);
           mma_bf16(so[nt], ua_hi, ah[2 * nt], ah[2 * nt + 1]);
           const int i0 = 8 * nt + 2 * t;
@@ -395,6 +399,23 @@ __global__ void __launch_bounds__(kWarps * 32) recurrence_kernel(const FwdParams
           tile[i0][g + 8] = __float2bfloat16_rn(so[nt][2]);
           tile[i0 + 1][g + 8] = __float2bfloat16_rn(so[nt][3]);
         }
+      } else {
+        const bool second = ks % 2 == 1;  // the warp's n-tile: ks % 2
+        float o[4];
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          o[e] = second ? so[1][e] : so[0][e];
+        }
+        const uint32_t b0 = second ? ah[2] : ah[0], b1 = second ? ah[3] : ah[1];
+        mma_bf16(o, ua_lo, b0, b1);
+        mma_bf16(o, ua_hi, b0, b1);
+        if (ks < 2) {
+          const int i0 = 8 * (ks % 2) + 2 * t;
+          tile[i0][g] = __float2bfloat16_rn(o[0]);
+          tile[i0 + 1][g] = __float2bfloat16_rn(o[1]);
+          tile[i0][g + 8] = __float2bfloat16_rn(o[2]);
+          tile[i0 + 1][g + 8] = __float2bfloat16_rn(o[3]);
+        }
       }
       __syncwarp();
       const int i = lane / 2, half = lane % 2;  // token row i and half of the 16 values
@@ -402,6 +423,9 @@ __global__ void __launch_bounds__(kWarps * 32) recurrence_kernel(const FwdParams
         *reinterpret_cast<uint4*>(out + ((bos + i) * H + h) * D + v0 + 8 * half) =
             *reinterpret_cast<const uint4*>(&tile[i][8 * half]);
       }
+    };
+    if constexpr (kOut && kSplit == 1) {
+      write_out();
     }
 
     // S <- S diag(gl) + U^T Kd; ldmatrix.trans turns Kd's rows (tokens) into the
@@ -429,6 +453,9 @@ __global__ void __launch_bounds__(kWarps * 32) recurrence_kernel(const FwdParams
       if constexpr (kSplitEarly) {
         split_state(jj);  // k-step jj of the next chunk's products
       }
+    }
+    if constexpr (kOut && kSplit > 1) {
+      write_out();
     }
   }
 
