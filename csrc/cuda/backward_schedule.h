@@ -1,7 +1,7 @@
 // How one backward call's kernels are enqueued, and the memory between them.
 //
 // Per chunk slot and head the backward's kernels pass each other the record
-// (34,304 bytes), the state at the chunk's start and dS at its end (65,536
+// (35,328 bytes), the state at the chunk's start and dS at its end (65,536
 // bytes each, fp32) and the record's gradients (34,304 bytes): 12.5 KB per
 // (token, head), 3.1 GiB for one pass at 8192 tokens x 32 heads. Where one pass
 // would hold too much (backward_schedule.cpp), the slots are cut into windows: every

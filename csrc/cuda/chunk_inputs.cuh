@@ -83,13 +83,14 @@ __device__ __forceinline__ void forward_substitute(const float (*sA)[kChunk + 1]
 // and sG, where given, the raw g (K1's backward reads it again in the gate's
 // chain rule; each thread writes and reads only its own column). Rows past the
 // sequence's end are zeros with lambda = 0 and beta = 0, so that G_last is the
-// last real row's G and the padding moves nothing. All threads of the block
-// call it (two barriers).
+// last real row's G and the padding moves nothing. Without `load_v` (the
+// forward's K1, whose record leaves v to the recurrence) v is not read and stays
+// unset. All threads of the block call it (two barriers).
 template <int kPad>
 __device__ __forceinline__ void load_chunk_inputs(const FwdParams& p, const ChunkPlace& c, float (*sQ)[kPad],
                                                   float (*sK)[kPad], float* sBeta, float (*sInvNorm)[kChunk],
                                                   float (&G2)[kChunk], float (&v)[kChunk],
-                                                  float (*sG)[kHeadDim] = nullptr) {
+                                                  float (*sG)[kHeadDim] = nullptr, bool load_v = true) {
   constexpr int C = kChunk, D = kHeadDim;
   const int64_t H = p.H;
   const int d = threadIdx.x;
@@ -108,7 +109,9 @@ __device__ __forceinline__ void load_chunk_inputs(const FwdParams& p, const Chun
       sQ[i][d] = __bfloat162float(q[i * stride]);
       sK[i][d] = __bfloat162float(k[i * stride]);
       G2[i] = __bfloat162float(g[i * stride]);
-      v[i] = __bfloat162float(vv[i * stride]);
+      if (load_v) {
+        v[i] = __bfloat162float(vv[i * stride]);
+      }
     }
   } else {
 #pragma unroll
@@ -117,7 +120,9 @@ __device__ __forceinline__ void load_chunk_inputs(const FwdParams& p, const Chun
       sQ[i][d] = valid ? __bfloat162float(q[i * stride]) : 0.f;
       sK[i][d] = valid ? __bfloat162float(k[i * stride]) : 0.f;
       G2[i] = valid ? __bfloat162float(g[i * stride]) : 0.f;
-      v[i] = valid ? __bfloat162float(vv[i * stride]) : 0.f;
+      if (load_v) {
+        v[i] = valid ? __bfloat162float(vv[i * stride]) : 0.f;
+      }
     }
   }
   if (d < C) {

@@ -1,6 +1,6 @@
 // How one forward call's two kernels are enqueued, and the memory between them.
 //
-// In one pass, K1 fills a record for every chunk slot of the call (34,304 bytes
+// In one pass, K1 fills a record for every chunk slot of the call (35,328 bytes
 // per chunk and head), then K2 walks them. When that workspace would pass
 // 1 GiB and K2 runs few (sequence, head) pairs (at most two of its warps per
 // SM), the slots are cut into windows instead, run one after the other on the
@@ -26,7 +26,8 @@ int64_t window_slots(const FwdParams& params, const char* op);
 // enqueues the kernels on the current stream of `like`'s device, in windows of
 // `window` slots. A caller whose outputs share memory with its inputs must pass
 // params.num_slots: a later window's K1 would read what an earlier window's K2
-// wrote (one pass reads every input before it writes anything).
+// wrote (one pass: K1 reads every input but v before K2 writes anything, and
+// the caller gives K2 a v that shares no memory with the outputs).
 void run_forward(FwdParams params, const at::Tensor& like, int64_t window, RecurrenceBlock block);
 
 }  // namespace kda::cuda

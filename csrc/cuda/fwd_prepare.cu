@@ -25,6 +25,21 @@ constexpr int kPad = D + 4;
 // registers) measured no faster (K1 0.763 -> 0.776 ms at 8192 x 96, H200).
 constexpr int kMinBlocksPerSm = 6;
 
+// M's column d (d < 16) into the record at ws: (I + A_kk)^-1 times column d of
+// diag(beta). Not inlined: inlined after the backward records' W and U0 solve,
+// it spilled 644 bytes at 80 registers; called, it starts with nothing live.
+__device__ __noinline__ void solve_m_column(const float (*sA)[C + 1], const float* sBeta, unsigned char* ws, int d) {
+  float x[C], y[C];
+  forward_substitute(
+      sA, [&](int i) { return make_float2(i == d ? sBeta[i] : 0.f, 0.f); }, x, y,
+      [&](int i, float xi, float) { store_split(ws + kWsM, kAqkPlaneBytes, i * C + d, xi); });
+}
+
+// kForBackward: the backward's records (FwdParams::lo_for_backward), which
+// also hold U0 and the lo planes of Qs and Aqk. Two kernels rather than a branch:
+// the forward's then neither loads v nor holds it (one kernel for both spilled
+// 612 bytes at the 80 registers of six blocks per SM).
+template <bool kForBackward>
 __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm) prepare_kernel(const FwdParams p) {
   // sQe and sKe first hold the raw q and k rows (load_chunk_inputs), then
   // q^ exp(G) and k^ exp(G).
@@ -42,7 +57,8 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm) prepare_kernel(cons
   const int64_t H = p.H, h = c.h;
   const int d = threadIdx.x;
   float G2[C], v[C];
-  load_chunk_inputs<kPad>(p, c, sQe, sKe, sBeta, sInvNorm, G2, v);
+  // The forward's record has no U0 (params.h): v only for the backward's.
+  load_chunk_inputs<kPad>(p, c, sQe, sKe, sBeta, sInvNorm, G2, v, nullptr, kForBackward);
 
   unsigned char* ws = reinterpret_cast<unsigned char*>(p.workspace) + ((c.slot - p.slot_begin) * H + h) * kWsChunkBytes;
   float* ws_u0 = reinterpret_cast<float*>(ws + kWsU0);
@@ -59,47 +75,95 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm) prepare_kernel(cons
     sQe[i][d] = qn * e;
     sKe[i][d] = kn * e;
     sKi[i][d] = kn * e_inv;
-    store_split(ws + kWsQs, kWsQsLo - kWsQs, plane_index(i, d), p.scale * qn * e, p.lo_for_backward);
+    store_split(ws + kWsQs, kWsQsLo - kWsQs, plane_index(i, d), p.scale * qn * e, kForBackward);
     store_split(ws + kWsKd, kPlaneBytes, plane_index(i, d), kn * (e_last * e_inv));
   }
   reinterpret_cast<float*>(ws + kWsGl)[d] = e_last;
   __syncthreads();
 
-  // The 16x16 matrices: thread d computes rows i0 = d / 16 and i0 + 8 of
-  // column j = d % 16, so that each piece of row j of k^ exp(-G) it reads
-  // serves four dot products. Entries above the diagonal are finite (|G| <= 80)
+  // The 16x16 matrices, A = diag(beta) k^ exp(G) (k^ exp(-G))^T (strictly
+  // lower) and Aqk, over the key channels in two halves: half h = lane / 16 of
+  // each warp takes channels [64h, 64h + 64) of a 2x2 block of both matrices,
+  // rows i0 = r / 8 and i0 + 8, columns j0 = r % 8 and j0 + 8 (r = 16 warp +
+  // lane % 16 in 0..63), and a shuffle adds the halves. Per 4 channels that is 6
+  // loads of 16 bytes for 32 FMAs, where a 2x1 block over all channels took 5
+  // for 16: shared memory, which loads 16-byte pieces per half warp, bound K1
+  // (94 % of its L1 throughput at 8192 x 96 heads, H200, 12 of a step's 16
+  // wavefronts in this loop). Entries above the diagonal are finite (|G| <= 80)
   // and dropped.
   {
-    const int j = d % C, i0 = d / C, i1 = i0 + C / 2;
-    float kk0 = 0.f, kk1 = 0.f, qk0 = 0.f, qk1 = 0.f;
-#pragma unroll 4
-    for (int c = 0; c < D; c += 4) {
-      const float4 ki = *reinterpret_cast<const float4*>(&sKi[j][c]);
-      const float4 ke0 = *reinterpret_cast<const float4*>(&sKe[i0][c]);
-      const float4 ke1 = *reinterpret_cast<const float4*>(&sKe[i1][c]);
-      const float4 qe0 = *reinterpret_cast<const float4*>(&sQe[i0][c]);
-      const float4 qe1 = *reinterpret_cast<const float4*>(&sQe[i1][c]);
-      kk0 += ke0.x * ki.x + ke0.y * ki.y + ke0.z * ki.z + ke0.w * ki.w;
-      kk1 += ke1.x * ki.x + ke1.y * ki.y + ke1.z * ki.z + ke1.w * ki.w;
-      qk0 += qe0.x * ki.x + qe0.y * ki.y + qe0.z * ki.z + qe0.w * ki.w;
-      qk1 += qe1.x * ki.x + qe1.y * ki.y + qe1.z * ki.z + qe1.w * ki.w;
+    const int lane = d % 32, half = lane / 16, r = 16 * (d / 32) + lane % 16;
+    const int i0 = r / 8, j0 = r % 8;
+    const float* ke[2] = {&sKe[i0][64 * half], &sKe[i0 + 8][64 * half]};
+    const float* qe[2] = {&sQe[i0][64 * half], &sQe[i0 + 8][64 * half]};
+    const float* ki[2] = {&sKi[j0][64 * half], &sKi[j0 + 8][64 * half]};
+    float kk[2][2] = {}, qk[2][2] = {};  // [row i0, i0 + 8][column j0, j0 + 8]
+    auto dot4 = [](float4 a, float4 b, float acc) {
+      return fmaf(a.w, b.w, fmaf(a.z, b.z, fmaf(a.y, b.y, fmaf(a.x, b.x, acc))));
+    };
+#pragma unroll 2  // 4 spilled at 80 registers
+    for (int c = 0; c < D / 2; c += 4) {
+      float4 kiv[2], kev[2], qev[2];
+#pragma unroll
+      for (int a = 0; a < 2; ++a) {
+        kiv[a] = *reinterpret_cast<const float4*>(ki[a] + c);
+        kev[a] = *reinterpret_cast<const float4*>(ke[a] + c);
+        qev[a] = *reinterpret_cast<const float4*>(qe[a] + c);
+      }
+#pragma unroll
+      for (int a = 0; a < 2; ++a) {
+#pragma unroll
+        for (int b = 0; b < 2; ++b) {
+          kk[a][b] = dot4(kev[a], kiv[b], kk[a][b]);
+          qk[a][b] = dot4(qev[a], kiv[b], qk[a][b]);
+        }
+      }
     }
-    sA[i0][j] = j < i0 ? sBeta[i0] * kk0 : 0.f;
-    sA[i1][j] = j < i1 ? sBeta[i1] * kk1 : 0.f;
-    store_split(ws + kWsAqk, kWsAqkLo - kWsAqk, i0 * C + j, j <= i0 ? p.scale * qk0 : 0.f, p.lo_for_backward);
-    store_split(ws + kWsAqk, kWsAqkLo - kWsAqk, i1 * C + j, j <= i1 ? p.scale * qk1 : 0.f, p.lo_for_backward);
+#pragma unroll
+    for (int a = 0; a < 2; ++a) {
+#pragma unroll
+      for (int b = 0; b < 2; ++b) {
+        kk[a][b] += __shfl_xor_sync(0xffffffffu, kk[a][b], 16);
+        qk[a][b] += __shfl_xor_sync(0xffffffffu, qk[a][b], 16);
+      }
+    }
+    // Half h stores row i0 + 8h of the block.
+    const int i = i0 + 8 * half;
+#pragma unroll
+    for (int b = 0; b < 2; ++b) {
+      const int j = j0 + 8 * b;
+      const float kkv = half ? kk[1][b] : kk[0][b], qkv = half ? qk[1][b] : qk[0][b];
+      sA[i][j] = j < i ? sBeta[i] * kkv : 0.f;
+      store_split(ws + kWsAqk, kWsAqkLo - kWsAqk, i * C + j, j <= i ? p.scale * qkv : 0.f, kForBackward);
+    }
   }
   __syncthreads();
 
   // Forward substitution with the unit lower triangular (I + A_kk), column d
-  // of both right-hand sides: diag(beta) k^ exp(G) and diag(beta) v.
+  // of two right-hand sides: diag(beta) k^ exp(G) (W), and, in the forward,
+  // column d of diag(beta) (M's column d, stored by threads d < 16) or, for
+  // the backward, diag(beta) v (U0; M's columns then in a pass of their own).
   float x[C], y[C];
-  forward_substitute(
-      sA, [&](int i) { return make_float2(sBeta[i] * sKe[i][d], sBeta[i] * v[i]); }, x, y,
-      [&](int i, float xi, float yi) {
-        store_split(ws + kWsW, kPlaneBytes, plane_index(i, d), xi);
-        ws_u0[i * D + d] = yi;
-      });
+  if constexpr (!kForBackward) {
+    forward_substitute(
+        sA, [&](int i) { return make_float2(sBeta[i] * sKe[i][d], i == d ? sBeta[i] : 0.f); }, x, y,
+        [&](int i, float xi, float yi) {
+          store_split(ws + kWsW, kPlaneBytes, plane_index(i, d), xi);
+          if (d < C) {
+            store_split(ws + kWsM, kAqkPlaneBytes, i * C + d, yi);
+          }
+        });
+  } else {
+    forward_substitute(
+        sA, [&](int i) { return make_float2(sBeta[i] * sKe[i][d], sBeta[i] * v[i]); }, x, y,
+        [&](int i, float xi, float yi) {
+          store_split(ws + kWsW, kPlaneBytes, plane_index(i, d), xi);
+          ws_u0[i * D + d] = yi;
+        });
+    if (d < C) {
+      solve_m_column(sA, sBeta, ws, d);
+    }
+  }
 }
 
 }  // namespace
@@ -112,7 +176,11 @@ void launch_prepare(const FwdParams& p, cudaStream_t stream) {
   const int64_t blocks = slots * p.H;
   TORCH_CHECK(blocks <= INT32_MAX, "kda.fwd: ", std::to_string(slots), " chunks x ", std::to_string(p.H),
               " heads is more blocks than one launch takes");
-  prepare_kernel<<<static_cast<unsigned int>(blocks), kThreads, 0, stream>>>(p);
+  if (p.lo_for_backward) {
+    prepare_kernel<true><<<static_cast<unsigned int>(blocks), kThreads, 0, stream>>>(p);
+  } else {
+    prepare_kernel<false><<<static_cast<unsigned int>(blocks), kThreads, 0, stream>>>(p);
+  }
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 

@@ -14,7 +14,7 @@
 // Per chunk, per row group (v: its 16 rows; c: the 16 tokens), the state's
 // products in bf16x3 (mma.cuh), so an fp32 state stays fp32-accurate, and the
 // output's with the record side in bf16 alone (params.h):
-//   U^T = U0^T - S W^T
+//   U^T = v^T M^T - S W^T          (U0 = M v: params.h)
 //   O^T = S Qs^T + U^T Aqk^T       -> out (not in the backward's passes)
 //   S   = S diag(gl) + U^T Kd
 #include <c10/cuda/CUDAException.h>
@@ -52,10 +52,13 @@ static_assert(kWsW == kPlaneBytes && kWsKd == 3 * kPlaneBytes && kWsAqk == kPlan
 
 template <int kCols>  // value channels of the block
 struct __align__(16) Stage {
-  static constexpr int kU0Pad = kCols + 4;  // rows 2t and 2t + 1 apart by 8 banks
-  __nv_bfloat16 mat[kPlanes][C * D];         // swizzled planes (plane_index)
+  // v's rows 16 bytes longer than the block's channels: the 8 rows of one
+  // ldmatrix then start in distinct 16-byte bank groups.
+  static constexpr int kVPitch = kCols + 8;
+  __nv_bfloat16 mat[kPlanes][C * D];  // swizzled planes (plane_index)
   __nv_bfloat16 aqk[C * C];
-  float u0[C][kU0Pad];
+  __nv_bfloat16 m[2][C * C];          // M hi, lo: [i][j]
+  __nv_bfloat16 v[C][kVPitch];        // the chunk's v, the block's channels; zeros past the sequence
   float gl[D];
 };
 
@@ -76,12 +79,14 @@ struct Config {
   static_assert(kWarps % kSplit == 0 && 16 % kSplit == 0 && kSplit <= 8, "whole row groups, whole k-steps");
 };
 
-// Issues the copies of one record into a stage. Every thread's pieces sit at
-// fixed offsets from its first, so the fully unrolled loops cost one
-// instruction per 16 bytes.
+// Issues the copies of one chunk into a stage: its record's bf16 part, M and
+// gl, and the `len` rows of v from `v` on (rows `row_stride` elements apart; the
+// block's channels). Every thread's pieces sit at fixed offsets from its first,
+// so the fully unrolled loops cost one instruction per 16 bytes.
 template <int kCols, int kThreads>
-__device__ __forceinline__ void load_stage(Stage<kCols>& st, const unsigned char* rec, int vcol0, int tid) {
-  static_assert(offsetof(Stage<kCols>, aqk) == kWsAqk && offsetof(Stage<kCols>, u0) >= kWsQsLo,
+__device__ __forceinline__ void load_stage(Stage<kCols>& st, const unsigned char* rec, const __nv_bfloat16* v,
+                                           int64_t row_stride, int len, int tid) {
+  static_assert(offsetof(Stage<kCols>, aqk) == kWsAqk && offsetof(Stage<kCols>, m) >= kWsQsLo,
                 "mat and aqk are one verbatim copy");
   constexpr int kBf16Pieces = kWsQsLo / 16;
   const uint32_t mat = smem_u32(&st.mat[0][0]) + tid * 16;
@@ -93,13 +98,19 @@ __device__ __forceinline__ void load_stage(Stage<kCols>& st, const unsigned char
   if (kRest != 0 && tid < kRest) {
     cp_async_16(mat + kDone * 16, rec + tid * 16 + kDone * 16);
   }
-  // U0: the block's kCols columns of 16 rows, kCols / 4 pieces per row.
-  constexpr int kU0Pieces = kCols / 4;
+  constexpr int kMPieces = 2 * kAqkPlaneBytes / 16;
+  static_assert(kMPieces <= kThreads, "one piece of M per thread");
+  if (tid < kMPieces) {
+    cp_async_16(smem_u32(&st.m[0][0]) + tid * 16, rec + kWsM + tid * 16);
+  }
+  // v: kCols / 8 pieces per row.
+  constexpr int kVPieces = kCols / 8;
 #pragma unroll
-  for (int it = 0; it < (C * kU0Pieces + kThreads - 1) / kThreads; ++it) {
-    const int e = tid + it * kThreads, r = e / kU0Pieces, piece = e % kU0Pieces;
-    if (e < C * kU0Pieces) {
-      cp_async_16(smem_u32(&st.u0[r][piece * 4]), rec + kWsU0 + (r * D + vcol0 + piece * 4) * 4);
+  for (int it = 0; it < (C * kVPieces + kThreads - 1) / kThreads; ++it) {
+    const int e = tid + it * kThreads, r = e / kVPieces, piece = e % kVPieces;
+    if (e < C * kVPieces) {
+      const bool valid = r < len;
+      cp_async_16_or_zero(smem_u32(&st.v[r][piece * 8]), valid ? v + r * row_stride + piece * 8 : v, valid);
     }
   }
   if (tid < D / 4) {
@@ -170,11 +181,28 @@ __global__ void __launch_bounds__(kWarps * 32) recurrence_kernel(const FwdParams
       reinterpret_cast<const unsigned char*>(p.workspace) + ((lo - p.slot_begin) * H + h) * kWsChunkBytes;
   const int64_t stride = H * kWsChunkBytes;
   const int64_t part_bos = seq_bos + (lo - c_begin) * C;  // the part's first token
-
+  // Chunk c goes into stage c % kSt. The step's counters are 32-bit (a part
+  // has fewer than 2^31 chunks: the host bounds the slots) and its addresses
+  // advance from step to step: the 64-bit c % 3, c * stride and token
+  // arithmetic cost ~30 instructions a step, which the split shapes' single
+  // warp per scheduler pays in full. Every chunk of a part but its last is full.
+  const int nch = static_cast<int>(nchunks);
+  const int last_len = nch > 0 ? static_cast<int>(min64(C, seq_eos - (part_bos + int64_t{nch - 1} * C))) : 0;
+  const __nv_bfloat16* fill_v = static_cast<const __nv_bfloat16*>(p.v) + (part_bos * H + h) * D + vcol0;
+  const unsigned char* fill_rec = first;
+  int fill = 0, fill_stage = 0;  // the next chunk to stage, and its stage
+  auto refill = [&]() {
+    load_stage<Cfg::kCols, Cfg::kThreads>(stages[fill_stage], fill_rec, fill_v, H * D, fill == nch - 1 ? last_len : C,
+                                          tid);
+    fill_rec += stride;
+    fill_v += C * H * D;
+    ++fill;
+    fill_stage = fill_stage + 1 == kSt ? 0 : fill_stage + 1;
+  };
 #pragma unroll
   for (int s = 0; s < kSt - 1; ++s) {
-    if (s < nchunks) {
-      load_stage<Cfg::kCols, Cfg::kThreads>(stages[s], first + s * stride, vcol0, tid);
+    if (s < nch) {
+      refill();
     }
     cp_async_commit();
   }
@@ -222,23 +250,28 @@ __global__ void __launch_bounds__(kWarps * 32) recurrence_kernel(const FwdParams
   }
 
   // The sequence's next chunk (counted from its first) whose starting state is
-  // a checkpoint; none without checkpoints.
+  // a checkpoint, and the same counted from the part's first (c); none
+  // without checkpoints.
   int64_t next_checkpoint = -1;
+  int next_checkpoint_c = -1;
   if (kOut && p.checkpoints != nullptr) {
     next_checkpoint = (lo - c_begin + p.checkpoint_every - 1) / p.checkpoint_every * p.checkpoint_every;
+    next_checkpoint_c = static_cast<int>(next_checkpoint - (lo - c_begin));
   }
 
-  __nv_bfloat16* out = static_cast<__nv_bfloat16*>(p.out);
-  for (int64_t c = 0; c < nchunks; ++c) {
+  // Lane l writes token row l / 2 of a chunk's out, half l % 2 of the row group's 16 values.
+  __nv_bfloat16* out_chunk =
+      kOut ? static_cast<__nv_bfloat16*>(p.out) + ((part_bos + lane / 2) * H + h) * D + v0 + 8 * (lane % 2) : nullptr;
+  int stage = 0;  // c % kSt
+  for (int c = 0; c < nch; ++c) {
     // One barrier a step: it shows chunk c's stage to every warp and tells that
     // every warp has left step c - 1, whose stage (the one refilled next), partial
     // sums and out tile rows are then free (each warp reads back only the out
     // rows it wrote).
     cp_async_wait<kSt - 2>();
     __syncthreads();
-    if (c + kSt - 1 < nchunks) {
-      load_stage<Cfg::kCols, Cfg::kThreads>(stages[(c + kSt - 1) % kSt], first + (c + kSt - 1) * stride, vcol0,
-                                            tid);
+    if (fill < nch) {
+      refill();
     }
     cp_async_commit();
     // For the backward: the state at this chunk's start, at every chunk
@@ -255,11 +288,13 @@ __global__ void __launch_bounds__(kWarps * 32) recurrence_kernel(const FwdParams
     if (!kOut && p.chunk_states != nullptr) {
       store_state(p.chunk_states, lo + c - p.slot_begin);
     }
-    if (kOut && lo - c_begin + c == next_checkpoint) {
+    if (kOut && c == next_checkpoint_c) {
       store_state(p.checkpoints, next_checkpoint / p.checkpoint_every);
       next_checkpoint += p.checkpoint_every;
+      next_checkpoint_c += static_cast<int>(p.checkpoint_every);
     }
-    const St& st = stages[c % kSt];
+    const St& st = stages[stage];
+    stage = stage + 1 == kSt ? 0 : stage + 1;
 
     // S W^T and S Qs^T over the warp's key columns, 16 at a time; each term of
     // the split products has its own accumulators, so that consecutive mmas
@@ -269,7 +304,7 @@ __global__ void __launch_bounds__(kWarps * 32) recurrence_kernel(const FwdParams
     // products leaves each k-step waiting on shared memory (measured: K2 at one
     // four-warp block per SM, 8192 tokens x 64 heads, 0.603 -> 0.756 ms when the
     // compiler stopped hoisting them by itself).
-    float acc_w[3][2][4], acc_o[2][2][4];  // written first by the kk = 0 products
+    float acc_w[3][2][4], acc_o[2][2][4];  // written first by the kk = 0 products (but see acc_w[2])
     uint32_t wh[2][4], wl[2][4], qh[2][4];
     auto load_wq = [&](int kk, int b) {
       // Matrices: tokens 0-7 | 8-15 (n-tiles) x key columns 16K.. | 16K+8.. (K = j0 / 2 + kk)
@@ -280,7 +315,37 @@ __global__ void __launch_bounds__(kWarps * 32) recurrence_kernel(const FwdParams
         ldmatrix_x4(qh[b], plane_piece(st.mat[kQs], row, piece));
       }
     };
+    // U0^T = v^T M^T into dst, from v's fragments ^ sign & keep (v is exact in
+    // bf16: sign = 0x80008000 negates it, keep = 0 zeroes it): ldmatrix.trans
+    // turns v's rows (tokens) into the k dimension; M stored [i][j] is M^T's B
+    // fragment as it stands (as Aqk below); the small term first.
+    auto form_u0 = [&](float (&dst)[2][4], uint32_t sign, uint32_t keep) {
+      uint32_t va[4], mh[4], ml[4];
+      ldmatrix_x4_trans(va, &st.v[(mi / 2) * 8 + mr][vloc + (mi % 2) * 8]);
+      const int row = (mi / 2) * 8 + mr, col = (mi % 2) * 8;
+      ldmatrix_x4(mh, &st.m[0][row * C + col]);
+      ldmatrix_x4(ml, &st.m[1][row * C + col]);
+#pragma unroll
+      for (int r = 0; r < 4; ++r) {
+        va[r] = (va[r] ^ sign) & keep;  // one LOP3 each
+      }
+#pragma unroll
+      for (int nt = 0; nt < 2; ++nt) {
+        mma_bf16_zero(dst[nt], va, ml[2 * nt], ml[2 * nt + 1]);
+        mma_bf16(dst[nt], va, mh[2 * nt], mh[2 * nt + 1]);
+      }
+    };
     load_wq(0, 0);
+    // Split shapes: acc_w[2] (the hi * hi terms of S W^T) starts from -U0^T in
+    // the row group's first warp (zero in the others), so that the partial sums
+    // add up to -U^T. As the first link of a chain of products, U0 is then
+    // formed at the step's start beside the other products; formed where it is
+    // used, after the partial sums' barrier, it stood in the step's chain (2x2
+    // shape: K2 0.39 -> 0.46 ms at 8192 x 32 heads). Full-width warps form it
+    // after the products (measured 2-7 % faster than at the start there).
+    if constexpr (kSplit > 1) {
+      form_u0(acc_w[2], 0x80008000u, ks == 0 ? ~0u : 0u);
+    }
 #pragma unroll
     for (int kk = 0; kk < kKk; ++kk) {
       const int b = kk % 2;
@@ -294,7 +359,7 @@ __global__ void __launch_bounds__(kWarps * 32) recurrence_kernel(const FwdParams
       for (int nt = 0; nt < 2; ++nt) {
         mma_bf16_into(acc_w[0][nt], a_lo[kk], wh[b][2 * nt], wh[b][2 * nt + 1], kk == 0);
         mma_bf16_into(acc_w[1][nt], a_hi[kk], wl[b][2 * nt], wl[b][2 * nt + 1], kk == 0);
-        mma_bf16_into(acc_w[2][nt], a_hi[kk], wh[b][2 * nt], wh[b][2 * nt + 1], kk == 0);
+        mma_bf16_into(acc_w[2][nt], a_hi[kk], wh[b][2 * nt], wh[b][2 * nt + 1], kSplit == 1 && kk == 0);
         if constexpr (kOut) {
           mma_bf16_into(acc_o[0][nt], a_lo[kk], qh[b][2 * nt], qh[b][2 * nt + 1], kk == 0);
           mma_bf16_into(acc_o[1][nt], a_hi[kk], qh[b][2 * nt], qh[b][2 * nt + 1], kk == 0);
@@ -358,15 +423,19 @@ __global__ void __launch_bounds__(kWarps * 32) recurrence_kernel(const FwdParams
       }
     }
 
-    // U^T = U0^T - S W^T; as an A operand its two n-tiles are the 16 tokens.
+    // U^T = U0^T - S W^T (split shapes: -sw); as an A operand its two n-tiles
+    // are the 16 tokens.
+    float u0[2][4];
+    if constexpr (kSplit == 1) {
+      form_u0(u0, 0u, ~0u);
+    }
     float u[2][4];
 #pragma unroll
     for (int nt = 0; nt < 2; ++nt) {
-      const int i0 = 8 * nt + 2 * t;
-      u[nt][0] = st.u0[i0][vloc + g] - sw[nt][0];
-      u[nt][1] = st.u0[i0 + 1][vloc + g] - sw[nt][1];
-      u[nt][2] = st.u0[i0][vloc + g + 8] - sw[nt][2];
-      u[nt][3] = st.u0[i0 + 1][vloc + g + 8] - sw[nt][3];
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        u[nt][e] = kSplit == 1 ? u0[nt][e] - sw[nt][e] : -sw[nt][e];
+      }
     }
     uint32_t ua_hi[4], ua_lo[4];
     split_pack(u[0][0], u[0][1], ua_hi[0], ua_lo[0]);
@@ -381,8 +450,7 @@ __global__ void __launch_bounds__(kWarps * 32) recurrence_kernel(const FwdParams
     // without a branch, and store nothing) and take it after the state update's
     // products, which then start the step's last stretch without waiting
     // behind the output's.
-    const int64_t bos = part_bos + c * C;
-    const int len = static_cast<int>(min64(C, seq_eos - bos));
+    const int len = c == nch - 1 ? last_len : C;
     auto& tile = out_tile[rg];
     auto write_out = [&]() {
       const int row = (mi / 2) * 8 + mr, col = (mi % 2) * 8;
@@ -420,8 +488,7 @@ __global__ void __launch_bounds__(kWarps * 32) recurrence_kernel(const FwdParams
       __syncwarp();
       const int i = lane / 2, half = lane % 2;  // token row i and half of the 16 values
       if ((i / 8) % kSplit == ks && i < len) {
-        *reinterpret_cast<uint4*>(out + ((bos + i) * H + h) * D + v0 + 8 * half) =
-            *reinterpret_cast<const uint4*>(&tile[i][8 * half]);
+        *reinterpret_cast<uint4*>(out_chunk) = *reinterpret_cast<const uint4*>(&tile[i][8 * half]);
       }
     };
     if constexpr (kOut && kSplit == 1) {
@@ -456,6 +523,9 @@ __global__ void __launch_bounds__(kWarps * 32) recurrence_kernel(const FwdParams
     }
     if constexpr (kOut && kSplit > 1) {
       write_out();
+    }
+    if constexpr (kOut) {
+      out_chunk += C * H * D;
     }
   }
 

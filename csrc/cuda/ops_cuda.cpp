@@ -136,8 +136,9 @@ Tensor sweep_grad_out(const Tensor& grad_out) {
 }
 
 // A call's inputs made contiguous (copies only where the caller's tensors are
-// not) and the FwdParams over them, as one pass over all the call's chunk slots;
-// the caller adds the workspace, the states and the outputs.
+// not; v also 16-byte aligned, as K2 copies it in 16-byte pieces) and the
+// FwdParams over them, as one pass over all the call's chunk slots; the caller
+// adds the workspace, the states and the outputs.
 struct CallInputs {
   Tensor q, k, v, g, beta, A_log, dt_bias;
   FwdParams params;
@@ -145,7 +146,7 @@ struct CallInputs {
 
 CallInputs call_inputs(const Problem& p, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g,
                        const Tensor& beta, const Tensor& A_log, const Tensor& dt_bias, const Boundaries& bounds) {
-  CallInputs in{q.contiguous(),    k.contiguous(),     v.contiguous(),       g.contiguous(),
+  CallInputs in{q.contiguous(),    k.contiguous(),     staged16(v),          g.contiguous(),
                 beta.contiguous(), A_log.contiguous(), dt_bias.contiguous(), FwdParams{}};
   FwdParams& fp = in.params;
   fp.H = concrete(p.H);
@@ -202,6 +203,14 @@ void forward_into(const char* op, const Problem& p, const Tensor& q, const Tenso
     }
   }
   FwdParams& params = in.params;
+  // K2 reads v while it writes out and, at its end, the final state (the
+  // record leaves v to it: params.h), so a v that shares memory with either is
+  // read from a copy.
+  if (at::get_overlap_status(in.v, out_c) != at::MemOverlapStatus::No ||
+      (final_c.defined() && at::get_overlap_status(in.v, final_c) != at::MemOverlapStatus::No)) {
+    in.v = in.v.clone();
+    params.v = in.v.data_ptr();
+  }
   params.initial_state = init.defined() ? init.data_ptr() : nullptr;
   params.final_state = final_c.defined() ? final_c.data_ptr() : nullptr;
   params.state_fp32 = p.state_dtype == at::kFloat;

@@ -25,8 +25,13 @@ constexpr int kChunk = 16;     // tokens per chunk
 //   Kd  [16][128] hi, lo  exp(G_last - G) * k^         (writes the next state)
 //   Aqk [16][16]  hi      scale * (q^_i . k^_j exp(G_i - G_j)), j <= i
 //   Qs, Aqk lo            written only for the backward (FwdParams::lo_for_backward)
-//   U0  [16][128] fp32    (I + A_kk)^-1 diag(beta) v   (the accumulator's start)
+//   U0  [16][128] fp32    (I + A_kk)^-1 diag(beta) v   written only for the backward
 //   gl  [128]     fp32    exp(G_last)
+//   M   [16][16]  hi, lo  (I + A_kk)^-1 diag(beta)      (U0 = M v)
+// The recurrence forms U0 = M v itself, from the chunk's v (bf16, exact) and
+// M's two planes: 1 KB of M where U0 takes 8 KB, and K1 then neither reads v
+// nor writes U0 in the forward (34 instead of 46 KB of K1 traffic per chunk and
+// head). The backward's record gradients read U0.
 // Qs and Aqk reach only the output, which is rounded to bf16: the forward's
 // recurrence multiplies by their hi planes alone (out 1.66e-3 -> ~2.3e-3 of
 // float64 where the state dominates it; the state's products keep bf16x3),
@@ -43,7 +48,8 @@ constexpr int kWsQsLo = kWsAqk + kAqkPlaneBytes;
 constexpr int kWsAqkLo = kWsQsLo + kPlaneBytes;
 constexpr int kWsU0 = kWsAqkLo + kAqkPlaneBytes;
 constexpr int kWsGl = kWsU0 + kChunk * kHeadDim * 4;
-constexpr int kWsChunkBytes = kWsGl + kHeadDim * 4;
+constexpr int kWsM = kWsGl + kHeadDim * 4;  // hi plane, then lo plane, [i][j] row-major
+constexpr int kWsChunkBytes = kWsM + 2 * kAqkPlaneBytes;
 constexpr int kWsChunkFloats = kWsChunkBytes / 4;  // the host allocates fp32 elements
 static_assert(kWsChunkBytes % 16 == 0, "records stay 16-byte aligned");
 
