@@ -87,10 +87,10 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm) prepare_kernel(cons
   // rows i0 = r / 8 and i0 + 8, columns j0 = r % 8 and j0 + 8 (r = 16 warp +
   // lane % 16 in 0..63), and a shuffle adds the halves. Per 4 channels that is 6
   // loads of 16 bytes for 32 FMAs, where a 2x1 block over all channels took 5
-  // for 16: shared memory, which loads 16-byte pieces per half warp, bound K1
-  // (94 % of its L1 throughput at 8192 x 96 heads, H200, 12 of a step's 16
-  // wavefronts in this loop). Entries above the diagonal are finite (|G| <= 80)
-  // and dropped.
+  // for 16: shared memory, which serves 16-byte loads per half warp, bound K1
+  // (94 % of its L1 throughput at 8192 x 96 heads, H200; the old loop issued
+  // 59 % of its shared-memory wavefronts; this one, counted, half as many).
+  // Entries above the diagonal are finite (|G| <= 80) and dropped.
   {
     const int lane = d % 32, half = lane / 16, r = 16 * (d / 32) + lane % 16;
     const int i0 = r / 8, j0 = r % 8;
