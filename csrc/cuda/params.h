@@ -30,7 +30,7 @@ constexpr int kChunk = 16;     // tokens per chunk
 //   M   [16][16]  hi, lo  (I + A_kk)^-1 diag(beta)      (U0 = M v)
 // The recurrence forms U0 = M v itself, from the chunk's v (bf16, exact) and
 // M's two planes: 1 KB of M where U0 takes 8 KB, and K1 then neither reads v
-// nor writes U0 in the forward (34 instead of 46 KB of K1 traffic per chunk and
+// nor writes U0 in the forward (35 instead of 46 KB of K1 traffic per chunk and
 // head). The backward's record gradients read U0.
 // Qs and Aqk reach only the output, which is rounded to bf16: the forward's
 // recurrence multiplies by their hi planes alone (out 1.66e-3 -> ~2.3e-3 of
