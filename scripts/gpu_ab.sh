@@ -20,6 +20,6 @@ for ((r = 1; r <= rounds; r++)); do
     else
       env -u "$var" bash scripts/gpu_bench.sh "$@" > "$log" 2>&1
     fi
-    grep -E "^ *[0-9]+ |geomean|min " "$log"
+    grep -E "^ *[0-9]+ |speedup over" "$log"
   done
 done
