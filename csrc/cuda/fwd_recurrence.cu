@@ -13,7 +13,8 @@
 //
 // Per chunk, per row group (v: its 16 rows; c: the 16 tokens), the state's
 // products in bf16x3 (mma.cuh), so an fp32 state stays fp32-accurate, and the
-// output's with the record side in bf16 alone (params.h):
+// output's with the record side in bf16 alone (params.h) and, but in the 2x2
+// shape, the state's hi part alone (kQsLo):
 //   U^T = v^T M^T - S W^T          (U0 = M v: params.h)
 //   O^T = S Qs^T + U^T Aqk^T       -> out (not in the backward's passes)
 //   S   = S diag(gl) + U^T Kd
@@ -146,6 +147,12 @@ __global__ void __launch_bounds__(kWarps * 32) recurrence_kernel(const FwdParams
   using Cfg = Config<kWarps, kSplit, kSt>;
   using St = typename Cfg::St;
   constexpr int kNt = Cfg::kNt, kKk = kNt / 2;
+  // S Qs^T with the state's lo part too, or with its hi part alone (the output
+  // is rounded to bf16; the state's own products keep bf16x3): one mma in
+  // eight fewer a step. Measured per shape in one run (H200, K2 ms): 4x1 0.942
+  // -> 0.877 at 8192 x 96 heads, 4x4 (with U0 spread, below) 0.312 -> 0.306 at
+  // 8192 x 16, but 2x2 0.374 -> 0.416 at 8192 x 32, which keeps it.
+  constexpr bool kQsLo = kSplit == 2;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   St* stages = reinterpret_cast<St*>(smem_raw);
   auto* out_tile = reinterpret_cast<__nv_bfloat16(*)[C][kOutPad]>(smem_raw + kSt * sizeof(St));
@@ -315,20 +322,15 @@ __global__ void __launch_bounds__(kWarps * 32) recurrence_kernel(const FwdParams
         ldmatrix_x4(qh[b], plane_piece(st.mat[kQs], row, piece));
       }
     };
-    // U0^T = v^T M^T into dst, from v's fragments ^ sign & keep (v is exact in
-    // bf16: sign = 0x80008000 negates it, keep = 0 zeroes it): ldmatrix.trans
-    // turns v's rows (tokens) into the k dimension; M stored [i][j] is M^T's B
+    // U0^T = v^T M^T (full-width warps): ldmatrix.trans turns v's rows (tokens)
+    // into the k dimension (v is exact in bf16); M stored [i][j] is M^T's B
     // fragment as it stands (as Aqk below); the small term first.
-    auto form_u0 = [&](float (&dst)[2][4], uint32_t sign, uint32_t keep) {
+    auto form_u0 = [&](float (&dst)[2][4]) {
       uint32_t va[4], mh[4], ml[4];
       ldmatrix_x4_trans(va, &st.v[(mi / 2) * 8 + mr][vloc + (mi % 2) * 8]);
       const int row = (mi / 2) * 8 + mr, col = (mi % 2) * 8;
       ldmatrix_x4(mh, &st.m[0][row * C + col]);
       ldmatrix_x4(ml, &st.m[1][row * C + col]);
-#pragma unroll
-      for (int r = 0; r < 4; ++r) {
-        va[r] = (va[r] ^ sign) & keep;  // one LOP3 each
-      }
 #pragma unroll
       for (int nt = 0; nt < 2; ++nt) {
         mma_bf16_zero(dst[nt], va, ml[2 * nt], ml[2 * nt + 1]);
@@ -336,15 +338,43 @@ __global__ void __launch_bounds__(kWarps * 32) recurrence_kernel(const FwdParams
       }
     };
     load_wq(0, 0);
-    // Split shapes: acc_w[2] (the hi * hi terms of S W^T) starts from -U0^T in
-    // the row group's first warp (zero in the others), so that the partial sums
-    // add up to -U^T. As the first link of a chain of products, U0 is then
-    // formed at the step's start beside the other products; formed where it is
-    // used, after the partial sums' barrier, it stood in the step's chain (2x2
-    // shape: K2 0.39 -> 0.46 ms at 8192 x 32 heads). Full-width warps form it
-    // after the products (measured 2-7 % faster than at the start there).
+    // Split shapes: acc_w[2] (the hi * hi terms of S W^T) starts from a share of
+    // -U0^T, so that the row group's partial sums add up to -U^T. As the first
+    // link of a chain of products, U0 is then formed at the step's start beside
+    // the other products; formed where it is used, after the partial sums'
+    // barrier, it stood in the step's chain (2x2 shape: K2 0.39 -> 0.46 ms at
+    // 8192 x 32 heads). Warp ks takes n-tile `own` of it (with four warps, one
+    // of M's two planes each): its mmas spread over the warps instead of falling
+    // on the first (K2 0.397 -> 0.374 ms at 8192 x 32 heads, 2x2; 0.313 ->
+    // 0.306 at 8192 x 16, 4x4, each with Qs's products as kept above). The
+    // full-width warps form it after their products (measured 2-7 % faster than
+    // at the start there).
     if constexpr (kSplit > 1) {
-      form_u0(acc_w[2], 0x80008000u, ks == 0 ? ~0u : 0u);
+      uint32_t va[4];
+      ldmatrix_x4_trans(va, &st.v[(mi / 2) * 8 + mr][vloc + (mi % 2) * 8]);
+#pragma unroll
+      for (int r = 0; r < 4; ++r) {
+        va[r] ^= 0x80008000u;  // -v (exact)
+      }
+      const int own = kSplit == 4 ? ks / 2 : ks;
+      const int mrow = (own * 8 + mr) * C + ((lane / 8) % 2) * 8;  // B fragment of n-tile own
+      float share[4];
+      if constexpr (kSplit == 4) {
+        uint32_t mb[2];
+        ldmatrix_x2(mb, &st.m[ks % 2][mrow]);
+        mma_bf16_zero(share, va, mb[0], mb[1]);
+      } else {
+        uint32_t mh[2], ml[2];
+        ldmatrix_x2(ml, &st.m[1][mrow]);
+        ldmatrix_x2(mh, &st.m[0][mrow]);
+        mma_bf16_zero(share, va, ml[0], ml[1]);
+        mma_bf16(share, va, mh[0], mh[1]);
+      }
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        acc_w[2][0][e] = own == 0 ? share[e] : 0.f;
+        acc_w[2][1][e] = own == 1 ? share[e] : 0.f;
+      }
     }
 #pragma unroll
     for (int kk = 0; kk < kKk; ++kk) {
@@ -360,8 +390,10 @@ __global__ void __launch_bounds__(kWarps * 32) recurrence_kernel(const FwdParams
         mma_bf16_into(acc_w[0][nt], a_lo[kk], wh[b][2 * nt], wh[b][2 * nt + 1], kk == 0);
         mma_bf16_into(acc_w[1][nt], a_hi[kk], wl[b][2 * nt], wl[b][2 * nt + 1], kk == 0);
         mma_bf16_into(acc_w[2][nt], a_hi[kk], wh[b][2 * nt], wh[b][2 * nt + 1], kSplit == 1 && kk == 0);
-        if constexpr (kOut) {
+        if constexpr (kOut && kQsLo) {
           mma_bf16_into(acc_o[0][nt], a_lo[kk], qh[b][2 * nt], qh[b][2 * nt + 1], kk == 0);
+        }
+        if constexpr (kOut) {
           mma_bf16_into(acc_o[1][nt], a_hi[kk], qh[b][2 * nt], qh[b][2 * nt + 1], kk == 0);
         }
       }
@@ -381,7 +413,7 @@ __global__ void __launch_bounds__(kWarps * 32) recurrence_kernel(const FwdParams
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         sw[nt][e] = (acc_w[0][nt][e] + acc_w[1][nt][e]) + acc_w[2][nt][e];
-        so[nt][e] = kOut ? acc_o[0][nt][e] + acc_o[1][nt][e] : 0.f;
+        so[nt][e] = !kOut ? 0.f : kQsLo ? acc_o[0][nt][e] + acc_o[1][nt][e] : acc_o[1][nt][e];
       }
     }
     if constexpr (kSplit > 1) {
@@ -427,7 +459,7 @@ __global__ void __launch_bounds__(kWarps * 32) recurrence_kernel(const FwdParams
     // are the 16 tokens.
     float u0[2][4];
     if constexpr (kSplit == 1) {
-      form_u0(u0, 0u, ~0u);
+      form_u0(u0);
     }
     float u[2][4];
 #pragma unroll
