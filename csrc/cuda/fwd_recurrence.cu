@@ -77,7 +77,8 @@ struct Config {
   static constexpr int kRedFloats = kSplit > 1 ? 2 * 2 * 4 * 32 : 0;
   static constexpr size_t kSmem = kStagesAhead * sizeof(St) + kRowGroups * C * kOutPad * sizeof(__nv_bfloat16) +
                                   kWarps * kRedFloats * sizeof(float);
-  static_assert(kWarps % kSplit == 0 && 16 % kSplit == 0 && kSplit <= 8, "whole row groups, whole k-steps");
+  static_assert(kWarps % kSplit == 0 && (kSplit == 1 || kSplit == 2 || kSplit == 4),
+                "whole row groups; U0's shares are laid out for two or four warps");
 };
 
 // Issues the copies of one chunk into a stage: its record's bf16 part, M and
@@ -148,10 +149,11 @@ __global__ void __launch_bounds__(kWarps * 32) recurrence_kernel(const FwdParams
   using St = typename Cfg::St;
   constexpr int kNt = Cfg::kNt, kKk = kNt / 2;
   // S Qs^T with the state's lo part too, or with its hi part alone (the output
-  // is rounded to bf16; the state's own products keep bf16x3): one mma in
-  // eight fewer a step. Measured per shape in one run (H200, K2 ms): 4x1 0.942
-  // -> 0.877 at 8192 x 96 heads, 4x4 (with U0 spread, below) 0.312 -> 0.306 at
-  // 8192 x 16, but 2x2 0.374 -> 0.416 at 8192 x 32, which keeps it.
+  // is rounded to bf16; the state's own products keep bf16x3): 4x1 120 instead
+  // of 136 mma a warp and step, 4x4 31 instead of 35. Measured per shape in one
+  // run (H200, K2 ms): 4x1 0.942 -> 0.877 at 8192 x 96 heads, 4x4 (with U0
+  // spread, below) 0.312 -> 0.306 at 8192 x 16, but 2x2 0.374 -> 0.416 at 8192
+  // x 32, which keeps it; 8x1 and 2x1 (forced only) follow 4x1 unmeasured.
   constexpr bool kQsLo = kSplit == 2;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   St* stages = reinterpret_cast<St*>(smem_raw);

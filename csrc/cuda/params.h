@@ -35,7 +35,8 @@ constexpr int kChunk = 16;     // tokens per chunk
 // Qs and Aqk reach only the output, which is rounded to bf16: the forward's
 // recurrence multiplies by their hi planes alone (out 1.66e-3 -> ~2.3e-3 of
 // float64 where the state dominates it; the state's products keep bf16x3;
-// S Qs^T also takes the state's hi part alone in most block shapes, ~2.4e-3),
+// S Qs^T also takes the state's hi part alone in most block shapes, 2.4e-3 to
+// 2.9e-3),
 // and copies the record's first kWsQsLo bytes verbatim. The backward's dS
 // recurrence carries dO^T Qs into the initial state's gradient, which stays
 // fp32-accurate with both planes.
