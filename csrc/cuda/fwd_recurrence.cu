@@ -324,12 +324,16 @@ __global__ void __launch_bounds__(kWarps * 32) recurrence_kernel(const FwdParams
         ldmatrix_x4(qh[b], plane_piece(st.mat[kQs], row, piece));
       }
     };
-    // U0^T = v^T M^T (full-width warps): ldmatrix.trans turns v's rows (tokens)
-    // into the k dimension (v is exact in bf16); M stored [i][j] is M^T's B
-    // fragment as it stands (as Aqk below); the small term first.
+    // v^T, the row group's 16 rows x the 16 tokens, as an A operand:
+    // ldmatrix.trans turns v's rows (tokens) into the k dimension (v is exact in bf16).
+    auto load_v_fragment = [&](uint32_t (&va)[4]) {
+      ldmatrix_x4_trans(va, &st.v[(mi / 2) * 8 + mr][vloc + (mi % 2) * 8]);
+    };
+    // U0^T = v^T M^T (full-width warps): M stored [i][j] is M^T's B fragment as
+    // it stands (as Aqk below); the small term first.
     auto form_u0 = [&](float (&dst)[2][4]) {
       uint32_t va[4], mh[4], ml[4];
-      ldmatrix_x4_trans(va, &st.v[(mi / 2) * 8 + mr][vloc + (mi % 2) * 8]);
+      load_v_fragment(va);
       const int row = (mi / 2) * 8 + mr, col = (mi % 2) * 8;
       ldmatrix_x4(mh, &st.m[0][row * C + col]);
       ldmatrix_x4(ml, &st.m[1][row * C + col]);
@@ -353,7 +357,7 @@ __global__ void __launch_bounds__(kWarps * 32) recurrence_kernel(const FwdParams
     // at the start there).
     if constexpr (kSplit > 1) {
       uint32_t va[4];
-      ldmatrix_x4_trans(va, &st.v[(mi / 2) * 8 + mr][vloc + (mi % 2) * 8]);
+      load_v_fragment(va);
 #pragma unroll
       for (int r = 0; r < 4; ++r) {
         va[r] ^= 0x80008000u;  // -v (exact)
