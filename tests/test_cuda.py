@@ -137,7 +137,7 @@ def test_every_block_width_matches_reference(H):
     assert e_out <= 5e-3 and e_state <= 1e-4
 
 
-@pytest.mark.parametrize("shape", ["8x1", "4x1", "2x1", "2x2", "4x4"])
+@pytest.mark.parametrize("shape", ["8x1", "4x1", "4x1w", "2x1", "2x2", "4x4"])
 def test_forced_block_shapes_match_reference(shape, monkeypatch):
     """TORCH_KDA_RECURRENCE_BLOCK (a measurement knob) runs any block shape on any
     problem: each on a varlen batch with an empty sequence and a partial chunk."""
@@ -148,10 +148,27 @@ def test_forced_block_shapes_match_reference(shape, monkeypatch):
     assert e_out <= 5e-3 and e_state <= FP32_STATE_TOL
 
 
+@pytest.mark.parametrize("name", ["random", "weak_decay", "small_beta"])
+def test_wgmma_shape_keeps_the_fp32_state_over_long_sequences(name, monkeypatch):
+    """The 4x1 shape on wgmma, forced, over 256 chunks (an fp32 state that every
+    chunk's products feed back into), against float64 and bitwise-near the
+    mma.sync 4x1 (the same products, summed in another order)."""
+    d, g = cuda_inputs(B=1, T=4096, H=8, state_dtype=torch.float32)
+    _hard_case(name, d, g)
+    monkeypatch.setenv("TORCH_KDA_RECURRENCE_BLOCK", "4x1")
+    out_ref, final_ref = run_cuda(g)
+    monkeypatch.setenv("TORCH_KDA_RECURRENCE_BLOCK", "4x1w")
+    e_out, e_state, out, final = errors(d, g)
+    print(f"\n{name} block 4x1w T=4096: out rel {e_out:.2e}, state rel {e_state:.2e};"
+          f" vs 4x1 out {rel(out.float().cpu(), out_ref.float().cpu()):.2e} state {rel(final.cpu(), final_ref.cpu()):.2e}")
+    assert e_out <= 5e-3 and e_state <= FP32_STATE_TOL
+    assert rel(final.cpu(), final_ref.cpu()) <= 1e-5
+
+
 def test_forced_block_shape_is_checked(monkeypatch):
     d, g = cuda_inputs(B=1, T=40, H=2)
     monkeypatch.setenv("TORCH_KDA_RECURRENCE_BLOCK", "16x1")
-    with pytest.raises(RuntimeError, match="TORCH_KDA_RECURRENCE_BLOCK must be one of 8x1, 4x1, 2x1, 2x2, 4x4, got '16x1'"):
+    with pytest.raises(RuntimeError, match="TORCH_KDA_RECURRENCE_BLOCK must be one of 8x1, 4x1, 4x1w, 2x1, 2x2, 4x4, got '16x1'"):
         run_cuda(g)
 
 
@@ -988,7 +1005,7 @@ def test_forward_checkpoints_serve_the_backward_bitwise(window, T, H, windows, o
         assert torch.equal(x, y) and torch.equal(z, y), name
 
 
-@pytest.mark.parametrize("shape", ["8x1", "4x1", "2x1", "2x2", "4x4"])
+@pytest.mark.parametrize("shape", ["8x1", "4x1", "4x1w", "2x1", "2x2", "4x4"])
 def test_backward_and_checkpoints_in_every_block_shape(shape, monkeypatch):
     """Each K2 block shape in the backward's passes (K2 without output), in
     windows of 5 slots (the checkpoint pass and the carries too): gradients

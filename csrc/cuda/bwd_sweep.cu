@@ -227,8 +227,8 @@ __global__ void __launch_bounds__(kWarps * 32) ds_recurrence_kernel(const SweepB
       split_pack(ds[2 * kk + 1][2], ds[2 * kk + 1][3], dh[3], dl[3]);
       const int row = (mi / 2) * 8 + mr, piece = 2 * kk + mi % 2;
       uint32_t kh[4], kl[4];
-      ldmatrix_x4(kh, plane_piece(st.mat[kKdHi], row, piece));
-      ldmatrix_x4(kl, plane_piece(st.mat[kKdLo], row, piece));
+      ldmatrix_x4(kh, record_piece(st.mat[kKdHi], row, piece));
+      ldmatrix_x4(kl, record_piece(st.mat[kKdLo], row, piece));
 #pragma unroll
       for (int nt = 0; nt < 2; ++nt) {
         mma3(acc_du, nt, dh, dl, kh[2 * nt], kh[2 * nt + 1], kl[2 * nt], kl[2 * nt + 1], kk == 0);
@@ -269,10 +269,10 @@ __global__ void __launch_bounds__(kWarps * 32) ds_recurrence_kernel(const SweepB
     for (int jj = 0; jj < D / 16; ++jj) {
       const int row = (mi % 2) * 8 + mr, piece = 2 * jj + mi / 2;
       uint32_t qh[4], ql[4], wh[4], wl[4];
-      ldmatrix_x4_trans(qh, plane_piece(st.mat[kQsHi], row, piece));
-      ldmatrix_x4_trans(ql, plane_piece(st.qs_lo, row, piece));
-      ldmatrix_x4_trans(wh, plane_piece(st.mat[kWHi], row, piece));
-      ldmatrix_x4_trans(wl, plane_piece(st.mat[kWLo], row, piece));
+      ldmatrix_x4_trans(qh, record_piece(st.mat[kQsHi], row, piece));
+      ldmatrix_x4_trans(ql, record_piece(st.qs_lo, row, piece));
+      ldmatrix_x4_trans(wh, record_piece(st.mat[kWHi], row, piece));
+      ldmatrix_x4_trans(wl, record_piece(st.mat[kWLo], row, piece));
       float upd[2][4];
       mma_bf16x3_zero(upd[0], oh, ol, qh[0], qh[1], ql[0], ql[1]);
       mma_bf16x3_zero(upd[1], oh, ol, qh[2], qh[3], ql[2], ql[3]);
@@ -502,8 +502,8 @@ __global__ void __launch_bounds__(kGradThreads, 2) record_grads_kernel(const Swe
       }
       const int row = (mi / 2) * 8 + mr, piece = 2 * kk + mi % 2;
       uint32_t wh[4], wl[4];
-      ldmatrix_x4(wh, plane_piece(sm.w[0], row, piece));
-      ldmatrix_x4(wl, plane_piece(sm.w[1], row, piece));
+      ldmatrix_x4(wh, record_piece(sm.w[0], row, piece));
+      ldmatrix_x4(wl, record_piece(sm.w[1], row, piece));
 #pragma unroll
       for (int nt = 0; nt < 2; ++nt) {
         mma3(acc_u, nt, sh, sl, wh[2 * nt], wh[2 * nt + 1], wl[2 * nt], wl[2 * nt + 1], kk == 0);

@@ -25,9 +25,23 @@ __device__ __forceinline__ void store_state(void* base, int64_t index, float val
   }
 }
 
-// Position of element (row, col) in a swizzled [16][128] plane (params.h).
+// Position of element (row, col) in a swizzled plane of 128-wide rows (the
+// backward's own tiles; a record's planes: record_index).
 __device__ __forceinline__ int plane_index(int row, int col) {
   return row * kHeadDim + ((((col >> 3) ^ (row & 7))) << 3) + (col & 7);
+}
+
+// A record's [16][128] planes (params.h) in two halves of 64 columns, each
+// [16][64] with 128-byte rows whose 16-byte piece j sits at j ^ (row % 8): the
+// 128-byte swizzle of wgmma's shared-memory operands, which ldmatrix reads
+// without bank conflicts too. Position of element (row, col):
+__device__ __forceinline__ int record_index(int row, int col) {
+  return (col >> 6) * (kChunk * 64) + row * 64 + ((((col >> 3) & 7) ^ (row & 7)) << 3) + (col & 7);
+}
+
+// Address of the 16-byte piece (row, piece) of a record plane (piece < 16), for ldmatrix.
+__device__ __forceinline__ const __nv_bfloat16* record_piece(const __nv_bfloat16* plane, int row, int piece) {
+  return plane + (piece >> 3) * (kChunk * 64) + row * 64 + (((piece & 7) ^ (row & 7)) << 3);
 }
 
 // Address of the 16-byte piece (row, piece) of a swizzled plane of 128-wide

@@ -75,8 +75,8 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm) prepare_kernel(cons
     sQe[i][d] = qn * e;
     sKe[i][d] = kn * e;
     sKi[i][d] = kn * e_inv;
-    store_split(ws + kWsQs, kWsQsLo - kWsQs, plane_index(i, d), p.scale * qn * e, kForBackward);
-    store_split(ws + kWsKd, kPlaneBytes, plane_index(i, d), kn * (e_last * e_inv));
+    store_split(ws + kWsQs, kWsQsLo - kWsQs, record_index(i, d), p.scale * qn * e, kForBackward);
+    store_split(ws + kWsKd, kPlaneBytes, record_index(i, d), kn * (e_last * e_inv));
   }
   reinterpret_cast<float*>(ws + kWsGl)[d] = e_last;
   __syncthreads();
@@ -148,7 +148,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm) prepare_kernel(cons
     forward_substitute(
         sA, [&](int i) { return make_float2(sBeta[i] * sKe[i][d], i == d ? sBeta[i] : 0.f); }, x, y,
         [&](int i, float xi, float yi) {
-          store_split(ws + kWsW, kPlaneBytes, plane_index(i, d), xi);
+          store_split(ws + kWsW, kPlaneBytes, record_index(i, d), xi);
           if (d < C) {
             store_split(ws + kWsM, kAqkPlaneBytes, i * C + d, yi);
           }
@@ -157,7 +157,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm) prepare_kernel(cons
     forward_substitute(
         sA, [&](int i) { return make_float2(sBeta[i] * sKe[i][d], sBeta[i] * v[i]); }, x, y,
         [&](int i, float xi, float yi) {
-          store_split(ws + kWsW, kPlaneBytes, plane_index(i, d), xi);
+          store_split(ws + kWsW, kPlaneBytes, record_index(i, d), xi);
           ws_u0[i * D + d] = yi;
         });
     if (d < C) {

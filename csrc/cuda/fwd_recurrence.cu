@@ -27,6 +27,7 @@
 #include "cuda/device_utils.cuh"
 #include "cuda/launch.h"
 #include "cuda/mma.cuh"
+#include "cuda/wgmma.cuh"
 
 namespace kda::cuda {
 namespace {
@@ -51,32 +52,35 @@ static_assert(kWsW == kPlaneBytes && kWsKd == 3 * kPlaneBytes && kWsAqk == kPlan
                   kWsQsLo == kWsAqk + kAqkPlaneBytes,
               "the record's bf16 part read here is contiguous");
 
-template <int kCols>  // value channels of the block
-struct __align__(16) Stage {
+template <int kCols, int kAlign = 16>  // value channels of the block; wgmma's operands want 1024
+struct alignas(kAlign) Stage {
   // v's rows 16 bytes longer than the block's channels: the 8 rows of one
   // ldmatrix then start in distinct 16-byte bank groups.
   static constexpr int kVPitch = kCols + 8;
-  __nv_bfloat16 mat[kPlanes][C * D];  // swizzled planes (plane_index)
+  __nv_bfloat16 mat[kPlanes][C * D];  // swizzled planes (record_index)
   __nv_bfloat16 aqk[C * C];
   __nv_bfloat16 m[2][C * C];          // M hi, lo: [i][j]
   __nv_bfloat16 v[C][kVPitch];        // the chunk's v, the block's channels; zeros past the sequence
   float gl[D];
 };
 
-template <int kWarps, int kSplit, int kSt>
+// kWg: the 4x1 shape's state products on wgmma (the warpgroup's 64 rows at once,
+// B straight from the staged planes), a forced shape (4x1w) for measurements.
+template <int kWarps, int kSplit, int kSt, bool kWg = false>
 struct Config {
   static constexpr int kThreads = 32 * kWarps;
   static constexpr int kRowGroups = kWarps / kSplit;
   static constexpr int kCols = 16 * kRowGroups;  // value channels of a block
   static constexpr int kNt = 16 / kSplit;        // 8-column n-tiles of state per warp
   static constexpr int kStagesAhead = kSt;
-  using St = Stage<kCols>;
+  using St = Stage<kCols, kWg ? 1024 : 16>;
   // Per warp, the partial sums over its key columns of S W^T and S Qs^T in
   // fragment order ([product][n-tile][lane] of float4s, a lane's four elements);
   // none when kSplit = 1.
   static constexpr int kRedFloats = kSplit > 1 ? 2 * 2 * 4 * 32 : 0;
   static constexpr size_t kSmem = kStagesAhead * sizeof(St) + kRowGroups * C * kOutPad * sizeof(__nv_bfloat16) +
-                                  kWarps * kRedFloats * sizeof(float);
+                                  kWarps * kRedFloats * sizeof(float) + (kWg ? 1024 : 0);  // + the alignment's slack
+  static_assert(!kWg || (kWarps == 4 && kSplit == 1), "wgmma: one warpgroup of full-width warps");
   static_assert(kWarps % kSplit == 0 && (kSplit == 1 || kSplit == 2 || kSplit == 4),
                 "whole row groups; U0's shares are laid out for two or four warps");
 };
@@ -85,10 +89,11 @@ struct Config {
 // gl, and the `len` rows of v from `v` on (rows `row_stride` elements apart; the
 // block's channels). Every thread's pieces sit at fixed offsets from its first,
 // so the fully unrolled loops cost one instruction per 16 bytes.
-template <int kCols, int kThreads>
-__device__ __forceinline__ void load_stage(Stage<kCols>& st, const unsigned char* rec, const __nv_bfloat16* v,
+template <int kCols, int kThreads, int kAlign>
+__device__ __forceinline__ void load_stage(Stage<kCols, kAlign>& st, const unsigned char* rec, const __nv_bfloat16* v,
                                            int64_t row_stride, int len, int tid) {
-  static_assert(offsetof(Stage<kCols>, aqk) == kWsAqk && offsetof(Stage<kCols>, m) >= kWsQsLo,
+  using St = Stage<kCols, kAlign>;
+  static_assert(offsetof(St, aqk) == kWsAqk && offsetof(St, m) >= kWsQsLo,
                 "mat and aqk are one verbatim copy");
   constexpr int kBf16Pieces = kWsQsLo / 16;
   const uint32_t mat = smem_u32(&st.mat[0][0]) + tid * 16;
@@ -143,9 +148,9 @@ __device__ __forceinline__ void store_state_pair(void* base, int64_t index, bool
 // kOut: the forward, which writes out. Without it (the backward's passes) only
 // the states move, and the state at each chunk's start is stored where
 // p.chunk_states says.
-template <int kWarps, int kSplit, int kSt, bool kOut>
+template <int kWarps, int kSplit, int kSt, bool kOut, bool kWg>
 __global__ void __launch_bounds__(kWarps * 32) recurrence_kernel(const FwdParams p) {
-  using Cfg = Config<kWarps, kSplit, kSt>;
+  using Cfg = Config<kWarps, kSplit, kSt, kWg>;
   using St = typename Cfg::St;
   constexpr int kNt = Cfg::kNt, kKk = kNt / 2;
   // S Qs^T with the state's lo part too, or with its hi part alone (the output
@@ -156,9 +161,13 @@ __global__ void __launch_bounds__(kWarps * 32) recurrence_kernel(const FwdParams
   // x 32, which keeps it; 8x1 and 2x1 (forced only) follow 4x1 unmeasured.
   constexpr bool kQsLo = kSplit == 2;
   extern __shared__ __align__(16) unsigned char smem_raw[];
-  St* stages = reinterpret_cast<St*>(smem_raw);
-  auto* out_tile = reinterpret_cast<__nv_bfloat16(*)[C][kOutPad]>(smem_raw + kSt * sizeof(St));
-  float* red = reinterpret_cast<float*>(smem_raw + kSt * sizeof(St) + Cfg::kRowGroups * sizeof(*out_tile));
+  unsigned char* smem = smem_raw;
+  if constexpr (kWg) {
+    smem += (1024u - (smem_u32(smem_raw) & 1023u)) & 1023u;  // the stages 1024-byte aligned (kSmem has the slack)
+  }
+  St* stages = reinterpret_cast<St*>(smem);
+  auto* out_tile = reinterpret_cast<__nv_bfloat16(*)[C][kOutPad]>(smem + kSt * sizeof(St));
+  float* red = reinterpret_cast<float*>(smem + kSt * sizeof(St) + Cfg::kRowGroups * sizeof(*out_tile));
 
   constexpr int kGroups = D / Cfg::kCols;
   const int64_t H = p.H;
@@ -318,10 +327,10 @@ __global__ void __launch_bounds__(kWarps * 32) recurrence_kernel(const FwdParams
     auto load_wq = [&](int kk, int b) {
       // Matrices: tokens 0-7 | 8-15 (n-tiles) x key columns 16K.. | 16K+8.. (K = j0 / 2 + kk)
       const int row = (mi / 2) * 8 + mr, piece = j0 + 2 * kk + mi % 2;
-      ldmatrix_x4(wh[b], plane_piece(st.mat[kWHi], row, piece));
-      ldmatrix_x4(wl[b], plane_piece(st.mat[kWLo], row, piece));
+      ldmatrix_x4(wh[b], record_piece(st.mat[kWHi], row, piece));
+      ldmatrix_x4(wl[b], record_piece(st.mat[kWLo], row, piece));
       if constexpr (kOut) {
-        ldmatrix_x4(qh[b], plane_piece(st.mat[kQs], row, piece));
+        ldmatrix_x4(qh[b], record_piece(st.mat[kQs], row, piece));
       }
     };
     // v^T, the row group's 16 rows x the 16 tokens, as an A operand:
@@ -343,64 +352,107 @@ __global__ void __launch_bounds__(kWarps * 32) recurrence_kernel(const FwdParams
         mma_bf16(dst[nt], va, mh[2 * nt], mh[2 * nt + 1]);
       }
     };
-    load_wq(0, 0);
-    // Split shapes: acc_w[2] (the hi * hi terms of S W^T) starts from a share of
-    // -U0^T, so that the row group's partial sums add up to -U^T. As the first
-    // link of a chain of products, U0 is then formed at the step's start beside
-    // the other products; formed where it is used, after the partial sums'
-    // barrier, it stood in the step's chain (2x2 shape: K2 0.39 -> 0.46 ms at
-    // 8192 x 32 heads). Warp ks takes n-tile `own` of it (with four warps, one
-    // of M's two planes each): its mmas spread over the warps instead of falling
-    // on the first (K2 0.397 -> 0.374 ms at 8192 x 32 heads, 2x2; 0.313 ->
-    // 0.306 at 8192 x 16, 4x4, each with Qs's products as kept above). The
-    // full-width warps form it after their products (measured 2-7 % faster than
-    // at the start there).
-    if constexpr (kSplit > 1) {
-      uint32_t va[4];
-      load_v_fragment(va);
+    float u0[2][4];  // U0^T (full-width warps)
+    if constexpr (!kWg) {
+      load_wq(0, 0);
+      // Split shapes: acc_w[2] (the hi * hi terms of S W^T) starts from a share of
+      // -U0^T, so that the row group's partial sums add up to -U^T. As the first
+      // link of a chain of products, U0 is then formed at the step's start beside
+      // the other products; formed where it is used, after the partial sums'
+      // barrier, it stood in the step's chain (2x2 shape: K2 0.39 -> 0.46 ms at
+      // 8192 x 32 heads). Warp ks takes n-tile `own` of it (with four warps, one
+      // of M's two planes each): its mmas spread over the warps instead of falling
+      // on the first (K2 0.397 -> 0.374 ms at 8192 x 32 heads, 2x2; 0.313 ->
+      // 0.306 at 8192 x 16, 4x4, each with Qs's products as kept above). The
+      // full-width warps form it after their products (measured 2-7 % faster than
+      // at the start there).
+      if constexpr (kSplit > 1) {
+        uint32_t va[4];
+        load_v_fragment(va);
+  #pragma unroll
+        for (int r = 0; r < 4; ++r) {
+          va[r] ^= 0x80008000u;  // -v (exact)
+        }
+        const int own = kSplit == 4 ? ks / 2 : ks;
+        const int mrow = (own * 8 + mr) * C + ((lane / 8) % 2) * 8;  // B fragment of n-tile own
+        float share[4];
+        if constexpr (kSplit == 4) {
+          uint32_t mb[2];
+          ldmatrix_x2(mb, &st.m[ks % 2][mrow]);
+          mma_bf16_zero(share, va, mb[0], mb[1]);
+        } else {
+          uint32_t mh[2], ml[2];
+          ldmatrix_x2(ml, &st.m[1][mrow]);
+          ldmatrix_x2(mh, &st.m[0][mrow]);
+          mma_bf16_zero(share, va, ml[0], ml[1]);
+          mma_bf16(share, va, mh[0], mh[1]);
+        }
+  #pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          acc_w[2][0][e] = own == 0 ? share[e] : 0.f;
+          acc_w[2][1][e] = own == 1 ? share[e] : 0.f;
+        }
+      }
+  #pragma unroll
+      for (int kk = 0; kk < kKk; ++kk) {
+        const int b = kk % 2;
+        if (kk + 1 < kKk) {
+          load_wq(kk + 1, 1 - b);
+        }
+        if constexpr (!kSplitEarly) {
+          split_state(kk);
+        }
+  #pragma unroll
+        for (int nt = 0; nt < 2; ++nt) {
+          mma_bf16_into(acc_w[0][nt], a_lo[kk], wh[b][2 * nt], wh[b][2 * nt + 1], kk == 0);
+          mma_bf16_into(acc_w[1][nt], a_hi[kk], wl[b][2 * nt], wl[b][2 * nt + 1], kk == 0);
+          mma_bf16_into(acc_w[2][nt], a_hi[kk], wh[b][2 * nt], wh[b][2 * nt + 1], kSplit == 1 && kk == 0);
+          if constexpr (kOut && kQsLo) {
+            mma_bf16_into(acc_o[0][nt], a_lo[kk], qh[b][2 * nt], qh[b][2 * nt + 1], kk == 0);
+          }
+          if constexpr (kOut) {
+            mma_bf16_into(acc_o[1][nt], a_hi[kk], qh[b][2 * nt], qh[b][2 * nt + 1], kk == 0);
+          }
+        }
+      }
+    } else {
+      // The warpgroup's products: per k-step (16 keys) the warps' A fragments
+      // and the planes' k-step as B, K-major, in half kk / 4 of each plane at
+      // byte 32 (kk % 4) of its 128-byte rows (params.h); U0's mma.sync
+      // products run while they do.
+      const Sw128Desc k_major = sw128_desc(smem_u32(&st.mat[0][0]), 16, 1024);
+      auto b_desc = [&](int plane, int kk) {
+        return sw128_desc_at(k_major, plane * kPlaneBytes + (kk / 4) * (C * 128) + (kk % 4) * 32);
+      };
+      wgmma_fence();
 #pragma unroll
-      for (int r = 0; r < 4; ++r) {
-        va[r] ^= 0x80008000u;  // -v (exact)
-      }
-      const int own = kSplit == 4 ? ks / 2 : ks;
-      const int mrow = (own * 8 + mr) * C + ((lane / 8) % 2) * 8;  // B fragment of n-tile own
-      float share[4];
-      if constexpr (kSplit == 4) {
-        uint32_t mb[2];
-        ldmatrix_x2(mb, &st.m[ks % 2][mrow]);
-        mma_bf16_zero(share, va, mb[0], mb[1]);
-      } else {
-        uint32_t mh[2], ml[2];
-        ldmatrix_x2(ml, &st.m[1][mrow]);
-        ldmatrix_x2(mh, &st.m[0][mrow]);
-        mma_bf16_zero(share, va, ml[0], ml[1]);
-        mma_bf16(share, va, mh[0], mh[1]);
-      }
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        acc_w[2][0][e] = own == 0 ? share[e] : 0.f;
-        acc_w[2][1][e] = own == 1 ? share[e] : 0.f;
-      }
-    }
-#pragma unroll
-    for (int kk = 0; kk < kKk; ++kk) {
-      const int b = kk % 2;
-      if (kk + 1 < kKk) {
-        load_wq(kk + 1, 1 - b);
-      }
-      if constexpr (!kSplitEarly) {
-        split_state(kk);
-      }
-#pragma unroll
-      for (int nt = 0; nt < 2; ++nt) {
-        mma_bf16_into(acc_w[0][nt], a_lo[kk], wh[b][2 * nt], wh[b][2 * nt + 1], kk == 0);
-        mma_bf16_into(acc_w[1][nt], a_hi[kk], wl[b][2 * nt], wl[b][2 * nt + 1], kk == 0);
-        mma_bf16_into(acc_w[2][nt], a_hi[kk], wh[b][2 * nt], wh[b][2 * nt + 1], kSplit == 1 && kk == 0);
+      for (int kk = 0; kk < kKk; ++kk) {
+        wgmma_m64n16k16(acc_w[0], a_lo[kk], b_desc(kWHi, kk), kk > 0);
+        wgmma_m64n16k16(acc_w[1], a_hi[kk], b_desc(kWLo, kk), kk > 0);
+        wgmma_m64n16k16(acc_w[2], a_hi[kk], b_desc(kWHi, kk), kk > 0);
         if constexpr (kOut && kQsLo) {
-          mma_bf16_into(acc_o[0][nt], a_lo[kk], qh[b][2 * nt], qh[b][2 * nt + 1], kk == 0);
+          wgmma_m64n16k16(acc_o[0], a_lo[kk], b_desc(kQs, kk), kk > 0);
         }
         if constexpr (kOut) {
-          mma_bf16_into(acc_o[1][nt], a_hi[kk], qh[b][2 * nt], qh[b][2 * nt + 1], kk == 0);
+          wgmma_m64n16k16(acc_o[1], a_hi[kk], b_desc(kQs, kk), kk > 0);
+        }
+      }
+      wgmma_commit();
+      form_u0(u0);
+      wgmma_wait<0>();
+#pragma unroll
+      for (int nt = 0; nt < 2; ++nt) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          fence_operand(acc_w[0][nt][e]);
+          fence_operand(acc_w[1][nt][e]);
+          fence_operand(acc_w[2][nt][e]);
+          if constexpr (kOut) {
+            fence_operand(acc_o[1][nt][e]);
+          }
+          if constexpr (kOut && kQsLo) {
+            fence_operand(acc_o[0][nt][e]);
+          }
         }
       }
     }
@@ -409,10 +461,12 @@ __global__ void __launch_bounds__(kWarps * 32) recurrence_kernel(const FwdParams
     auto load_kd = [&](int jj, int b) {
       // Matrices: tokens 0-7 | 8-15 (k dimension) x key columns 8(j0+2jj).. | +8.. (n-tiles)
       const int row = (mi % 2) * 8 + mr, piece = j0 + 2 * jj + mi / 2;
-      ldmatrix_x4_trans(kh[b], plane_piece(st.mat[kKdHi], row, piece));
-      ldmatrix_x4_trans(kl[b], plane_piece(st.mat[kKdLo], row, piece));
+      ldmatrix_x4_trans(kh[b], record_piece(st.mat[kKdHi], row, piece));
+      ldmatrix_x4_trans(kl[b], record_piece(st.mat[kKdLo], row, piece));
     };
-    load_kd(0, 0);
+    if constexpr (!kWg) {
+      load_kd(0, 0);
+    }
     float sw[2][4], so[2][4];  // the small terms first, as mma_bf16x3 sums them
 #pragma unroll
     for (int nt = 0; nt < 2; ++nt) {
@@ -463,8 +517,7 @@ __global__ void __launch_bounds__(kWarps * 32) recurrence_kernel(const FwdParams
 
     // U^T = U0^T - S W^T (split shapes: -sw); as an A operand its two n-tiles
     // are the 16 tokens.
-    float u0[2][4];
-    if constexpr (kSplit == 1) {
+    if constexpr (kSplit == 1 && !kWg) {
       form_u0(u0);
     }
     float u[2][4];
@@ -537,26 +590,58 @@ __global__ void __launch_bounds__(kWarps * 32) recurrence_kernel(const FwdParams
     // k dimension. The products go into zero accumulators and reach the state
     // through one fp32 FMA: the tensor cores' own fp32 additions are reported to
     // truncate, which would pull the state towards zero a little every chunk.
+    if constexpr (!kWg) {
 #pragma unroll
-    for (int jj = 0; jj < kNt / 2; ++jj) {
-      const int b = jj % 2;
-      if (jj + 1 < kNt / 2) {
-        load_kd(jj + 1, 1 - b);
-      }
-      float upd[2][4];
-      mma_bf16x3_zero(upd[0], ua_hi, ua_lo, kh[b][0], kh[b][1], kl[b][0], kl[b][1]);
-      mma_bf16x3_zero(upd[1], ua_hi, ua_lo, kh[b][2], kh[b][3], kl[b][2], kl[b][3]);
+      for (int jj = 0; jj < kNt / 2; ++jj) {
+        const int b = jj % 2;
+        if (jj + 1 < kNt / 2) {
+          load_kd(jj + 1, 1 - b);
+        }
+        float upd[2][4];
+        mma_bf16x3_zero(upd[0], ua_hi, ua_lo, kh[b][0], kh[b][1], kl[b][0], kl[b][1]);
+        mma_bf16x3_zero(upd[1], ua_hi, ua_lo, kh[b][2], kh[b][3], kl[b][2], kl[b][3]);
 #pragma unroll
-      for (int h2 = 0; h2 < 2; ++h2) {
-        const int j = 2 * jj + h2;
-        const float2 decay = *reinterpret_cast<const float2*>(&st.gl[8 * (j0 + j) + 2 * t]);
-        s[j][0] = fmaf(s[j][0], decay.x, upd[h2][0]);
-        s[j][1] = fmaf(s[j][1], decay.y, upd[h2][1]);
-        s[j][2] = fmaf(s[j][2], decay.x, upd[h2][2]);
-        s[j][3] = fmaf(s[j][3], decay.y, upd[h2][3]);
+        for (int h2 = 0; h2 < 2; ++h2) {
+          const int j = 2 * jj + h2;
+          const float2 decay = *reinterpret_cast<const float2*>(&st.gl[8 * (j0 + j) + 2 * t]);
+          s[j][0] = fmaf(s[j][0], decay.x, upd[h2][0]);
+          s[j][1] = fmaf(s[j][1], decay.y, upd[h2][1]);
+          s[j][2] = fmaf(s[j][2], decay.x, upd[h2][2]);
+          s[j][3] = fmaf(s[j][3], decay.y, upd[h2][3]);
+        }
+        if constexpr (kSplitEarly) {
+          split_state(jj);  // k-step jj of the next chunk's products
+        }
       }
-      if constexpr (kSplitEarly) {
-        split_state(jj);  // k-step jj of the next chunk's products
+    } else {
+      // U^T Kd for the warpgroup's 64 rows and all 128 keys: Kd (k = the 16
+      // tokens, n = the keys) MN-major, its two 64-key halves LBO apart, its
+      // two 8-token row groups SBO apart.
+      const Sw128Desc mn_major = sw128_desc(smem_u32(&st.mat[0][0]), C * 128, 1024);
+      const uint64_t kd_hi = sw128_desc_at(mn_major, kKdHi * kPlaneBytes);
+      const uint64_t kd_lo = sw128_desc_at(mn_major, kKdLo * kPlaneBytes);
+      float upd[kNt][4];
+      wgmma_fence();
+      wgmma_m64n128k16_mn(upd, ua_lo, kd_hi, false);
+      wgmma_m64n128k16_mn(upd, ua_hi, kd_lo, true);
+      wgmma_m64n128k16_mn(upd, ua_hi, kd_hi, true);
+      wgmma_commit();
+      wgmma_wait<0>();
+#pragma unroll
+      for (int j = 0; j < kNt; ++j) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          fence_operand(upd[j][e]);
+        }
+        const float2 decay = *reinterpret_cast<const float2*>(&st.gl[8 * j + 2 * t]);
+        s[j][0] = fmaf(s[j][0], decay.x, upd[j][0]);
+        s[j][1] = fmaf(s[j][1], decay.y, upd[j][1]);
+        s[j][2] = fmaf(s[j][2], decay.x, upd[j][2]);
+        s[j][3] = fmaf(s[j][3], decay.y, upd[j][3]);
+      }
+#pragma unroll
+      for (int kk = 0; kk < kKk; ++kk) {
+        split_state(kk);
       }
     }
     if constexpr (kOut && kSplit > 1) {
@@ -579,11 +664,11 @@ __global__ void __launch_bounds__(kWarps * 32) recurrence_kernel(const FwdParams
   }
 }
 
-template <int kWarps, int kSplit, int kSt, bool kOut>
+template <int kWarps, int kSplit, int kSt, bool kOut, bool kWg = false>
 void launch_kernel(const FwdParams& p, cudaStream_t stream) {
-  using Cfg = Config<kWarps, kSplit, kSt>;
+  using Cfg = Config<kWarps, kSplit, kSt, kWg>;
   static_assert(Cfg::kSmem <= 227 * 1024, "over the per-block shared memory of sm_90");
-  auto* kernel = recurrence_kernel<kWarps, kSplit, kSt, kOut>;
+  auto* kernel = recurrence_kernel<kWarps, kSplit, kSt, kOut, kWg>;
   C10_CUDA_CHECK(
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(Cfg::kSmem)));
   const int64_t blocks = p.N * p.H * (D / Cfg::kCols);
@@ -593,13 +678,13 @@ void launch_kernel(const FwdParams& p, cudaStream_t stream) {
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-template <int kWarps, int kSplit>
+template <int kWarps, int kSplit, bool kWg = false>
 void launch(const FwdParams& p, cudaStream_t stream) {
   constexpr int kSt = kDefaultStages<kWarps, kSplit>;
   if (p.out != nullptr) {
-    launch_kernel<kWarps, kSplit, kSt, true>(p, stream);
+    launch_kernel<kWarps, kSplit, kSt, true, kWg>(p, stream);
   } else {
-    launch_kernel<kWarps, kSplit, kSt, false>(p, stream);
+    launch_kernel<kWarps, kSplit, kSt, false, kWg>(p, stream);
   }
 }
 
@@ -611,10 +696,11 @@ RecurrenceBlock forced_recurrence_block(const char* op) {
     return RecurrenceBlock::kAuto;
   }
   const std::string shape(env);
-  TORCH_CHECK(shape == "8x1" || shape == "4x1" || shape == "2x1" || shape == "2x2" || shape == "4x4",
-              op, ": TORCH_KDA_RECURRENCE_BLOCK must be one of 8x1, 4x1, 2x1, 2x2, 4x4, got '", shape, "'");
-  return shape == "8x1"   ? RecurrenceBlock::k8x1
-         : shape == "4x1" ? RecurrenceBlock::k4x1
+  TORCH_CHECK(shape == "8x1" || shape == "4x1" || shape == "4x1w" || shape == "2x1" || shape == "2x2" || shape == "4x4",
+              op, ": TORCH_KDA_RECURRENCE_BLOCK must be one of 8x1, 4x1, 4x1w, 2x1, 2x2, 4x4, got '", shape, "'");
+  return shape == "8x1"    ? RecurrenceBlock::k8x1
+         : shape == "4x1"  ? RecurrenceBlock::k4x1
+         : shape == "4x1w" ? RecurrenceBlock::k4x1w
          : shape == "2x1" ? RecurrenceBlock::k2x1
          : shape == "2x2" ? RecurrenceBlock::k2x2
                           : RecurrenceBlock::k4x4;
@@ -644,6 +730,9 @@ void launch_recurrence(const FwdParams& p, cudaStream_t stream, RecurrenceBlock 
       break;
     case RecurrenceBlock::k4x1:
       launch<4, 1>(p, stream);
+      break;
+    case RecurrenceBlock::k4x1w:
+      launch<4, 1, true>(p, stream);
       break;
     case RecurrenceBlock::k2x1:
       launch<2, 1>(p, stream);

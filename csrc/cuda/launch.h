@@ -22,7 +22,8 @@ void launch_prepare(const FwdParams& params, cudaStream_t stream);
 
 // K2's block shapes: W warps splitting each row group's key columns S ways.
 // kAuto lets the launcher choose by recurrence_warps_per_sm.
-enum class RecurrenceBlock { kAuto, k8x1, k4x1, k2x1, k2x2, k4x4 };
+// 4x1w: the 4x1 shape with its state products on wgmma (forced only, so far).
+enum class RecurrenceBlock { kAuto, k8x1, k4x1, k4x1w, k2x1, k2x2, k4x4 };
 
 // K2: sequential over chunks; a row group of 16 value rows of one (sequence,
 // head) per warp, or per two or four warps when its key columns are split; blocks of
@@ -41,8 +42,8 @@ void launch_prepare_backward(const PrepareBwdParams& params, cudaStream_t stream
 // (chunk slot, head) for the record gradients.
 void launch_sweep_backward(const SweepBwdParams& params, cudaStream_t stream);
 
-// TORCH_KDA_RECURRENCE_BLOCK=WxS forces K2's block shape (8x1, 4x1, 2x1, 2x2
-// or 4x4), for measurements and tests: the shape, or kAuto when unset; raises on
+// TORCH_KDA_RECURRENCE_BLOCK=WxS forces K2's block shape (8x1, 4x1, 4x1w, 2x1,
+// 2x2 or 4x4), for measurements and tests: the shape, or kAuto when unset; raises on
 // any other value, naming `op` (the op called). Read once per call, before K1 and
 // K2 are enqueued, so a bad value leaves no kernel behind that writes the caller's tensors.
 RecurrenceBlock forced_recurrence_block(const char* op);

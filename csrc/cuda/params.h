@@ -16,9 +16,10 @@ constexpr int kChunk = 16;     // tokens per chunk
 // so each matrix it multiplies by travels as a bf16 pair: hi = bf16(x) and
 // lo = bf16(x - hi); hi * y + lo * y keeps ~16 mantissa bits where bf16 alone
 // keeps 8 (the "bf16x3" products: the fp32 state stays fp32-accurate).
-// Within a [16][128] plane, 16-byte piece j of row i is stored at piece
-// j ^ (i % 8) of that row (plane_index in device_utils.cuh): a verbatim copy
-// into shared memory then lets the 8 rows of one ldmatrix hit distinct banks.
+// A [16][128] plane is stored as two [16][64] halves (columns 0-63, then
+// 64-127), and within a half 16-byte piece j of row i at piece j ^ (i % 8)
+// (record_index in device_utils.cuh): a verbatim copy into shared memory is then
+// in wgmma's 128-byte swizzle, and the 8 rows of one ldmatrix hit distinct banks.
 // Byte offsets, every plane 16-byte aligned for cp.async:
 //   Qs  [16][128] hi      scale * exp(G) * q^          (reads the chunk-start state)
 //   W   [16][128] hi, lo  (I + A_kk)^-1 diag(beta) (exp(G) * k^)
