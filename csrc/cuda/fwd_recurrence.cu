@@ -369,7 +369,7 @@ __global__ void __launch_bounds__(kWarps * 32) recurrence_kernel(const FwdParams
       if constexpr (kSplit > 1) {
         uint32_t va[4];
         load_v_fragment(va);
-  #pragma unroll
+#pragma unroll
         for (int r = 0; r < 4; ++r) {
           va[r] ^= 0x80008000u;  // -v (exact)
         }
@@ -387,13 +387,13 @@ __global__ void __launch_bounds__(kWarps * 32) recurrence_kernel(const FwdParams
           mma_bf16_zero(share, va, ml[0], ml[1]);
           mma_bf16(share, va, mh[0], mh[1]);
         }
-  #pragma unroll
+#pragma unroll
         for (int e = 0; e < 4; ++e) {
           acc_w[2][0][e] = own == 0 ? share[e] : 0.f;
           acc_w[2][1][e] = own == 1 ? share[e] : 0.f;
         }
       }
-  #pragma unroll
+#pragma unroll
       for (int kk = 0; kk < kKk; ++kk) {
         const int b = kk % 2;
         if (kk + 1 < kKk) {
@@ -402,7 +402,7 @@ __global__ void __launch_bounds__(kWarps * 32) recurrence_kernel(const FwdParams
         if constexpr (!kSplitEarly) {
           split_state(kk);
         }
-  #pragma unroll
+#pragma unroll
         for (int nt = 0; nt < 2; ++nt) {
           mma_bf16_into(acc_w[0][nt], a_lo[kk], wh[b][2 * nt], wh[b][2 * nt + 1], kk == 0);
           mma_bf16_into(acc_w[1][nt], a_hi[kk], wl[b][2 * nt], wl[b][2 * nt + 1], kk == 0);
