@@ -56,23 +56,44 @@ __device__ __forceinline__ void reduce_rows32(const float (*X)[kPad], const floa
 }
 
 // Forward substitution with the unit lower triangular I + A (A = sA, strictly
-// lower, [16][16 + 1]), column d of two right-hand sides at once: row i of the
-// right-hand sides is rhs(i) (a float2, x then y), already scaled by beta; row(i,
-// x_i, y_i) is called as each row is solved (K1 stores its record there).
-template <typename Rhs, typename Row>
-__device__ __forceinline__ void forward_substitute(const float (*sA)[kChunk + 1], Rhs rhs, float (&x)[kChunk],
+// lower, rows kPitch floats apart), column d of two right-hand sides at once
+// (kSecond; else of the first alone, y untouched): row i of the right-hand
+// sides is rhs(i) (a float2, x then y), already scaled by beta; row(i, x_i, y_i)
+// is called as each row is solved (K1 stores its record there). Rows 16-byte
+// aligned (kPitch % 4 == 0) are read four entries per load: every thread reads
+// the same entry, so a load's cost is per instruction, not per byte.
+template <int kPitch, bool kSecond = true, typename Rhs, typename Row>
+__device__ __forceinline__ void forward_substitute(const float (*sA)[kPitch], Rhs rhs, float (&x)[kChunk],
                                                    float (&y)[kChunk], Row row) {
 #pragma unroll
   for (int i = 0; i < kChunk; ++i) {
     const float2 r = rhs(i);
-    float xi = r.x, yi = r.y;
+    float xi = r.x, yi = kSecond ? r.y : 0.f;
+    auto sub = [&](int j, float a) {
+      xi -= a * x[j];
+      if constexpr (kSecond) {
+        yi -= a * y[j];
+      }
+    };
+    if constexpr (kPitch % 4 == 0) {
 #pragma unroll
-    for (int j = 0; j < i; ++j) {
-      xi -= sA[i][j] * x[j];
-      yi -= sA[i][j] * y[j];
+      for (int jb = 0; jb < i; jb += 4) {
+        const float4 a = *reinterpret_cast<const float4*>(&sA[i][jb]);
+        sub(jb, a.x);
+        if (jb + 1 < i) sub(jb + 1, a.y);
+        if (jb + 2 < i) sub(jb + 2, a.z);
+        if (jb + 3 < i) sub(jb + 3, a.w);
+      }
+    } else {
+#pragma unroll
+      for (int j = 0; j < i; ++j) {
+        sub(j, sA[i][j]);
+      }
     }
     x[i] = xi;
-    y[i] = yi;
+    if constexpr (kSecond) {
+      y[i] = yi;
+    }
     row(i, xi, yi);
   }
 }

@@ -19,6 +19,8 @@ static_assert(kThreads == C * C / 2, "two entries of each 16x16 matrix per threa
 // Row stride of the shared tiles: 16-byte aligned rows, and the 8 rows that a
 // quarter warp reads with 16-byte loads fall in distinct banks.
 constexpr int kPad = D + 4;
+// sA's rows 16-byte aligned: the substitution reads them four entries a load.
+constexpr int kAPitch = C + 4;
 
 // Six blocks per SM (at most 80 registers a thread): the block's single
 // round trip to memory hides behind the other blocks' arithmetic. Eight (64
@@ -28,7 +30,7 @@ constexpr int kMinBlocksPerSm = 6;
 // M's column d (d < 16) into the record at ws: (I + A_kk)^-1 times column d of
 // diag(beta). Not inlined: inlined after the backward records' W and U0 solve,
 // it spilled 644 bytes at 80 registers; called, it starts with nothing live.
-__device__ __noinline__ void solve_m_column(const float (*sA)[C + 1], const float* sBeta, unsigned char* ws, int d) {
+__device__ __noinline__ void solve_m_column(const float (*sA)[kAPitch], const float* sBeta, unsigned char* ws, int d) {
   float x[C], y[C];
   forward_substitute(
       sA, [&](int i) { return make_float2(i == d ? sBeta[i] : 0.f, 0.f); }, x, y,
@@ -46,7 +48,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm) prepare_kernel(cons
   __shared__ __align__(16) float sQe[C][kPad];  // q^ exp(G)
   __shared__ __align__(16) float sKe[C][kPad];  // k^ exp(G)
   __shared__ __align__(16) float sKi[C][kPad];  // k^ exp(-G)
-  __shared__ float sA[C][C + 1];    // A_kk, strictly lower
+  __shared__ __align__(16) float sA[C][kAPitch];  // A_kk, strictly lower
   __shared__ float sInvNorm[2][C];  // 1 / ||q_i||, 1 / ||k_i|| (with the epsilon)
   __shared__ float sBeta[C];
 
@@ -145,14 +147,20 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm) prepare_kernel(cons
   // the backward, diag(beta) v (U0; M's columns then in a pass of their own).
   float x[C], y[C];
   if constexpr (!kForBackward) {
-    forward_substitute(
-        sA, [&](int i) { return make_float2(sBeta[i] * sKe[i][d], i == d ? sBeta[i] : 0.f); }, x, y,
-        [&](int i, float xi, float yi) {
-          store_split(ws + kWsW, kPlaneBytes, record_index(i, d), xi);
-          if (d < C) {
-            store_split(ws + kWsM, kAqkPlaneBytes, i * C + d, yi);
-          }
-        });
+    auto rhs = [&](int i) { return make_float2(sBeta[i] * sKe[i][d], i == d ? sBeta[i] : 0.f); };
+    auto row = [&](int i, float xi, float yi) {
+      store_split(ws + kWsW, kPlaneBytes, record_index(i, d), xi);
+      if (d < C) {
+        store_split(ws + kWsM, kAqkPlaneBytes, i * C + d, yi);
+      }
+    };
+    // M's columns are the first warp's (d < 16): the other warps' second
+    // right-hand side is zero, and they skip it (a warp-uniform branch).
+    if (d < 32) {
+      forward_substitute<kAPitch, true>(sA, rhs, x, y, row);
+    } else {
+      forward_substitute<kAPitch, false>(sA, rhs, x, y, row);
+    }
   } else {
     forward_substitute(
         sA, [&](int i) { return make_float2(sBeta[i] * sKe[i][d], sBeta[i] * v[i]); }, x, y,

@@ -65,7 +65,10 @@ struct alignas(kAlign) Stage {
 };
 
 // kWg: the 4x1 shape's state products on wgmma (the warpgroup's 64 rows at once,
-// B straight from the staged planes), a forced shape (4x1w) for measurements.
+// B straight from the staged planes): the 4x1w shape, bitwise the 4x1's results
+// (each product sums the same terms in the same order per accumulator) in 9-11 %
+// less K2 time (8192 x 96 heads 0.835 -> 0.747 ms, 8 x 8192 x 32 1.76 -> 1.56;
+// H200), so the automatic choice where the 4x1 would run.
 template <int kWarps, int kSplit, int kSt, bool kWg = false>
 struct Config {
   static constexpr int kThreads = 32 * kWarps;
@@ -719,10 +722,11 @@ void launch_recurrence(const FwdParams& p, cudaStream_t stream, RecurrenceBlock 
   // full-width warps, each row group's key columns are split over two warps
   // (K2 0.571 -> 0.464 ms at 8192 x 32, 2.318 -> 1.893 at 32768 x 32; a four-way
   // split measured slower there, 0.597 vs 0.555); at one per SM, over four
-  // (0.409 ms at 8192 x 16, where the two-way split took 0.440).
+  // (0.409 ms at 8192 x 16, where the two-way split took 0.440). The full-width
+  // blocks take their state products on wgmma (4x1w, see Config).
   if (block == RecurrenceBlock::kAuto) {
     const int64_t warps_per_sm = recurrence_warps_per_sm(p);
-    block = warps_per_sm > 2 ? RecurrenceBlock::k4x1 : warps_per_sm > 1 ? RecurrenceBlock::k2x2 : RecurrenceBlock::k4x4;
+    block = warps_per_sm > 2 ? RecurrenceBlock::k4x1w : warps_per_sm > 1 ? RecurrenceBlock::k2x2 : RecurrenceBlock::k4x4;
   }
   switch (block) {
     case RecurrenceBlock::k8x1:

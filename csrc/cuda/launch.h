@@ -22,7 +22,7 @@ void launch_prepare(const FwdParams& params, cudaStream_t stream);
 
 // K2's block shapes: W warps splitting each row group's key columns S ways.
 // kAuto lets the launcher choose by recurrence_warps_per_sm.
-// 4x1w: the 4x1 shape with its state products on wgmma (forced only, so far).
+// 4x1w: the 4x1 shape with its state products on wgmma (kAuto's full-width choice).
 enum class RecurrenceBlock { kAuto, k8x1, k4x1, k4x1w, k2x1, k2x2, k4x4 };
 
 // K2: sequential over chunks; a row group of 16 value rows of one (sequence,
