@@ -8,6 +8,7 @@
 #include "cuda/chunk_inputs.cuh"
 #include "cuda/device_utils.cuh"
 #include "cuda/launch.h"
+#include "cuda/mma.cuh"
 
 namespace kda::cuda {
 namespace {
@@ -50,6 +51,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm) prepare_kernel(cons
   __shared__ __align__(16) float sKi[C][kPad];  // k^ exp(-G)
   __shared__ __align__(16) float sA[C][kAPitch];  // A_kk, strictly lower
   __shared__ float sInvNorm[2][C];  // 1 / ||q_i||, 1 / ||k_i|| (with the epsilon)
+  __shared__ float4 sRed[4][4][32];  // the 16x16 products' partial sums: [warp][fragment][lane]
   __shared__ float sBeta[C];
 
   ChunkPlace c;
@@ -84,59 +86,67 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm) prepare_kernel(cons
   __syncthreads();
 
   // The 16x16 matrices, A = diag(beta) k^ exp(G) (k^ exp(-G))^T (strictly
-  // lower) and Aqk, over the key channels in two halves: half h = lane / 16 of
-  // each warp takes channels [64h, 64h + 64) of a 2x2 block of both matrices,
-  // rows i0 = r / 8 and i0 + 8, columns j0 = r % 8 and j0 + 8 (r = 16 warp +
-  // lane % 16 in 0..63), and a shuffle adds the halves. Per 4 channels that is 6
-  // loads of 16 bytes for 32 FMAs, where a 2x1 block over all channels took 5
-  // for 16: shared memory, which serves 16-byte loads per half warp, bound K1
-  // (94 % of its L1 throughput at 8192 x 96 heads, H200; the old loop issued
-  // 59 % of its shared-memory wavefronts; this one, counted, half as many).
-  // Entries above the diagonal are finite (|G| <= 80) and dropped.
+  // lower) and Aqk, on the tensor cores in bf16x3 (fp32-level, as K2's state
+  // products): warp w takes key channels [32w, 32w + 32), two k-steps of both
+  // matrices with k^ exp(-G) as the shared B operand, and the four warps'
+  // partial sums meet in shared memory, added in warp order (deterministic).
+  // The same products as 2x2 blocks of FMAs took ~680 of K1's ~2,400
+  // instructions a thread, bound by shared memory's 16-byte loads; these take
+  // ~220. Entries above the diagonal are finite (|G| <= 80) and dropped.
   {
-    const int lane = d % 32, half = lane / 16, r = 16 * (d / 32) + lane % 16;
-    const int i0 = r / 8, j0 = r % 8;
-    const float* ke[2] = {&sKe[i0][64 * half], &sKe[i0 + 8][64 * half]};
-    const float* qe[2] = {&sQe[i0][64 * half], &sQe[i0 + 8][64 * half]};
-    const float* ki[2] = {&sKi[j0][64 * half], &sKi[j0 + 8][64 * half]};
-    float kk[2][2] = {}, qk[2][2] = {};  // [row i0, i0 + 8][column j0, j0 + 8]
-    auto dot4 = [](float4 a, float4 b, float acc) {
-      return fmaf(a.w, b.w, fmaf(a.z, b.z, fmaf(a.y, b.y, fmaf(a.x, b.x, acc))));
-    };
-#pragma unroll 2  // 4 spilled at 80 registers
-    for (int c = 0; c < D / 2; c += 4) {
-      float4 kiv[2], kev[2], qev[2];
+    const int warp = d / 32, lane = d % 32, g = lane / 4, t = lane % 4;
+    float acc[2][2][4] = {};  // [A_kk, Aqk][n-tile: tokens j 0-7, 8-15][C fragment]
 #pragma unroll
-      for (int a = 0; a < 2; ++a) {
-        kiv[a] = *reinterpret_cast<const float4*>(ki[a] + c);
-        kev[a] = *reinterpret_cast<const float4*>(ke[a] + c);
-        qev[a] = *reinterpret_cast<const float4*>(qe[a] + c);
+    for (int kk = 0; kk < 2; ++kk) {
+      const int c0 = 32 * warp + 16 * kk + 2 * t;
+      // B fragments (tokens 8 nt + g; channels c0, c0 + 8) of k^ exp(-G), then
+      // the A fragments (rows g, g + 8; the same channels) of k^ exp(G) and q^ exp(G).
+      uint32_t kih[2][2], kil[2][2];
+#pragma unroll
+      for (int nt = 0; nt < 2; ++nt) {
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+          const float2 ki = *reinterpret_cast<const float2*>(&sKi[8 * nt + g][c0 + 8 * r]);
+          split_pack(ki.x, ki.y, kih[nt][r], kil[nt][r]);
+        }
       }
 #pragma unroll
-      for (int a = 0; a < 2; ++a) {
+      for (int m = 0; m < 2; ++m) {
+        const float (*src)[kPad] = m == 0 ? sKe : sQe;
+        uint32_t ah[4], al[4];
 #pragma unroll
-        for (int b = 0; b < 2; ++b) {
-          kk[a][b] = dot4(kev[a], kiv[b], kk[a][b]);
-          qk[a][b] = dot4(qev[a], kiv[b], qk[a][b]);
+        for (int r = 0; r < 4; ++r) {
+          const float2 x = *reinterpret_cast<const float2*>(&src[g + 8 * (r % 2)][c0 + 8 * (r / 2)]);
+          split_pack(x.x, x.y, ah[r], al[r]);
+        }
+#pragma unroll
+        for (int nt = 0; nt < 2; ++nt) {
+          mma_bf16x3(acc[m][nt], ah, al, kih[nt][0], kih[nt][1], kil[nt][0], kil[nt][1]);
         }
       }
     }
 #pragma unroll
-    for (int a = 0; a < 2; ++a) {
-#pragma unroll
-      for (int b = 0; b < 2; ++b) {
-        kk[a][b] += __shfl_xor_sync(0xffffffffu, kk[a][b], 16);
-        qk[a][b] += __shfl_xor_sync(0xffffffffu, qk[a][b], 16);
-      }
+    for (int f = 0; f < 4; ++f) {
+      sRed[warp][f][lane] = make_float4(acc[f / 2][f % 2][0], acc[f / 2][f % 2][1], acc[f / 2][f % 2][2],
+                                        acc[f / 2][f % 2][3]);
     }
-    // Half h stores row i0 + 8h of the block.
-    const int i = i0 + 8 * half;
+    __syncthreads();
+    // Warp w now sums fragment f = w (matrix w / 2, n-tile w % 2) over the warps.
+    float4 sum = sRed[0][warp][lane];
 #pragma unroll
-    for (int b = 0; b < 2; ++b) {
-      const int j = j0 + 8 * b;
-      const float kkv = half ? kk[1][b] : kk[0][b], qkv = half ? qk[1][b] : qk[0][b];
-      sA[i][j] = j < i ? sBeta[i] * kkv : 0.f;
-      store_split(ws + kWsAqk, kWsAqkLo - kWsAqk, i * C + j, j <= i ? p.scale * qkv : 0.f, kForBackward);
+    for (int w = 1; w < 4; ++w) {
+      const float4 x = sRed[w][warp][lane];
+      sum = make_float4(sum.x + x.x, sum.y + x.y, sum.z + x.z, sum.w + x.w);
+    }
+    const float e[4] = {sum.x, sum.y, sum.z, sum.w};
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {
+      const int i = g + 8 * (r / 2), j = 8 * (warp % 2) + 2 * t + r % 2;
+      if (warp < 2) {
+        sA[i][j] = j < i ? sBeta[i] * e[r] : 0.f;
+      } else {
+        store_split(ws + kWsAqk, kWsAqkLo - kWsAqk, i * C + j, j <= i ? p.scale * e[r] : 0.f, kForBackward);
+      }
     }
   }
   __syncthreads();
