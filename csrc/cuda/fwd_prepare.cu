@@ -90,9 +90,11 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm) prepare_kernel(cons
   // products): warp w takes key channels [32w, 32w + 32), two k-steps of both
   // matrices with k^ exp(-G) as the shared B operand, and the four warps'
   // partial sums meet in shared memory, added in warp order (deterministic).
-  // The same products as 2x2 blocks of FMAs took ~680 of K1's ~2,400
-  // instructions a thread, bound by shared memory's 16-byte loads; these take
-  // ~220. Entries above the diagonal are finite (|G| <= 80) and dropped.
+  // As 2x2 blocks of FMAs the same products took ~680 of the ~2,260
+  // instructions a thread executed, bound by shared memory's 16-byte loads; these
+  // take ~220 (K1 -3 to -5 %: 0.630 -> 0.612 ms at 8192 x 96 heads, 0.931 -> 0.884
+  // at 65536 x 16; H200; fp32 state error unchanged). Entries above the diagonal
+  // are finite (|G| <= 80) and dropped.
   {
     const int warp = d / 32, lane = d % 32, g = lane / 4, t = lane % 4;
     float acc[2][2][4] = {};  // [A_kk, Aqk][n-tile: tokens j 0-7, 8-15][C fragment]
@@ -165,7 +167,9 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm) prepare_kernel(cons
       }
     };
     // M's columns are the first warp's (d < 16): the other warps' second
-    // right-hand side is zero, and they skip it (a warp-uniform branch).
+    // right-hand side is zero, and they skip it (a warp-uniform branch; with
+    // sA's four-entry loads K1 -3 to -5 %: 0.655 -> 0.631 ms at 8192 x 96 heads,
+    // H200).
     if (d < 32) {
       forward_substitute<kAPitch, true>(sA, rhs, x, y, row);
     } else {
