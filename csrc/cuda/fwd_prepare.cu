@@ -16,7 +16,8 @@ namespace {
 constexpr int C = kChunk;
 constexpr int D = kHeadDim;
 constexpr int kThreads = D;
-static_assert(kThreads == C * C / 2, "two entries of each 16x16 matrix per thread");
+static_assert(kThreads == 128 && D == 4 * 32 && C == 16,
+              "the 16x16 products: four warps of 32 key channels, each warp one of their four fragments");
 // Row stride of the shared tiles: 16-byte aligned rows, and the 8 rows that a
 // quarter warp reads with 16-byte loads fall in distinct banks.
 constexpr int kPad = D + 4;

@@ -66,7 +66,7 @@ struct alignas(kAlign) Stage {
 
 // kWg: the 4x1 shape's state products on wgmma (the warpgroup's 64 rows at once,
 // B straight from the staged planes): the 4x1w shape, bitwise the 4x1's results
-// (each product sums the same terms in the same order per accumulator) in 9-11 %
+// (each product sums the same terms in the same order per accumulator) in 8-12 %
 // less K2 time (8192 x 96 heads 0.835 -> 0.747 ms, 8 x 8192 x 32 1.76 -> 1.56;
 // H200), so the automatic choice where the 4x1 would run.
 template <int kWarps, int kSplit, int kSt, bool kWg = false>
@@ -255,6 +255,7 @@ __global__ void __launch_bounds__(kWarps * 32) recurrence_kernel(const FwdParams
   // update only a few k-steps, behind which the splits would lengthen the
   // step's chain before the barrier: they split at the step's start (measured
   // 0.375 against 0.425 ms at 8192 x 16, 3.03 against 3.43 at 65536 x 16).
+  // The wgmma warpgroup (4x1w) splits every k-step after its update's wait.
   constexpr bool kSplitEarly = kSplit == 1;
   uint32_t a_hi[kKk][4], a_lo[kKk][4];
   auto split_state = [&](int kk) {
