@@ -7,7 +7,7 @@
 // column, the 16 x 16 dA from two column-sum products, and the rest per column;
 // then, for kda.bwd, the chain rule through the L2 norms, the gate and beta's
 // sigmoid, so that no activation or activation gradient goes through memory.
-// In fp32 FMAs (K1 itself now forms its 16 x 16 products on the tensor cores).
+// Its 16 x 16 products on the tensor cores in bf16x3, like K1's; the rest in fp32 FMAs.
 #include <c10/cuda/CUDAException.h>
 
 #include <string>
@@ -25,20 +25,54 @@ constexpr int D = kHeadDim;
 constexpr int kThreads = D;
 constexpr int kPad = D + 4;
 
+// The warps' partial sums of a 16 x 16 product: [warp][n-tile][lane], C fragments.
+using ProductParts = float4[kThreads / 32][2][32];
+
 // Row i0 = d / 16 and i0 + 8 of column j = d % 16 of X Y^T, X and Y [16][128]
-// tiles: the 16 x 16 products of K1, the same loop.
+// tiles, as K1 forms its 16 x 16 products: on the tensor cores in bf16x3, warp
+// w over channels [32w, 32w + 32), the partial sums through `parts`, added in
+// warp order. All threads call it; one barrier inside (the caller's barriers
+// keep two calls' uses of `parts` apart).
 __device__ __forceinline__ void rows_times_rows(const float (*X)[kPad], const float (*Y)[kPad], int d, float& r0,
-                                                float& r1) {
-  const int j = d % C, i0 = d / C, i1 = i0 + C / 2;
+                                                float& r1, ProductParts& parts) {
+  const int warp = d / 32, lane = d % 32, g = lane / 4, t = lane % 4;
+  float acc[2][4] = {};
+#pragma unroll
+  for (int kk = 0; kk < 2; ++kk) {
+    const int c0 = 32 * warp + 16 * kk + 2 * t;
+    uint32_t yh[2][2], yl[2][2], xh[4], xl[4];
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt) {
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        const float2 y = *reinterpret_cast<const float2*>(&Y[8 * nt + g][c0 + 8 * r]);
+        split_pack(y.x, y.y, yh[nt][r], yl[nt][r]);
+      }
+    }
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {
+      const float2 x = *reinterpret_cast<const float2*>(&X[g + 8 * (r % 2)][c0 + 8 * (r / 2)]);
+      split_pack(x.x, x.y, xh[r], xl[r]);
+    }
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt) {
+      mma_bf16x3(acc[nt], xh, xl, yh[nt][0], yh[nt][1], yl[nt][0], yl[nt][1]);
+    }
+  }
+#pragma unroll
+  for (int nt = 0; nt < 2; ++nt) {
+    parts[warp][nt][lane] = make_float4(acc[nt][0], acc[nt][1], acc[nt][2], acc[nt][3]);
+  }
+  __syncthreads();
+  // Entry (i, j) is element 2 (i / 8) + j % 2 of lane 4 (i % 8) + (j % 8) / 2 in n-tile j / 8.
+  const int j = d % C, i0 = d / C, nt = j / 8, ln = 4 * i0 + (j % 8) / 2;
   r0 = 0.f;
   r1 = 0.f;
-#pragma unroll 4
-  for (int c = 0; c < D; c += 4) {
-    const float4 y = *reinterpret_cast<const float4*>(&Y[j][c]);
-    const float4 x0 = *reinterpret_cast<const float4*>(&X[i0][c]);
-    const float4 x1 = *reinterpret_cast<const float4*>(&X[i1][c]);
-    r0 += x0.x * y.x + x0.y * y.y + x0.z * y.z + x0.w * y.w;
-    r1 += x1.x * y.x + x1.y * y.y + x1.z * y.z + x1.w * y.w;
+#pragma unroll
+  for (int w = 0; w < kThreads / 32; ++w) {
+    const float* part = reinterpret_cast<const float*>(&parts[w][nt][ln]);
+    r0 += part[j % 2];
+    r1 += part[2 + j % 2];
   }
 }
 
@@ -68,6 +102,7 @@ __global__ void __launch_bounds__(kThreads) prepare_backward_kernel(const Prepar
   // where reloading them from global memory left each row's loads waiting.
   __shared__ __align__(16) float sG[kChain ? C : 1][D];
   __shared__ float sDA_part[kThreads / 32];
+  __shared__ ProductParts sParts;
   // The chunk's record gradients (34 KB), copied in while the inputs load and
   // the record is recomputed: read from global memory where they are used, they
   // stalled the block on memory latency at 8 warps per SM (255 registers).
@@ -112,7 +147,7 @@ __global__ void __launch_bounds__(kThreads) prepare_backward_kernel(const Prepar
   {
     const int j = d % C, i0 = d / C, i1 = i0 + C / 2;
     float p0, p1;
-    rows_times_rows(sT0, sT1, d, p0, p1);
+    rows_times_rows(sT0, sT1, d, p0, p1, sParts);
     sP[i0][j] = j < i0 ? p0 : 0.f;
     sP[i1][j] = j < i1 ? p1 : 0.f;
     sA[i0][j] = j < i0 ? sBeta[i0] * p0 : 0.f;
@@ -156,7 +191,7 @@ __global__ void __launch_bounds__(kThreads) prepare_backward_kernel(const Prepar
       sT1[i][d] = x[i];
     }
     __syncthreads();
-    rows_times_rows(sT0, sT1, d, da0, da1);
+    rows_times_rows(sT0, sT1, d, da0, da1, sParts);
     __syncthreads();
 #pragma unroll
     for (int i = 0; i < C; ++i) {
@@ -165,7 +200,7 @@ __global__ void __launch_bounds__(kThreads) prepare_backward_kernel(const Prepar
     }
     __syncthreads();
     float u0, u1;
-    rows_times_rows(sT0, sT1, d, u0, u1);
+    rows_times_rows(sT0, sT1, d, u0, u1, sParts);
     const int j = d % C, i0 = d / C, i1 = i0 + C / 2;
     sDA[i0][j] = j < i0 ? -(da0 + u0) : 0.f;
     sDA[i1][j] = j < i1 ? -(da1 + u1) : 0.f;
