@@ -151,8 +151,15 @@ __device__ __forceinline__ void store_state_pair(void* base, int64_t index, bool
 // kOut: the forward, which writes out. Without it (the backward's passes) only
 // the states move, and the state at each chunk's start is stored where
 // p.chunk_states says.
-template <int kWarps, int kSplit, int kSt, bool kOut, bool kWg>
-__global__ void __launch_bounds__(kWarps * 32) recurrence_kernel(const FwdParams p) {
+// kKs: with four split warps, the warp's key slice within its row group, a
+// constant in each warp's code (recurrence_kernel below runs one copy of the
+// body per slice), so that what depends on the slice (which partial sum is the
+// warp's own, which n-tile of U0 and which quarter of out it takes) costs no
+// selects: K2 -3 % at 8192 and 65536 tokens x 16 heads (H200). -1 elsewhere
+// (the slice from the warp index): the 2x2 shape measured 6-8 % slower
+// specialised (8192 and 32768 x 32 heads).
+template <int kWarps, int kSplit, int kSt, bool kOut, bool kWg, int kKs>
+__device__ __forceinline__ void recurrence_body(const FwdParams& p) {
   using Cfg = Config<kWarps, kSplit, kSt, kWg>;
   using St = typename Cfg::St;
   constexpr int kNt = Cfg::kNt, kKk = kNt / 2;
@@ -179,7 +186,9 @@ __global__ void __launch_bounds__(kWarps * 32) recurrence_kernel(const FwdParams
   const int64_t n = blockIdx.x / (kGroups * H);
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   const int g = lane / 4, t = lane % 4;
-  const int rg = warp / kSplit, ks = warp % kSplit;  // row group; key slice within it
+  const int rg = warp / kSplit, ks = kKs >= 0 ? kKs : warp % kSplit;  // row group; key slice within it
+  static_assert((kSplit == 4) == (kKs >= 0), "a fixed key slice with four split warps only");
+  constexpr int kOwn4 = kSplit == 4 ? kKs / 2 : 0;  // four split warps: the warp's n-tile of U0
   const int vcol0 = group * Cfg::kCols;              // the block's first value channel
   const int vloc = rg * 16;                          // the row group's first row within the block
   const int v0 = vcol0 + vloc;
@@ -281,9 +290,12 @@ __global__ void __launch_bounds__(kWarps * 32) recurrence_kernel(const FwdParams
     next_checkpoint_c = static_cast<int>(next_checkpoint - (lo - c_begin));
   }
 
-  // Lane l writes token row l / 2 of a chunk's out, half l % 2 of the row group's 16 values.
+  // Lane l writes token row l / 2 of a chunk's out, half l % 2 of the row group's
+  // 16 values; with four split warps, lane l < 8 token 8 (ks / 2) + l, half ks % 2.
+  const int out_token = kSplit == 4 ? 8 * kOwn4 + lane % 8 : lane / 2;
+  const int out_half = kSplit == 4 ? kKs % 2 : lane % 2;
   __nv_bfloat16* out_chunk =
-      kOut ? static_cast<__nv_bfloat16*>(p.out) + ((part_bos + lane / 2) * H + h) * D + v0 + 8 * (lane % 2) : nullptr;
+      kOut ? static_cast<__nv_bfloat16*>(p.out) + ((part_bos + out_token) * H + h) * D + v0 + 8 * out_half : nullptr;
   int stage = 0;  // c % kSt
   for (int c = 0; c < nch; ++c) {
     // One barrier a step: it shows chunk c's stage to every warp and tells that
@@ -377,24 +389,24 @@ __global__ void __launch_bounds__(kWarps * 32) recurrence_kernel(const FwdParams
         for (int r = 0; r < 4; ++r) {
           va[r] ^= 0x80008000u;  // -v (exact)
         }
-        const int own = kSplit == 4 ? ks / 2 : ks;
+        const int own = kSplit == 4 ? kOwn4 : ks;
         const int mrow = (own * 8 + mr) * C + ((lane / 8) % 2) * 8;  // B fragment of n-tile own
-        float share[4];
         if constexpr (kSplit == 4) {
           uint32_t mb[2];
-          ldmatrix_x2(mb, &st.m[ks % 2][mrow]);
-          mma_bf16_zero(share, va, mb[0], mb[1]);
+          ldmatrix_x2(mb, &st.m[kKs % 2][mrow]);
+          mma_bf16_zero(acc_w[2][kOwn4], va, mb[0], mb[1]);
         } else {
           uint32_t mh[2], ml[2];
+          float share[4];
           ldmatrix_x2(ml, &st.m[1][mrow]);
           ldmatrix_x2(mh, &st.m[0][mrow]);
           mma_bf16_zero(share, va, ml[0], ml[1]);
           mma_bf16(share, va, mh[0], mh[1]);
-        }
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          acc_w[2][0][e] = own == 0 ? share[e] : 0.f;
-          acc_w[2][1][e] = own == 1 ? share[e] : 0.f;
+          for (int e = 0; e < 4; ++e) {
+            acc_w[2][0][e] = own == 0 ? share[e] : 0.f;
+            acc_w[2][1][e] = own == 1 ? share[e] : 0.f;
+          }
         }
       }
 #pragma unroll
@@ -410,7 +422,7 @@ __global__ void __launch_bounds__(kWarps * 32) recurrence_kernel(const FwdParams
         for (int nt = 0; nt < 2; ++nt) {
           mma_bf16_into(acc_w[0][nt], a_lo[kk], wh[b][2 * nt], wh[b][2 * nt + 1], kk == 0);
           mma_bf16_into(acc_w[1][nt], a_hi[kk], wl[b][2 * nt], wl[b][2 * nt + 1], kk == 0);
-          mma_bf16_into(acc_w[2][nt], a_hi[kk], wh[b][2 * nt], wh[b][2 * nt + 1], kSplit == 1 && kk == 0);
+          mma_bf16_into(acc_w[2][nt], a_hi[kk], wh[b][2 * nt], wh[b][2 * nt + 1], kSplit == 4 ? kk == 0 && nt != kOwn4 : kSplit == 1 && kk == 0);
           if constexpr (kOut && kQsLo) {
             mma_bf16_into(acc_o[0][nt], a_lo[kk], qh[b][2 * nt], qh[b][2 * nt + 1], kk == 0);
           }
@@ -502,7 +514,7 @@ __global__ void __launch_bounds__(kWarps * 32) recurrence_kernel(const FwdParams
       };
 #pragma unroll
       for (int nt = 0; nt < 2; ++nt) {
-        const bool out_tile_nt = kOut && nt % kSplit == ks;
+        const bool out_tile_nt = kOut && kSplit != 4 && nt % kSplit == ks;
         float4 w_sum = part(0, 0, nt, sw[nt]);
         float4 o_sum = out_tile_nt ? part(0, 1, nt, so[nt]) : make_float4(0.f, 0.f, 0.f, 0.f);
 #pragma unroll
@@ -515,7 +527,26 @@ __global__ void __launch_bounds__(kWarps * 32) recurrence_kernel(const FwdParams
           }
         }
         sw[nt][0] = w_sum.x, sw[nt][1] = w_sum.y, sw[nt][2] = w_sum.z, sw[nt][3] = w_sum.w;
-        so[nt][0] = o_sum.x, so[nt][1] = o_sum.y, so[nt][2] = o_sum.z, so[nt][3] = o_sum.w;
+        if (kSplit != 4) {
+          so[nt][0] = o_sum.x, so[nt][1] = o_sum.y, so[nt][2] = o_sum.z, so[nt][3] = o_sum.w;
+        }
+      }
+      if constexpr (kOut && kSplit == 4) {
+        // Four warps write a quarter of out each: n-tile ks / 2, value rows
+        // g + 8 (ks % 2), the fragment's elements 2 (ks % 2) and + 1.
+        constexpr int nto = kKs / 2, r = kKs % 2;
+        const float2* red2 = reinterpret_cast<const float2*>(group_red);
+        auto quarter = [&](int w) {
+          return w == ks ? make_float2(so[nto][2 * r], so[nto][2 * r + 1])
+                         : red2[(w * (Cfg::kRedFloats / 4) + (1 * 2 + nto) * 32 + lane) * 2 + r];
+        };
+        float2 q = quarter(0);
+#pragma unroll
+        for (int w = 1; w < kSplit; ++w) {
+          const float2 x = quarter(w);
+          q = make_float2(q.x + x.x, q.y + x.y);
+        }
+        so[nto][2 * r] = q.x, so[nto][2 * r + 1] = q.y;
       }
     }
 
@@ -541,8 +572,8 @@ __global__ void __launch_bounds__(kWarps * 32) recurrence_kernel(const FwdParams
     // O^T += U^T Aqk^T for the token n-tiles nt with nt % kSplit == ks (Aqk
     // stored [i][j] is Aqk^T's B fragment as it stands); out leaves through the
     // row group's tile, each token row as two 16-byte stores. Split warps own
-    // one n-tile each (warps 0 and 1 of the row group; the others compute it too,
-    // without a branch, and store nothing) and take it after the state update's
+    // one n-tile each (warps 0 and 1 of the row group; with four, warps 2 and 3
+    // take U0 instead) and take it after the state update's
     // products, which then start the step's last stretch without waiting
     // behind the output's.
     const int len = c == nch - 1 ? last_len : C;
@@ -562,6 +593,19 @@ __global__ void __launch_bounds__(kWarps * 32) recurrence_kernel(const FwdParams
           tile[i0][g + 8] = __float2bfloat16_rn(so[nt][2]);
           tile[i0 + 1][g + 8] = __float2bfloat16_rn(so[nt][3]);
         }
+      } else if constexpr (kSplit == 4) {  // the warp's quarter (see the partial sums)
+        constexpr int nto = kKs / 2, r = kKs % 2;
+        mma_bf16(so[nto], ua_lo, ah[2 * nto], ah[2 * nto + 1]);
+        mma_bf16(so[nto], ua_hi, ah[2 * nto], ah[2 * nto + 1]);
+        const int i0 = 8 * nto + 2 * t;
+        tile[i0][g + 8 * r] = __float2bfloat16_rn(so[nto][2 * r]);
+        tile[i0 + 1][g + 8 * r] = __float2bfloat16_rn(so[nto][2 * r + 1]);
+        __syncwarp();
+        // Lanes 0-7: token 8 nto + lane, the quarter's 8 values (out_chunk).
+        if (lane < 8 && 8 * nto + lane < len) {
+          *reinterpret_cast<uint4*>(out_chunk) = *reinterpret_cast<const uint4*>(&tile[8 * nto + lane][8 * r]);
+        }
+        return;
       } else {
         const bool second = ks % 2 == 1;  // the warp's n-tile: ks % 2
         float o[4];
@@ -664,6 +708,30 @@ __global__ void __launch_bounds__(kWarps * 32) recurrence_kernel(const FwdParams
       const int k0 = 8 * (j0 + j) + 2 * t;
       store_state_pair(state_out, row_g + k0, out_fp32, s[j][0], s[j][1]);
       store_state_pair(state_out, row_g8 + k0, out_fp32, s[j][2], s[j][3]);
+    }
+  }
+}
+
+template <int kWarps, int kSplit, int kSt, bool kOut, bool kWg>
+__global__ void __launch_bounds__(kWarps * 32) recurrence_kernel(const FwdParams p) {
+  if constexpr (kSplit != 4) {
+    recurrence_body<kWarps, kSplit, kSt, kOut, kWg, -1>(p);
+  } else {
+    // Every copy meets the same barriers in the same order (one per step, and
+    // the partial sums'), which is all that __syncthreads asks of the warps.
+    switch ((threadIdx.x / 32) % kSplit) {
+      case 0:
+        recurrence_body<kWarps, kSplit, kSt, kOut, kWg, 0>(p);
+        break;
+      case 1:
+        recurrence_body<kWarps, kSplit, kSt, kOut, kWg, 1>(p);
+        break;
+      case 2:
+        recurrence_body<kWarps, kSplit, kSt, kOut, kWg, 2>(p);
+        break;
+      default:
+        recurrence_body<kWarps, kSplit, kSt, kOut, kWg, 3>(p);
+        break;
     }
   }
 }
