@@ -41,19 +41,8 @@ __device__ __forceinline__ void rows_times_rows(const float (*X)[kPad], const fl
   for (int kk = 0; kk < 2; ++kk) {
     const int c0 = 32 * warp + 16 * kk + 2 * t;
     uint32_t yh[2][2], yl[2][2], xh[4], xl[4];
-#pragma unroll
-    for (int nt = 0; nt < 2; ++nt) {
-#pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        const float2 y = *reinterpret_cast<const float2*>(&Y[8 * nt + g][c0 + 8 * r]);
-        split_pack(y.x, y.y, yh[nt][r], yl[nt][r]);
-      }
-    }
-#pragma unroll
-    for (int r = 0; r < 4; ++r) {
-      const float2 x = *reinterpret_cast<const float2*>(&X[g + 8 * (r % 2)][c0 + 8 * (r / 2)]);
-      split_pack(x.x, x.y, xh[r], xl[r]);
-    }
+    split_b_fragments(Y, g, c0, yh, yl);
+    split_a_fragment(X, g, c0, xh, xl);
 #pragma unroll
     for (int nt = 0; nt < 2; ++nt) {
       mma_bf16x3(acc[nt], xh, xl, yh[nt][0], yh[nt][1], yl[nt][0], yl[nt][1]);

@@ -5,8 +5,36 @@
 #pragma once
 
 #include "cuda/device_utils.cuh"
+#include "cuda/mma.cuh"
 
 namespace kda::cuda {
+
+// The fragments of K1's and its backward's 16 x 16 products X Y^T (bf16x3 on
+// mma.sync) from fp32 [16][kPitch] tiles, split into bf16 hi and lo: 16 channels
+// whose lane's first is c0 (32 w + 16 kk + 2 t for warp w, k-step kk); A (rows g,
+// g + 8) of X, and B (n-tiles nt = 0, 1: rows 8 nt + g) of Y.
+template <int kPitch>
+__device__ __forceinline__ void split_a_fragment(const float (*X)[kPitch], int g, int c0, uint32_t (&hi)[4],
+                                                 uint32_t (&lo)[4]) {
+#pragma unroll
+  for (int r = 0; r < 4; ++r) {
+    const float2 x = *reinterpret_cast<const float2*>(&X[g + 8 * (r % 2)][c0 + 8 * (r / 2)]);
+    split_pack(x.x, x.y, hi[r], lo[r]);
+  }
+}
+
+template <int kPitch>
+__device__ __forceinline__ void split_b_fragments(const float (*Y)[kPitch], int g, int c0, uint32_t (&hi)[2][2],
+                                                  uint32_t (&lo)[2][2]) {
+#pragma unroll
+  for (int nt = 0; nt < 2; ++nt) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const float2 y = *reinterpret_cast<const float2*>(&Y[8 * nt + g][c0 + 8 * r]);
+      split_pack(y.x, y.y, hi[nt][r], lo[nt][r]);
+    }
+  }
+}
 
 struct ChunkPlace {
   int64_t slot = 0;

@@ -105,23 +105,11 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm) prepare_kernel(cons
       // B fragments (tokens 8 nt + g; channels c0, c0 + 8) of k^ exp(-G), then
       // the A fragments (rows g, g + 8; the same channels) of k^ exp(G) and q^ exp(G).
       uint32_t kih[2][2], kil[2][2];
-#pragma unroll
-      for (int nt = 0; nt < 2; ++nt) {
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-          const float2 ki = *reinterpret_cast<const float2*>(&sKi[8 * nt + g][c0 + 8 * r]);
-          split_pack(ki.x, ki.y, kih[nt][r], kil[nt][r]);
-        }
-      }
+      split_b_fragments(sKi, g, c0, kih, kil);
 #pragma unroll
       for (int m = 0; m < 2; ++m) {
-        const float (*src)[kPad] = m == 0 ? sKe : sQe;
         uint32_t ah[4], al[4];
-#pragma unroll
-        for (int r = 0; r < 4; ++r) {
-          const float2 x = *reinterpret_cast<const float2*>(&src[g + 8 * (r % 2)][c0 + 8 * (r / 2)]);
-          split_pack(x.x, x.y, ah[r], al[r]);
-        }
+        split_a_fragment(m == 0 ? sKe : sQe, g, c0, ah, al);
 #pragma unroll
         for (int nt = 0; nt < 2; ++nt) {
           mma_bf16x3(acc[m][nt], ah, al, kih[nt][0], kih[nt][1], kil[nt][0], kil[nt][1]);
