@@ -422,7 +422,9 @@ __device__ __forceinline__ void recurrence_body(const FwdParams& p) {
         for (int nt = 0; nt < 2; ++nt) {
           mma_bf16_into(acc_w[0][nt], a_lo[kk], wh[b][2 * nt], wh[b][2 * nt + 1], kk == 0);
           mma_bf16_into(acc_w[1][nt], a_hi[kk], wl[b][2 * nt], wl[b][2 * nt + 1], kk == 0);
-          mma_bf16_into(acc_w[2][nt], a_hi[kk], wh[b][2 * nt], wh[b][2 * nt + 1], kSplit == 4 ? kk == 0 && nt != kOwn4 : kSplit == 1 && kk == 0);
+          // acc_w[2] starts from U0's share where the warp took one (above).
+          const bool zero_w2 = kSplit == 4 ? kk == 0 && nt != kOwn4 : kSplit == 1 && kk == 0;
+          mma_bf16_into(acc_w[2][nt], a_hi[kk], wh[b][2 * nt], wh[b][2 * nt + 1], zero_w2);
           if constexpr (kOut && kQsLo) {
             mma_bf16_into(acc_o[0][nt], a_lo[kk], qh[b][2 * nt], qh[b][2 * nt + 1], kk == 0);
           }
@@ -569,13 +571,12 @@ __device__ __forceinline__ void recurrence_body(const FwdParams& p) {
     split_pack(u[1][0], u[1][1], ua_hi[2], ua_lo[2]);
     split_pack(u[1][2], u[1][3], ua_hi[3], ua_lo[3]);
 
-    // O^T += U^T Aqk^T for the token n-tiles nt with nt % kSplit == ks (Aqk
-    // stored [i][j] is Aqk^T's B fragment as it stands); out leaves through the
-    // row group's tile, each token row as two 16-byte stores. Split warps own
-    // one n-tile each (warps 0 and 1 of the row group; with four, warps 2 and 3
-    // take U0 instead) and take it after the state update's
-    // products, which then start the step's last stretch without waiting
-    // behind the output's.
+    // O^T += U^T Aqk^T for the warp's part of out (Aqk stored [i][j] is Aqk^T's
+    // B fragment as it stands); out leaves through the row group's tile in
+    // 16-byte stores. Full-width warps take both token n-tiles, two split warps
+    // one n-tile each, four a quarter each (n-tile ks / 2, value rows g + 8 (ks %
+    // 2)); split warps take it after the state update's products, which then
+    // start the step's last stretch without waiting behind the output's.
     const int len = c == nch - 1 ? last_len : C;
     auto& tile = out_tile[rg];
     auto write_out = [&]() {
