@@ -155,7 +155,7 @@ __device__ __forceinline__ void store_state_pair(void* base, int64_t index, bool
 // constant in each warp's code (recurrence_kernel below runs one copy of the
 // body per slice), so that what depends on the slice (which partial sum is the
 // warp's own, which n-tile of U0 and which quarter of out it takes) costs no
-// selects: K2 -3 % at 8192 and 65536 tokens x 16 heads (H200). -1 elsewhere
+// select of its own: K2 -3 % at 8192 and 65536 tokens x 16 heads (H200). -1 elsewhere
 // (the slice from the warp index): the 2x2 shape measured 6-8 % slower
 // specialised (8192 and 32768 x 32 heads).
 template <int kWarps, int kSplit, int kSt, bool kOut, bool kWg, int kKs>
@@ -300,8 +300,8 @@ __device__ __forceinline__ void recurrence_body(const FwdParams& p) {
   for (int c = 0; c < nch; ++c) {
     // One barrier a step: it shows chunk c's stage to every warp and tells that
     // every warp has left step c - 1, whose stage (the one refilled next), partial
-    // sums and out tile rows are then free (each warp reads back only the out
-    // rows it wrote).
+    // sums and out tile entries are then free (each warp reads back only the
+    // out tile entries it wrote).
     cp_async_wait<kSt - 2>();
     __syncthreads();
     if (fill < nch) {
@@ -496,10 +496,12 @@ __device__ __forceinline__ void recurrence_body(const FwdParams& p) {
     }
     if constexpr (kSplit > 1) {
       // The row group's warps add their partial sums: every warp needs all of
-      // S W^T (for U), the warps that write out need their n-tile of S Qs^T.
-      // A lane's four values of an n-tile travel as one 16-byte vector (lanes
-      // 16 bytes apart: no bank conflicts), a warp's own part stays in its
-      // registers, and the parts are added in warp order (deterministic).
+      // S W^T (for U), the warps that write out need their n-tile of S Qs^T (four
+      // split warps: their quarter). A lane's four values of an n-tile travel as
+      // one 16-byte vector (lanes 16 bytes apart: no bank conflicts; the quarters'
+      // 8-byte reads at that stride are 2-way conflicts, 4 wavefronts a load
+      // where 2 would do, per ncu), a warp's own part stays in its registers,
+      // and the parts are added in warp order (deterministic).
       float4* mine = reinterpret_cast<float4*>(red) + warp * (Cfg::kRedFloats / 4);
 #pragma unroll
       for (int nt = 0; nt < 2; ++nt) {
@@ -718,8 +720,9 @@ __global__ void __launch_bounds__(kWarps * 32) recurrence_kernel(const FwdParams
   if constexpr (kSplit != 4) {
     recurrence_body<kWarps, kSplit, kSt, kOut, kWg, -1>(p);
   } else {
-    // Every copy meets the same barriers in the same order (one per step, and
-    // the partial sums'), which is all that __syncthreads asks of the warps.
+    // The branch is uniform per warp, not per block: it relies on bar.sync
+    // counting warps, and every copy meets the same barriers in the same order
+    // (one per step, and the partial sums').
     switch ((threadIdx.x / 32) % kSplit) {
       case 0:
         recurrence_body<kWarps, kSplit, kSt, kOut, kWg, 0>(p);
