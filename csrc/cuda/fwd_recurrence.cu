@@ -339,16 +339,6 @@ __device__ __forceinline__ void recurrence_body(const FwdParams& p) {
     // four-warp block per SM, 8192 tokens x 64 heads, 0.603 -> 0.756 ms when the
     // compiler stopped hoisting them by itself).
     float acc_w[3][2][4], acc_o[2][2][4];  // written first by the kk = 0 products (but see acc_w[2])
-    uint32_t wh[2][4], wl[2][4], qh[2][4];
-    auto load_wq = [&](int kk, int b) {
-      // Matrices: tokens 0-7 | 8-15 (n-tiles) x key columns 16K.. | 16K+8.. (K = j0 / 2 + kk)
-      const int row = (mi / 2) * 8 + mr, piece = j0 + 2 * kk + mi % 2;
-      ldmatrix_x4(wh[b], record_piece(st.mat[kWHi], row, piece));
-      ldmatrix_x4(wl[b], record_piece(st.mat[kWLo], row, piece));
-      if constexpr (kOut) {
-        ldmatrix_x4(qh[b], record_piece(st.mat[kQs], row, piece));
-      }
-    };
     // v^T, the row group's 16 rows x the 16 tokens, as an A operand:
     // ldmatrix.trans turns v's rows (tokens) into the k dimension (v is exact in bf16).
     auto load_v_fragment = [&](uint32_t (&va)[4]) {
@@ -370,6 +360,17 @@ __device__ __forceinline__ void recurrence_body(const FwdParams& p) {
     };
     float u0[2][4];  // U0^T (full-width warps)
     if constexpr (!kWg) {
+      // The mma.sync shapes' W and Qs fragments (the wgmma warpgroup reads them from the stage).
+      uint32_t wh[2][4], wl[2][4], qh[2][4];
+      auto load_wq = [&](int kk, int b) {
+        // Matrices: tokens 0-7 | 8-15 (n-tiles) x key columns 16K.. | 16K+8.. (K = j0 / 2 + kk)
+        const int row = (mi / 2) * 8 + mr, piece = j0 + 2 * kk + mi % 2;
+        ldmatrix_x4(wh[b], record_piece(st.mat[kWHi], row, piece));
+        ldmatrix_x4(wl[b], record_piece(st.mat[kWLo], row, piece));
+        if constexpr (kOut) {
+          ldmatrix_x4(qh[b], record_piece(st.mat[kQs], row, piece));
+        }
+      };
       load_wq(0, 0);
       // Split shapes: acc_w[2] (the hi * hi terms of S W^T) starts from a share of
       // -U0^T, so that the row group's partial sums add up to -U^T. As the first
@@ -531,7 +532,7 @@ __device__ __forceinline__ void recurrence_body(const FwdParams& p) {
           }
         }
         sw[nt][0] = w_sum.x, sw[nt][1] = w_sum.y, sw[nt][2] = w_sum.z, sw[nt][3] = w_sum.w;
-        if (kSplit != 4) {
+        if constexpr (kSplit != 4) {
           so[nt][0] = o_sum.x, so[nt][1] = o_sum.y, so[nt][2] = o_sum.z, so[nt][3] = o_sum.w;
         }
       }
