@@ -60,11 +60,12 @@ TORCH_LIBRARY(kda, m) {
       "Tensor d_record, float? scale=None, float lower_bound=-5.0) -> (Tensor dqn, Tensor dkn, Tensor dv, "
       "Tensor dlam, Tensor dbeta)");
   // Not API: the backward sweep alone on CUDA (bwd_sweep.cu), fixed length, from
-  // given chunk-start states ([B * ceil(T / 16), H, V, K] fp32), so that a GPU test
-  // can check it against torch_kda/reference.py chunk_step_backward. Runs K1 for
-  // the records first.
+  // given chunk-start states ([B * ceil(T / 16), H, V, K] bf16, as K2 stores them),
+  // so that a GPU test can check it against torch_kda/reference.py
+  // chunk_step_backward. Runs K1 for the records first. Returns dS at each
+  // chunk's end as well (bf16, as the record gradients read it).
   m.def(
       "_sweep_bwd(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor A_log, Tensor dt_bias, "
       "Tensor states, Tensor grad_out, Tensor? grad_final_state=None, float? scale=None, "
-      "float lower_bound=-5.0) -> (Tensor d_record, Tensor d_initial)");
+      "float lower_bound=-5.0) -> (Tensor d_record, Tensor d_initial, Tensor d_states)");
 }

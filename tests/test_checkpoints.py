@@ -13,8 +13,8 @@ from conftest import make_inputs, positional
 
 META = torch.device("meta")
 # Bytes of backward scratch per (chunk slot, head) (csrc/cuda/params.h): the
-# record, two fp32 states and the record's gradients.
-SLOT_SCRATCH = 35328 + 2 * 128 * 128 * 4 + 8576 * 4
+# record, two bf16 states (S0 and dS1) and the record's gradients.
+SLOT_SCRATCH = 35328 + 2 * 128 * 128 * 2 + 8576 * 4
 
 
 def _meta_inputs(**kw):
@@ -44,7 +44,7 @@ def test_window_setting_does_not_move_the_checkpoints(setting, monkeypatch):
     monkeypatch.delenv("TORCH_KDA_WINDOW_SLOTS", raising=False)
     want = _checkpoints(d).shape
     monkeypatch.setenv("TORCH_KDA_WINDOW_SLOTS", setting)
-    assert _checkpoints(d).shape == want == (5, 96, 128, 128)  # 250 slots, windows of 56
+    assert _checkpoints(d).shape == want == (4, 96, 128, 128)  # 250 slots, windows of 82
 
 
 @pytest.mark.parametrize("kw", [dict(B=2, T=300), dict(seqlens=[300]), dict(seqlens=[100, 200]), dict(B=1, T=0)])

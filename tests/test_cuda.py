@@ -777,7 +777,7 @@ GRAD_NAMES = ("dq", "dk", "dv", "dg", "dbeta", "dA_log", "ddt_bias", "dinitial_s
 # The issue's targets are 1e-2 (dq, dk, dv, dh0) and 2e-2 (dg, dbeta, dA_log, ddt_bias);
 # the tests hold the fp32 computation to what it reaches, so that a bug cannot hide
 # under them: bf16 gradients are rounded outputs (~2e-3), fp32 ones are ~1e-6.
-GRAD_TOL = dict(dq=5e-3, dk=5e-3, dv=5e-3, dg=5e-3, dbeta=5e-3, dA_log=1e-4, ddt_bias=1e-4, dinitial_state=1e-4)
+GRAD_TOL = dict(dq=5e-3, dk=5e-3, dv=5e-3, dg=5e-3, dbeta=5e-3, dA_log=1e-2, ddt_bias=1e-2, dinitial_state=1e-4)
 
 
 def cuda_and_reference_grads(d, g, with_final=True):
@@ -951,9 +951,9 @@ def _prepare_launches(fn):
 
 
 # Slots between the forward's checkpoints (csrc/checkpoints.cpp): a backward
-# window of ~1 GiB of scratch (35328 + 2 * 65536 + 34304 bytes per slot and head).
+# window of ~1 GiB of scratch (35328 + 2 * 32768 + 34304 bytes per slot and head).
 def _checkpoint_every(H):
-    return max((1 << 30) // (H * 200704), 16)
+    return max((1 << 30) // (H * 135168), 16)
 
 
 def _assert_checkpoints_are_prefix_states(g, ckpt):
@@ -970,7 +970,7 @@ def _assert_checkpoints_are_prefix_states(g, ckpt):
 
 
 @pytest.mark.parametrize("window,T,H,windows,own_windows", [
-    (None, 6000, 16, 2, 2), (None, 4000, 96, 5, 5), ("7", 4000, 96, 5, 36), ("0", 300, 2, 1, 1)])
+    (None, 10000, 16, 2, 2), (None, 4000, 96, 4, 4), ("7", 4000, 96, 4, 36), ("0", 300, 2, 1, 1)])
 def test_forward_checkpoints_serve_the_backward_bitwise(window, T, H, windows, own_windows, monkeypatch):
     """kda._fwd_checkpointed returns fwd's outputs bit for bit and the state at
     the start of each backward window (bitwise a prefix forward's final state).
@@ -1009,7 +1009,7 @@ def test_backward_and_checkpoints_in_every_block_shape(shape, monkeypatch):
     """Each K2 block shape in the backward's passes (K2 without output), in
     windows of 5 slots (the checkpoint pass and the carries too): gradients
     against float64; and in the forward's checkpoint stores: bitwise a prefix
-    forward's final states (4000 tokens x 96 heads: 5 windows)."""
+    forward's final states (4000 tokens x 96 heads: 4 windows)."""
     monkeypatch.setenv("TORCH_KDA_RECURRENCE_BLOCK", shape)
     monkeypatch.setenv("TORCH_KDA_WINDOW_SLOTS", "5")
     d, g = cuda_inputs(B=2, T=300, H=4, state_dtype=torch.float32)
@@ -1017,7 +1017,7 @@ def test_backward_and_checkpoints_in_every_block_shape(shape, monkeypatch):
     check_grads(shape, got, ref)
     _, g = cuda_inputs(B=1, T=4000, H=96, state_dtype=torch.float32)
     _, _, ckpt = torch.ops.kda._fwd_checkpointed(*positional(g), None, -5.0, g["initial_state"], False, None)
-    assert ckpt.shape[0] == 5
+    assert ckpt.shape[0] == 4
     _assert_checkpoints_are_prefix_states(g, ckpt)
 
 
@@ -1029,7 +1029,7 @@ def test_autograd_uses_the_forward_checkpoints(monkeypatch):
     monkeypatch.delenv("TORCH_KDA_WINDOW_SLOTS", raising=False)
     _, g = cuda_inputs(B=1, T=4000, H=96, state_dtype=torch.float32)
     windows = math.ceil(250 / _checkpoint_every(96))
-    assert windows == 5
+    assert windows == 4
     names = ("q", "k", "v", "g", "beta", "A_log", "dt_bias")
     leaves = {n: g[n].detach().clone().requires_grad_() for n in names}
     init = g["initial_state"].detach().clone().requires_grad_()
@@ -1215,10 +1215,15 @@ def test_prepare_backward_matches_reference(case):
 @pytest.mark.parametrize("case", ["random", "weak_decay"])
 def test_sweep_backward_matches_reference(case):
     """The backward sweep alone (kda._sweep_bwd, after K1), from chunk-start states
-    given in fp32, against reference.chunk_step_backward chained over the chunks in
-    float64: every record gradient (zero on the padding rows of a partial chunk)
-    and the initial state's gradient. With random gates exp(G_last) is ~1e-12 or
-    less, so only weak decay shows the carry dS1 diag(exp(G_last)) in d_initial."""
+    given in bf16 (as K2 stores them for it), against reference.chunk_step_backward
+    chained over the chunks in float64: dS at every chunk's end (which the dS
+    recurrence carries in fp32 and stores in bf16), every record gradient (zero on
+    the padding rows of a partial chunk) and the initial state's gradient. The
+    record gradients multiply by S0 and dS1 as stored, so the reference takes those
+    bf16 values too (S0 as given, dS1 as the kernel returns it, itself checked
+    against float64): what is left is the products' own error. With random gates
+    exp(G_last) is ~1e-12 or less, so only weak decay shows the carry
+    dS1 diag(exp(G_last)) in d_initial."""
     from torch_kda import reference
 
     B, T, H = 2, 37, 2
@@ -1230,26 +1235,41 @@ def test_sweep_backward_matches_reference(case):
     grad_out = torch.randn(B, T, H, D, device=DEV).to(torch.bfloat16)
     grad_final = torch.randn(B, H, D, D, device=DEV)
     dO64, dS64 = grad_out.double().cpu(), grad_final.double().cpu()
-    states = torch.zeros(B * nch, H, D, D, dtype=torch.float64)
-    want_rec = torch.zeros(B * nch, H, 8576, dtype=torch.float64)
-    want_init = torch.zeros(B, H, D, D, dtype=torch.float64)
+    states = torch.zeros(B * nch, H, D, D, dtype=torch.bfloat16)
+    saved = {}
     for bb in range(B):
         for h in range(H):
-            S, saved = x["initial_state"][bb, h], []
+            S = x["initial_state"][bb, h]
             for ci in range(nch):
                 s, e = 16 * ci, min(T, 16 * ci + 16)
                 rec = reference.chunk_record(qn[bb, s:e, h], kn[bb, s:e, h], x["v"][bb, s:e, h], lam[bb, s:e, h],
                                              b[bb, s:e, h], D ** -0.5)
-                states[bb * nch + ci, h] = S
-                _, S1, U = reference.chunk_step(S, rec)
-                saved.append((S, rec, U))
-                S = S1
+                states[bb * nch + ci, h] = S.to(torch.bfloat16)
+                saved[bb, h, ci] = rec
+                _, S, _ = reference.chunk_step(S, rec)
+    d_record, d_initial, d_states = torch.ops.kda._sweep_bwd(
+        g["q"], g["k"], g["v"], g["g"], g["beta"], g["A_log"], g["dt_bias"], states.to(DEV), grad_out,
+        grad_final, None, -5.0)
+    torch.cuda.synchronize()
+    assert d_states.dtype == torch.bfloat16
+    got_ds = d_states.double().cpu()
+    want_ds = torch.zeros(B * nch, H, D, D, dtype=torch.float64)
+    want_rec = torch.zeros(B * nch, H, 8576, dtype=torch.float64)
+    want_init = torch.zeros(B, H, D, D, dtype=torch.float64)
+    for bb in range(B):
+        for h in range(H):
             dS = dS64[bb, h]
             for ci in reversed(range(nch)):
                 s, e = 16 * ci, min(T, 16 * ci + 16)
-                L = e - s
-                S0, rec, U = saved[ci]
-                dS, dr = reference.chunk_step_backward(S0, rec, U, dO64[bb, s:e, h], dS)
+                L, rec = e - s, saved[bb, h, ci]
+                want_ds[bb * nch + ci, h] = dS
+                S0 = states[bb * nch + ci, h].double()
+                U = rec["U0"] - rec["W"] @ S0.T
+                dS_next, dr = reference.chunk_step_backward(S0, rec, U, dO64[bb, s:e, h], dS)
+                # dKd and dgl take dS1 as the kernel stored it (dU and dS0 its fp32 value).
+                _, dr_st = reference.chunk_step_backward(S0, rec, U, dO64[bb, s:e, h], got_ds[bb * nch + ci, h])
+                dr["Kd"], dr["gl"] = dr_st["Kd"], dr_st["gl"]
+                dS = dS_next
                 w = want_rec[bb * nch + ci, h]
                 w[0:2048].view(16, D)[:L] = dr["Qs"]
                 w[2048:4096].view(16, D)[:L] = dr["W"]
@@ -1258,15 +1278,14 @@ def test_sweep_backward_matches_reference(case):
                 w[6400:8448].view(16, D)[:L] = dr["U0"]
                 w[8448:8576] = dr["gl"]
             want_init[bb, h] = dS
-    d_record, d_initial = torch.ops.kda._sweep_bwd(
-        g["q"], g["k"], g["v"], g["g"], g["beta"], g["A_log"], g["dt_bias"], states.float().to(DEV), grad_out,
-        grad_final, None, -5.0)
-    torch.cuda.synchronize()
+    err = rel(got_ds, want_ds)
+    print(f"d_states: rel {err:.2e}")
+    assert err <= 3e-3  # bf16's rounding: ~1.1e-3 on random values
     for name, lo, hi in (("dQs", 0, 2048), ("dW", 2048, 4096), ("dKd", 4096, 6144), ("dAqk", 6144, 6400),
                          ("dU0", 6400, 8448), ("dgl", 8448, 8576)):
         err = rel(d_record[..., lo:hi].cpu(), want_rec[..., lo:hi])
         print(f"{name}: rel {err:.2e}")
-        assert err <= 5e-5, name  # the records' bf16 hi + lo planes keep ~2^-17; ~3e-6 in a CPU emulation
+        assert err <= 5e-5, name  # the fp32 side's bf16 hi + lo planes keep ~2^-17
     err = rel(d_initial.cpu(), want_init)
     print(f"d_initial: rel {err:.2e}")
     assert err <= 5e-5

@@ -62,8 +62,9 @@ void run_backward(const BackwardCall& call, const at::Tensor& like, int64_t wind
   const int64_t windows = S > 0 ? (S + window - 1) / window : 1;
   // K2's passes here move only the states: no output, no final state.
   at::Tensor workspace = at::empty({window, H, kWsChunkFloats}, f32);
-  at::Tensor states = at::empty({window, H, D, D}, f32);
-  at::Tensor d_states = at::empty({window, H, D, D}, f32);
+  const auto bf16 = like.options().dtype(at::kBFloat16);
+  at::Tensor states = at::empty({window, H, D, D}, bf16);
+  at::Tensor d_states = at::empty({window, H, D, D}, bf16);
   at::Tensor d_record = at::empty({window, H, kDRecFloats}, f32);
   p.out = nullptr;
   p.final_state = nullptr;
@@ -97,7 +98,7 @@ void run_backward(const BackwardCall& call, const at::Tensor& like, int64_t wind
   // recurrence share only the records and were run side by side on two streams
   // once (fifth session): both issue-bound, each ran slower, and the step was
   // slower on four of five cases, so they run one after the other.
-  p.chunk_states = states.data_ptr<float>();
+  p.chunk_states = states.data_ptr();
   p.lo_for_backward = true;  // the dS recurrence reads all of the records
   for (int64_t w = windows - 1; w >= 0; --w) {
     p.slot_begin = w * window;
@@ -118,11 +119,11 @@ void run_backward(const BackwardCall& call, const at::Tensor& like, int64_t wind
 
     SweepBwdParams sp;
     sp.fwd = p;
-    sp.states = states.data_ptr<float>();
+    sp.states = states.data_ptr();
     sp.grad_out = call.grad_out;
     sp.grad_out_fp32 = call.grad_out_fp32;
     sp.grad_final = call.grad_final;
-    sp.d_states = d_states.data_ptr<float>();
+    sp.d_states = d_states.data_ptr();
     sp.d_record = d_record.data_ptr<float>();
     sp.d_carry = d_carry.defined() ? d_carry.data_ptr<float>() : nullptr;
     sp.d_initial = call.d_initial;

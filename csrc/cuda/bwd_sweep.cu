@@ -16,8 +16,11 @@
 //    cross warps but dgl's, added in a fixed order (deterministic).
 // One block per (sequence, head) doing both, as before, kept the GPU mostly idle
 // where there are few heads (11 us per chunk, 32 of 132 SMs busy at 32 heads).
-// Products in bf16x3 as in K2 (mma.cuh): S0, dS1, dU and dO are split into hi/lo
-// here; the record's planes are already split.
+// The dS recurrence's products in bf16x3 as in K2 (mma.cuh): dS, dU and dO are
+// split into hi/lo there; the record's planes are already split. The record
+// gradients take S0 and dS1 as stored, in bf16 (halving the bytes that K2's
+// state passes, the dS recurrence and the record gradients move per chunk),
+// and split only the fp32 side of each product (dU, U, and dO when it is fp32).
 #include <c10/cuda/CUDAException.h>
 
 #include <cstddef>
@@ -56,6 +59,9 @@ __device__ __forceinline__ void mma3(float (&acc)[3][2][4], int nt, const uint32
 // The dS recurrence.
 
 // A block is kWarps row groups (16 value rows each) of one (sequence, head).
+// dS1's stores (below): bulk copies of whole rows, or the fragments' own stores.
+constexpr bool kDs1Bulk = false;
+
 template <int kWarps, bool kDoutFp32>
 struct DsConfig {
   static constexpr int kThreads = 32 * kWarps;
@@ -66,6 +72,11 @@ struct DsConfig {
   // Rows of the staged dO 16 bytes longer than the data: the two tokens a lane
   // reads (2t, 2t + 1, t = lane % 4) then sit in different banks.
   static constexpr int kDoutPitch = kCols * kDoutBytes + 16;
+  // A warp's 16 rows of dS1 in bf16 on their way out (bulk copies): rows 16
+  // bytes longer than the data, so that the fragments' 4-byte stores (rows g,
+  // columns 8j + 2t4) hit 32 distinct banks.
+  static constexpr int kDs1Pitch = D + 8;  // elements
+  static constexpr int kDs1TileBytes = 16 * kDs1Pitch * 2;
 };
 
 template <int kWarps, bool kDoutFp32>
@@ -182,6 +193,62 @@ __global__ void __launch_bounds__(kWarps * 32) ds_recurrence_kernel(const SweepB
     }
   }
 
+  // dS1, the gradient of a chunk's end state, for the record gradients, in
+  // bf16: stored for step c + 1 once step c has made it. The conversion is
+  // satfinite (the same bf16 values, but for an infinity) so that ptxas cannot
+  // merge it with the next step's splits of the same values, which then stay
+  // live across the barrier (255 registers and spills); the splits' own hi
+  // parts, stored from inside the products' loop, slowed the step where the
+  // step is the chain (8192 x 64 heads: the dS recurrence 0.997 -> 1.213 ms).
+  // With kDs1Bulk the rows go through a shared-memory tile and leave by one
+  // bulk copy each (256 contiguous bytes), not as the fragments' 16-byte
+  // pieces of eight rows per store.
+  __nv_bfloat16* ds1_tile = reinterpret_cast<__nv_bfloat16*>(smem_raw + kSt * sizeof(St)) + warp * 16 * Cfg::kDs1Pitch;
+  auto store_ds1 = [&](int64_t wslot) {
+    if constexpr (kDs1Bulk) {
+      if (lane == 0) {  // the previous copies have read the tile
+        asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");
+      }
+      __syncwarp();
+#pragma unroll
+      for (int j = 0; j < D / 8; ++j) {
+        const int k0 = 8 * j + 2 * t4;
+        uint32_t a, b;
+        asm volatile("cvt.rn.satfinite.bf16x2.f32 %0, %1, %2;" : "=r"(a) : "f"(ds[j][1]), "f"(ds[j][0]));
+        asm volatile("cvt.rn.satfinite.bf16x2.f32 %0, %1, %2;" : "=r"(b) : "f"(ds[j][3]), "f"(ds[j][2]));
+        *reinterpret_cast<uint32_t*>(ds1_tile + g * Cfg::kDs1Pitch + k0) = a;
+        *reinterpret_cast<uint32_t*>(ds1_tile + (g + 8) * Cfg::kDs1Pitch + k0) = b;
+      }
+      asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+      __syncwarp();
+      if (lane == 0) {  // one lane: the copies' operands are uniform registers
+        __nv_bfloat16* rows = static_cast<__nv_bfloat16*>(bp.d_states) + ((wslot * H + h) * D + v0) * D;
+        const uint32_t tile = smem_u32(ds1_tile);
+#pragma unroll
+        for (int r = 0; r < 16; ++r) {
+          asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;" ::"l"(rows + r * D),
+                       "r"(tile + r * Cfg::kDs1Pitch * 2), "n"(D * 2)
+                       : "memory");
+        }
+        asm volatile("cp.async.bulk.commit_group;" ::: "memory");
+      }
+    } else {
+      __nv_bfloat16* out = static_cast<__nv_bfloat16*>(bp.d_states) + ((wslot * H + h) * D + v0 + g) * D;
+#pragma unroll
+      for (int j = 0; j < D / 8; ++j) {
+        const int k0 = 8 * j + 2 * t4;
+        uint32_t a, b;
+        asm volatile("cvt.rn.satfinite.bf16x2.f32 %0, %1, %2;" : "=r"(a) : "f"(ds[j][1]), "f"(ds[j][0]));
+        asm volatile("cvt.rn.satfinite.bf16x2.f32 %0, %1, %2;" : "=r"(b) : "f"(ds[j][3]), "f"(ds[j][2]));
+        *reinterpret_cast<uint32_t*>(out + k0) = a;
+        *reinterpret_cast<uint32_t*>(out + 8 * D + k0) = b;
+      }
+    }
+  };
+  if (nchunks > 0) {
+    store_ds1(hi - 1 - p.slot_begin);
+  }
+
   for (int64_t c = 0; c < nchunks; ++c) {
     const int64_t slot = hi - 1 - c, wslot = slot - p.slot_begin;
     // One barrier a step (as K2): chunk c's stage is complete and every warp
@@ -192,15 +259,6 @@ __global__ void __launch_bounds__(kWarps * 32) ds_recurrence_kernel(const SweepB
       load_stage(stages[(c + kSt - 1) % kSt], c + kSt - 1);
     }
     cp_async_commit();
-    {  // dS1, the gradient of this chunk's end state, for the record gradients
-      float* out = bp.d_states + ((wslot * H + h) * D + v0 + g) * D;
-#pragma unroll
-      for (int j = 0; j < D / 8; ++j) {
-        const int k0 = 8 * j + 2 * t4;
-        *reinterpret_cast<float2*>(out + k0) = make_float2(ds[j][0], ds[j][1]);
-        *reinterpret_cast<float2*>(out + 8 * D + k0) = make_float2(ds[j][2], ds[j][3]);
-      }
-    }
     const St& st = stages[c % kSt];
 
     // dO^T as an A operand (rows: the warp's value channels; k: the tokens).
@@ -288,8 +346,14 @@ __global__ void __launch_bounds__(kWarps * 32) ds_recurrence_kernel(const SweepB
         ds[j][3] = fmaf(ds[j][3], decay.y, upd[h2][3]);
       }
     }
+    if (c + 1 < nchunks) {
+      store_ds1(wslot - 1);
+    }
   }
 
+  if (kDs1Bulk && lane == 0) {  // the tile stays until the last copies have read it
+    asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");
+  }
   float* ds_out = starts_here ? bp.d_initial : bp.d_carry;
   if (ds_out != nullptr) {
 #pragma unroll
@@ -304,8 +368,9 @@ __global__ void __launch_bounds__(kWarps * 32) ds_recurrence_kernel(const SweepB
 template <int kWarps, bool kDoutFp32>
 void launch_ds(const SweepBwdParams& bp, cudaStream_t stream) {
   using Cfg = DsConfig<kWarps, kDoutFp32>;
-  constexpr size_t kSmem = Cfg::kStages * sizeof(DsStage<kWarps, kDoutFp32>);
+  constexpr size_t kSmem = Cfg::kStages * sizeof(DsStage<kWarps, kDoutFp32>) + kWarps * Cfg::kDs1TileBytes;
   static_assert(kSmem <= 227 * 1024, "over the per-block shared memory of sm_90");
+  static_assert(sizeof(DsStage<kWarps, kDoutFp32>) % 16 == 0 && Cfg::kDs1TileBytes % 16 == 0, "bulk copies' alignment");
   auto* kernel = ds_recurrence_kernel<kWarps, kDoutFp32>;
   C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(kSmem)));
   const int64_t blocks = bp.fwd.N * bp.fwd.H * (D / Cfg::kCols);
@@ -332,19 +397,19 @@ void launch_ds_for(const SweepBwdParams& bp, cudaStream_t stream) {
 // ---------------------------------------------------------------------------
 // The record gradients: one block of eight warps per (chunk slot, head).
 //
-// S0 and dS1 take turns in one pair of hi/lo planes (the products that read S0,
-// then the one that reads dS1), and of the record only W and U0 are loaded:
-// 108 KB of shared memory, two blocks per SM, so that one block's loads overlap
-// the other's products (the kernel moves ~180 KB per chunk and head).
+// S0 and dS1 (bf16, as stored) take turns in one plane (the products that read
+// S0, then the one that reads dS1), and of the record only W and U0 are loaded:
+// 76 KB of shared memory, two blocks per SM, so that one block's loads overlap
+// the other's products (the kernel moves ~116 KB per chunk and head).
 
 constexpr int kGradWarps = D / 16;
 constexpr int kGradThreads = 32 * kGradWarps;
 
 struct __align__(16) GradSmem {
-  __nv_bfloat16 mat[2][D * D];   // S0 [v][k], then dS1 [v][k]: hi and lo, swizzled 128-wide rows (plane_index)
+  __nv_bfloat16 mat[D * D];      // S0 [v][k], then dS1 [v][k], as stored; swizzled 128-wide rows (plane_index)
   __nv_bfloat16 w[2][C * D];     // the record's W planes, verbatim
   float u0[C * D];               // the record's U0 [t][v]
-  __nv_bfloat16 dout[2][C * D];  // dO [t][v], hi and lo
+  __nv_bfloat16 dout[2][C * D];  // dO [t][v], hi and lo (lo only for an fp32 dO)
   __nv_bfloat16 u[2][C * D];     // U [t][v]
   __nv_bfloat16 du[2][C * D];    // dU [t][v]
   float dgl[kGradWarps][D];      // per warp: the sum over its rows of S0 * dS1
@@ -358,17 +423,6 @@ __device__ __forceinline__ void store_split4(__nv_bfloat16* hi, __nv_bfloat16* l
   split_pack(x.z, x.w, h1, l1);
   *reinterpret_cast<uint2*>(hi + idx) = make_uint2(h0, h1);
   *reinterpret_cast<uint2*>(lo + idx) = make_uint2(l0, l1);
-}
-
-// The four values at idx of a hi/lo plane pair, as hi + lo.
-__device__ __forceinline__ float4 load_split4(const __nv_bfloat16* hi, const __nv_bfloat16* lo, int idx) {
-  const uint2 h = *reinterpret_cast<const uint2*>(hi + idx);
-  const uint2 l = *reinterpret_cast<const uint2*>(lo + idx);
-  const float2 h0 = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&h.x));
-  const float2 h1 = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&h.y));
-  const float2 l0 = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&l.x));
-  const float2 l1 = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&l.y));
-  return make_float4(h0.x + l0.x, h0.y + l0.y, h1.x + l1.x, h1.y + l1.y);
 }
 
 // Four consecutive values of dO from bf16 or fp32; a compile-time choice, so
@@ -385,46 +439,90 @@ __device__ __forceinline__ float4 load_dout4(const void* base, int64_t idx) {
   }
 }
 
-// A [128][128] fp32 matrix into the planes, half of it at a time. Thread tid
-// holds key columns 4 (tid % 32).. +4 of rows tid / 32 + 8 it; with `dgl`, it
-// first adds up the products of the new values with those the planes held
-// (S0 * dS1, over those rows) before overwriting them.
-template <bool kDgl>
-__device__ __forceinline__ void load_matrix(GradSmem& sm, const float* src, int tid, float4& gsum) {
-  constexpr int kIt = D * D / 4 / kGradThreads;
+// Piece e (8 consecutive values) of a stored [128][128] matrix: row e / 16, columns 8 (e % 16)..
+__device__ __forceinline__ int matrix_piece_index(int e) {
+  return plane_index(e / 16, 8 * (e % 16));
+}
+
+// S0 into the plane, verbatim (cp.async, in the caller's commit group).
+__device__ __forceinline__ void copy_s0(GradSmem& sm, const __nv_bfloat16* src, int tid) {
+  const uint32_t base = smem_u32(sm.mat);
+#pragma unroll
+  for (int it = 0; it < D * D / 8 / kGradThreads; ++it) {
+    const int e = tid + it * kGradThreads;
+    cp_async_16(base + matrix_piece_index(e) * 2, src + e * 8);
+  }
+}
+
+// dS1 into the plane over S0, adding up on the way the products of the new
+// values with S0 (dgl = sum_v S0 * dS1, in fp32 from the bf16 values): thread
+// tid takes key columns 8 (tid % 16).. +8 of rows tid / 16 + 16 it, half of
+// them at a time.
+__device__ __forceinline__ void load_ds1_dgl(GradSmem& sm, const __nv_bfloat16* src, int tid, float (&gsum)[8]) {
+  constexpr int kIt = D * D / 8 / kGradThreads;
+  auto bf16_pair = [](uint32_t x) { return __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&x)); };
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
-    float4 x[kIt / 2];
+    uint4 x[kIt / 2];
 #pragma unroll
     for (int it = 0; it < kIt / 2; ++it) {
-      x[it] = *reinterpret_cast<const float4*>(src + (tid + (half * kIt / 2 + it) * kGradThreads) * 4);
+      x[it] = *reinterpret_cast<const uint4*>(src + (tid + (half * kIt / 2 + it) * kGradThreads) * 8);
     }
 #pragma unroll
     for (int it = 0; it < kIt / 2; ++it) {
-      const int e = (tid + (half * kIt / 2 + it) * kGradThreads) * 4, idx = plane_index(e / D, e % D);
-      if constexpr (kDgl) {
-        const float4 s0 = load_split4(sm.mat[0], sm.mat[1], idx);
-        gsum.x = fmaf(s0.x, x[it].x, gsum.x);
-        gsum.y = fmaf(s0.y, x[it].y, gsum.y);
-        gsum.z = fmaf(s0.z, x[it].z, gsum.z);
-        gsum.w = fmaf(s0.w, x[it].w, gsum.w);
+      const int idx = matrix_piece_index(tid + (half * kIt / 2 + it) * kGradThreads);
+      uint4& slot = *reinterpret_cast<uint4*>(sm.mat + idx);
+      const uint4 s0 = slot;
+      const uint32_t a[4] = {s0.x, s0.y, s0.z, s0.w}, b[4] = {x[it].x, x[it].y, x[it].z, x[it].w};
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const float2 sa = bf16_pair(a[i]), sb = bf16_pair(b[i]);
+        gsum[2 * i] = fmaf(sa.x, sb.x, gsum[2 * i]);
+        gsum[2 * i + 1] = fmaf(sa.y, sb.y, gsum[2 * i + 1]);
       }
-      store_split4(sm.mat[0], sm.mat[1], idx, x[it]);
+      slot = x[it];
     }
   }
 }
 
+// One product of A and B, each split (hi, lo) or an exact bf16 (hi alone): the
+// terms into separate accumulators, the small ones first (lo * hi, hi * lo,
+// then hi * hi), so that consecutive mmas rarely wait on each other.
+template <bool kALo, bool kBLo>
+__device__ __forceinline__ void mma_split(float (&acc)[1 + kALo + kBLo][2][4], int nt, const uint32_t (&ah)[4],
+                                          const uint32_t (&al)[4], uint32_t bh0, uint32_t bh1, uint32_t bl0,
+                                          uint32_t bl1, bool zero) {
+  if constexpr (kALo) {
+    mma_bf16_into(acc[0][nt], al, bh0, bh1, zero);
+  }
+  if constexpr (kBLo) {
+    mma_bf16_into(acc[kALo][nt], ah, bl0, bl1, zero);
+  }
+  mma_bf16_into(acc[kALo + kBLo][nt], ah, bh0, bh1, zero);
+}
+
+template <int kTerms>
+__device__ __forceinline__ float sum_terms(const float (&acc)[kTerms][2][4], int nt, int e) {
+  if constexpr (kTerms == 1) {
+    return acc[0][nt][e];
+  } else if constexpr (kTerms == 2) {
+    return acc[0][nt][e] + acc[1][nt][e];
+  } else {
+    return sum3(acc, nt, e);
+  }
+}
+
 // The warp's slice of a record gradient, tokens [16] x key columns v0.. +16,
-// from its bf16x3 accumulators (C fragments), into the row-major [16][128] at dst.
-template <bool kNegate>
-__device__ __forceinline__ void store_slice(float* dst, const float (&acc)[3][2][4], int v0, int g, int t4) {
+// from its split accumulators (C fragments), into the row-major [16][128] at dst.
+template <bool kNegate, int kTerms>
+__device__ __forceinline__ void store_slice(float* dst, const float (&acc)[kTerms][2][4], int v0, int g, int t4) {
 #pragma unroll
   for (int nt = 0; nt < 2; ++nt) {
     const int k = v0 + 8 * nt + 2 * t4;
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
       const int t = g + 8 * half, e = 2 * half;
-      const float x = sum3(acc, nt, e), y = sum3(acc, nt, e + 1);
+      const float x = sum_terms(acc, nt, e), y = sum_terms(acc, nt, e + 1);
       *reinterpret_cast<float2*>(dst + t * D + k) = kNegate ? make_float2(-x, -y) : make_float2(x, y);
     }
   }
@@ -435,6 +533,9 @@ __global__ void __launch_bounds__(kGradThreads, 2) record_grads_kernel(const Swe
   const FwdParams& p = bp.fwd;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   GradSmem& sm = *reinterpret_cast<GradSmem*>(smem_raw);
+  // S0, dS1 and a bf16 dO are exact bf16 operands; the fp32 ones (U, dU, and
+  // an fp32 dO) are split.
+  constexpr bool kDoLo = kDoutFp32;
 
   const int64_t H = p.H;
   const int64_t h = blockIdx.x % H;
@@ -451,10 +552,10 @@ __global__ void __launch_bounds__(kGradThreads, 2) record_grads_kernel(const Swe
   const int64_t bos = seq_offset(p, n) + (slot - chunk_offset(p, n)) * C;
   const int len = static_cast<int>(min64(C, seq_offset(p, n + 1) - bos));
   float* dr = bp.d_record + (wslot * H + h) * kDRecFloats;
-  const float* s0g = bp.states + (wslot * H + h) * D * D;
-  const float* dsg = bp.d_states + (wslot * H + h) * D * D;
+  const __nv_bfloat16* s0g = static_cast<const __nv_bfloat16*>(bp.states) + (wslot * H + h) * D * D;
+  const __nv_bfloat16* dsg = static_cast<const __nv_bfloat16*>(bp.d_states) + (wslot * H + h) * D * D;
 
-  {  // W's planes and U0, verbatim
+  {  // W's planes and U0 of the record, verbatim; S0
     const unsigned char* rec = reinterpret_cast<const unsigned char*>(p.workspace) + (wslot * H + h) * kWsChunkBytes;
     const uint32_t w = smem_u32(&sm.w[0][0]), u0 = smem_u32(sm.u0);
 #pragma unroll
@@ -463,10 +564,9 @@ __global__ void __launch_bounds__(kGradThreads, 2) record_grads_kernel(const Swe
       cp_async_16(w + e * 16, rec + kWsW + e * 16);
       cp_async_16(u0 + e * 16, rec + kWsU0 + e * 16);
     }
+    copy_s0(sm, s0g, tid);
     cp_async_commit();
   }
-  float4 gsum = make_float4(0.f, 0.f, 0.f, 0.f);
-  load_matrix<false>(sm, s0g, tid, gsum);
   // dO (bf16 or fp32; zero past the sequence's end) and dU (the dS recurrence's) as planes.
   {
     constexpr int kIt = C * D / 4 / kGradThreads;
@@ -491,22 +591,18 @@ __global__ void __launch_bounds__(kGradThreads, 2) record_grads_kernel(const Swe
   // U^T = U0^T - S0 W^T for the warp's rows v0.. +16: W [t][k] with the tokens as
   // the n dimension, as in K2.
   {
-    float acc_u[3][2][4];  // written first by the kk = 0 products
+    float acc_u[2][2][4];  // written first by the kk = 0 products
 #pragma unroll
     for (int kk = 0; kk < D / 16; ++kk) {
-      uint32_t sh[4], sl[4];
-      {
-        const int row = v0 + (mi % 2) * 8 + mr, piece = 2 * kk + mi / 2;
-        ldmatrix_x4(sh, plane_piece(sm.mat[0], row, piece));
-        ldmatrix_x4(sl, plane_piece(sm.mat[1], row, piece));
-      }
+      uint32_t sh[4];
+      ldmatrix_x4(sh, plane_piece(sm.mat, v0 + (mi % 2) * 8 + mr, 2 * kk + mi / 2));
       const int row = (mi / 2) * 8 + mr, piece = 2 * kk + mi % 2;
       uint32_t wh[4], wl[4];
       ldmatrix_x4(wh, record_piece(sm.w[0], row, piece));
       ldmatrix_x4(wl, record_piece(sm.w[1], row, piece));
 #pragma unroll
       for (int nt = 0; nt < 2; ++nt) {
-        mma3(acc_u, nt, sh, sl, wh[2 * nt], wh[2 * nt + 1], wl[2 * nt], wl[2 * nt + 1], kk == 0);
+        mma_split<false, true>(acc_u, nt, sh, sh, wh[2 * nt], wh[2 * nt + 1], wl[2 * nt], wl[2 * nt + 1], kk == 0);
       }
     }
 #pragma unroll
@@ -515,7 +611,7 @@ __global__ void __launch_bounds__(kGradThreads, 2) record_grads_kernel(const Swe
       for (int e = 0; e < 4; ++e) {
         const int t = 8 * nt + 2 * t4 + (e & 1), v = v0 + g + 8 * (e >> 1);
         store_split(reinterpret_cast<unsigned char*>(sm.u[0]), kPlaneBytes, plane_index(t, v),
-                    sm.u0[t * D + v] - sum3(acc_u, nt, e));
+                    sm.u0[t * D + v] - sum_terms(acc_u, nt, e));
       }
     }
   }
@@ -525,23 +621,23 @@ __global__ void __launch_bounds__(kGradThreads, 2) record_grads_kernel(const Swe
   // rows: A = dO, dU, U [t][v] (rows t), B = S0, then dS1 [v][k] (k dimension v).
   // First dQs = dO S0 and dW = -dU S0.
   {
-    float aq[3][2][4], aw[3][2][4];  // written first by the kv = 0 products
+    float aq[1 + kDoLo][2][4], aw[2][2][4];  // written first by the kv = 0 products
 #pragma unroll
     for (int kv = 0; kv < D / 16; ++kv) {
       const int arow = (mi % 2) * 8 + mr, apiece = 2 * kv + mi / 2;
       uint32_t doh[4], dol[4], duh[4], dul[4];
       ldmatrix_x4(doh, plane_piece(sm.dout[0], arow, apiece));
-      ldmatrix_x4(dol, plane_piece(sm.dout[1], arow, apiece));
+      if constexpr (kDoLo) {
+        ldmatrix_x4(dol, plane_piece(sm.dout[1], arow, apiece));
+      }
       ldmatrix_x4(duh, plane_piece(sm.du[0], arow, apiece));
       ldmatrix_x4(dul, plane_piece(sm.du[1], arow, apiece));
-      const int brow = 16 * kv + (mi % 2) * 8 + mr, bpiece = v0 / 8 + mi / 2;
-      uint32_t sh[4], sl[4];
-      ldmatrix_x4_trans(sh, plane_piece(sm.mat[0], brow, bpiece));
-      ldmatrix_x4_trans(sl, plane_piece(sm.mat[1], brow, bpiece));
+      uint32_t sh[4];
+      ldmatrix_x4_trans(sh, plane_piece(sm.mat, 16 * kv + (mi % 2) * 8 + mr, v0 / 8 + mi / 2));
 #pragma unroll
       for (int nt = 0; nt < 2; ++nt) {
-        mma3(aq, nt, doh, dol, sh[2 * nt], sh[2 * nt + 1], sl[2 * nt], sl[2 * nt + 1], kv == 0);
-        mma3(aw, nt, duh, dul, sh[2 * nt], sh[2 * nt + 1], sl[2 * nt], sl[2 * nt + 1], kv == 0);
+        mma_split<kDoLo, false>(aq, nt, doh, dol, sh[2 * nt], sh[2 * nt + 1], sh[2 * nt], sh[2 * nt + 1], kv == 0);
+        mma_split<true, false>(aw, nt, duh, dul, sh[2 * nt], sh[2 * nt + 1], sh[2 * nt], sh[2 * nt + 1], kv == 0);
       }
     }
     store_slice<false>(dr + kDRecQs, aq, v0, g, t4);
@@ -550,49 +646,61 @@ __global__ void __launch_bounds__(kGradThreads, 2) record_grads_kernel(const Swe
   if (warp == kGradWarps - 1) {
     // dAqk [i][j] = sum_v dO[i][v] U[j][v]: B (k = v, n = j) is U's plane as it
     // stands. One warp's extra work.
-    float aa[3][2][4];  // written first by the kv = 0 products
+    float aa[2 + kDoLo][2][4];  // written first by the kv = 0 products
 #pragma unroll
     for (int kv = 0; kv < D / 16; ++kv) {
       const int arow = (mi % 2) * 8 + mr, apiece = 2 * kv + mi / 2;
       const int brow = (mi / 2) * 8 + mr, bpiece = 2 * kv + mi % 2;
       uint32_t doh[4], dol[4], bh[4], bl[4];
       ldmatrix_x4(doh, plane_piece(sm.dout[0], arow, apiece));
-      ldmatrix_x4(dol, plane_piece(sm.dout[1], arow, apiece));
+      if constexpr (kDoLo) {
+        ldmatrix_x4(dol, plane_piece(sm.dout[1], arow, apiece));
+      }
       ldmatrix_x4(bh, plane_piece(sm.u[0], brow, bpiece));
       ldmatrix_x4(bl, plane_piece(sm.u[1], brow, bpiece));
 #pragma unroll
       for (int nt = 0; nt < 2; ++nt) {
-        mma3(aa, nt, doh, dol, bh[2 * nt], bh[2 * nt + 1], bl[2 * nt], bl[2 * nt + 1], kv == 0);
+        mma_split<kDoLo, true>(aa, nt, doh, dol, bh[2 * nt], bh[2 * nt + 1], bl[2 * nt], bl[2 * nt + 1], kv == 0);
       }
     }
 #pragma unroll
     for (int nt = 0; nt < 2; ++nt) {
       const int j = 8 * nt + 2 * t4;
-      *reinterpret_cast<float2*>(dr + kDRecAqk + g * C + j) = make_float2(sum3(aa, nt, 0), sum3(aa, nt, 1));
-      *reinterpret_cast<float2*>(dr + kDRecAqk + (g + 8) * C + j) = make_float2(sum3(aa, nt, 2), sum3(aa, nt, 3));
+      *reinterpret_cast<float2*>(dr + kDRecAqk + g * C + j) = make_float2(sum_terms(aa, nt, 0), sum_terms(aa, nt, 1));
+      *reinterpret_cast<float2*>(dr + kDRecAqk + (g + 8) * C + j) =
+          make_float2(sum_terms(aa, nt, 2), sum_terms(aa, nt, 3));
     }
   }
   __syncthreads();  // every read of S0's planes is done
 
-  // dS1 into the planes, and dgl's products with S0 as they pass; then dKd = U dS1.
-  load_matrix<true>(sm, dsg, tid, gsum);
-  *reinterpret_cast<float4*>(&sm.dgl[warp][4 * lane]) = gsum;
+  // dS1 into the plane, and dgl's products with S0 as they pass; then dKd = U dS1.
+  {
+    float gsum[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+    load_ds1_dgl(sm, dsg, tid, gsum);
+    // Lanes l and l + 16 hold the same columns (other rows).
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      gsum[i] += __shfl_xor_sync(0xffffffffu, gsum[i], 16);
+    }
+    if (lane < 16) {
+      *reinterpret_cast<float4*>(&sm.dgl[warp][8 * lane]) = make_float4(gsum[0], gsum[1], gsum[2], gsum[3]);
+      *reinterpret_cast<float4*>(&sm.dgl[warp][8 * lane + 4]) = make_float4(gsum[4], gsum[5], gsum[6], gsum[7]);
+    }
+  }
   __syncthreads();
   {
-    float ak[3][2][4];  // written first by the kv = 0 products
+    float ak[2][2][4];  // written first by the kv = 0 products
 #pragma unroll
     for (int kv = 0; kv < D / 16; ++kv) {
       const int arow = (mi % 2) * 8 + mr, apiece = 2 * kv + mi / 2;
       uint32_t uh[4], ul[4];
       ldmatrix_x4(uh, plane_piece(sm.u[0], arow, apiece));
       ldmatrix_x4(ul, plane_piece(sm.u[1], arow, apiece));
-      const int brow = 16 * kv + (mi % 2) * 8 + mr, bpiece = v0 / 8 + mi / 2;
-      uint32_t dh[4], dl[4];
-      ldmatrix_x4_trans(dh, plane_piece(sm.mat[0], brow, bpiece));
-      ldmatrix_x4_trans(dl, plane_piece(sm.mat[1], brow, bpiece));
+      uint32_t dh[4];
+      ldmatrix_x4_trans(dh, plane_piece(sm.mat, 16 * kv + (mi % 2) * 8 + mr, v0 / 8 + mi / 2));
 #pragma unroll
       for (int nt = 0; nt < 2; ++nt) {
-        mma3(ak, nt, uh, ul, dh[2 * nt], dh[2 * nt + 1], dl[2 * nt], dl[2 * nt + 1], kv == 0);
+        mma_split<true, false>(ak, nt, uh, ul, dh[2 * nt], dh[2 * nt + 1], dh[2 * nt], dh[2 * nt + 1], kv == 0);
       }
     }
     store_slice<false>(dr + kDRecKd, ak, v0, g, t4);
@@ -605,6 +713,16 @@ __global__ void __launch_bounds__(kGradThreads, 2) record_grads_kernel(const Swe
     }
     dr[kDRecGl + tid] = a;
   }
+}
+
+template <bool kDoutFp32>
+void launch_record_grads(const SweepBwdParams& bp, int64_t blocks, cudaStream_t stream) {
+  constexpr size_t kSmem = sizeof(GradSmem);
+  static_assert(kSmem <= 227 * 1024, "over the per-block shared memory of sm_90");
+  auto* kernel = record_grads_kernel<kDoutFp32>;
+  C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(kSmem)));
+  kernel<<<static_cast<unsigned int>(blocks), kGradThreads, kSmem, stream>>>(bp);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
 }  // namespace
@@ -622,14 +740,13 @@ void launch_sweep_backward(const SweepBwdParams& bp, cudaStream_t stream) {
   if (blocks == 0) {
     return;
   }
-  constexpr size_t kSmem = sizeof(GradSmem);
-  static_assert(kSmem <= 227 * 1024, "over the per-block shared memory of sm_90");
-  auto* kernel = bp.grad_out_fp32 ? record_grads_kernel<true> : record_grads_kernel<false>;
-  C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(kSmem)));
   TORCH_CHECK(blocks <= INT32_MAX, "kda.bwd: ", std::to_string(bp.fwd.slot_end - bp.fwd.slot_begin), " chunks x ",
               std::to_string(bp.fwd.H), " heads is more blocks than one launch takes");
-  kernel<<<static_cast<unsigned int>(blocks), kGradThreads, kSmem, stream>>>(bp);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  if (bp.grad_out_fp32) {
+    launch_record_grads<true>(bp, blocks, stream);
+  } else {
+    launch_record_grads<false>(bp, blocks, stream);
+  }
 }
 
 }  // namespace kda::cuda

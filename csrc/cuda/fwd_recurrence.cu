@@ -310,20 +310,22 @@ __device__ __forceinline__ void recurrence_body(const FwdParams& p) {
     cp_async_commit();
     // For the backward: the state at this chunk's start, at every chunk
     // (its passes) or at each of its windows' starts (the forward's checkpoints).
-    auto store_state = [&](float* base, int64_t index) {
+    // The checkpoints restart K2 and stay fp32; the chunk states reach only the
+    // record gradients' products, which take them in bf16.
+    auto store_state = [&](void* base, int64_t index, bool fp32) {
       const int64_t cs = ((index * H + h) * D + v0 + g) * D;
 #pragma unroll
       for (int j = 0; j < kNt; ++j) {
         const int k0 = 8 * (j0 + j) + 2 * t;
-        store_state_pair(base, cs + k0, true, s[j][0], s[j][1]);
-        store_state_pair(base, cs + 8 * D + k0, true, s[j][2], s[j][3]);
+        store_state_pair(base, cs + k0, fp32, s[j][0], s[j][1]);
+        store_state_pair(base, cs + 8 * D + k0, fp32, s[j][2], s[j][3]);
       }
     };
     if (!kOut && p.chunk_states != nullptr) {
-      store_state(p.chunk_states, lo + c - p.slot_begin);
+      store_state(p.chunk_states, lo + c - p.slot_begin, false);
     }
     if (kOut && c == next_checkpoint_c) {
-      store_state(p.checkpoints, next_checkpoint / p.checkpoint_every);
+      store_state(p.checkpoints, next_checkpoint / p.checkpoint_every, true);
       next_checkpoint += p.checkpoint_every;
       next_checkpoint_c += static_cast<int>(p.checkpoint_every);
     }

@@ -375,9 +375,10 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> bwd(
 // An fp32 intermediate that a private test op takes in (what the backward's
 // kernels pass each other): contiguous, on q's device, of exactly this shape.
 void check_scratch_input(const char* op, const char* name, const Tensor& t, const Tensor& q,
-                         at::IntArrayRef shape) {
-  TORCH_CHECK(t.device() == q.device() && t.scalar_type() == at::kFloat && t.is_contiguous() && t.sizes() == shape,
-              op, ": ", name, " must be a contiguous float32 tensor on q's device of shape ", shape);
+                         at::IntArrayRef shape, at::ScalarType dtype = at::kFloat) {
+  TORCH_CHECK(t.device() == q.device() && t.scalar_type() == dtype && t.is_contiguous() && t.sizes() == shape,
+              op, ": ", name, " must be a contiguous ", dtype == at::kFloat ? "float32" : "bfloat16",
+              " tensor on q's device of shape ", shape);
 }
 
 // kda::_prepare_bwd (not API): K1's backward alone, for its GPU test.
@@ -411,7 +412,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> prepare_bwd(const Tensor& q, 
 }
 
 // kda::_sweep_bwd (not API): K1, then the backward sweep alone, for its GPU test.
-std::tuple<Tensor, Tensor> sweep_bwd(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g,
+std::tuple<Tensor, Tensor, Tensor> sweep_bwd(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g,
                                      const Tensor& beta, const Tensor& A_log, const Tensor& dt_bias,
                                      const Tensor& states, const Tensor& grad_out,
                                      const optional<Tensor>& grad_final_state, optional<double> scale,
@@ -420,7 +421,7 @@ std::tuple<Tensor, Tensor> sweep_bwd(const Tensor& q, const Tensor& k, const Ten
   Problem p = check_all(op, q, k, v, g, beta, A_log, dt_bias, scale, lower_bound, std::nullopt, std::nullopt);
   const int64_t B = concrete(p.B), T = concrete(p.T), H = concrete(p.H);
   const int64_t slots = B * ((T + kChunk - 1) / kChunk);
-  check_scratch_input(op, "states", states, q, {slots, H, kHeadDim, kHeadDim});
+  check_scratch_input(op, "states", states, q, {slots, H, kHeadDim, kHeadDim}, at::kBFloat16);
   TORCH_CHECK(grad_out.device() == q.device() && grad_out.scalar_type() == at::kBFloat16 &&
                   grad_out.sizes() == v.sizes(),
               op, ": grad_out must be a bfloat16 tensor on q's device shaped like v");
@@ -441,14 +442,14 @@ std::tuple<Tensor, Tensor> sweep_bwd(const Tensor& q, const Tensor& k, const Ten
   Tensor workspace = at::empty({slots, H, kWsChunkFloats}, f32);
   Tensor d_record = at::empty({slots, H, kDRecFloats}, f32);
   Tensor d_initial = at::empty({B, H, kHeadDim, kHeadDim}, f32);
-  Tensor d_states = at::empty({slots, H, kHeadDim, kHeadDim}, f32);
+  Tensor d_states = at::empty({slots, H, kHeadDim, kHeadDim}, q.options().dtype(at::kBFloat16));
   SweepBwdParams bp;
-  bp.d_states = d_states.data_ptr<float>();
+  bp.d_states = d_states.data_ptr();
   bp.fwd = in.params;
   bp.fwd.workspace = workspace.data_ptr<float>();
   FwdParams& fp = bp.fwd;
   fp.lo_for_backward = true;
-  bp.states = st.data_ptr<float>();
+  bp.states = st.data_ptr();
   bp.grad_out = go.data_ptr();
   bp.grad_out_fp32 = go.scalar_type() == at::kFloat;
   bp.grad_final = gf.defined() ? gf.data_ptr<float>() : nullptr;
@@ -456,7 +457,7 @@ std::tuple<Tensor, Tensor> sweep_bwd(const Tensor& q, const Tensor& k, const Ten
   bp.d_initial = d_initial.data_ptr<float>();
   launch_prepare(fp, stream);
   launch_sweep_backward(bp, stream);
-  return {d_record, d_initial};
+  return {d_record, d_initial, d_states};
 }
 
 }  // namespace

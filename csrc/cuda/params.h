@@ -90,10 +90,11 @@ struct FwdParams {
   float* workspace = nullptr;   // [slot_end - slot_begin, H] records of kWsChunkBytes
   // fp32 [N, H, V, K]: the states between windows; null with one window.
   float* carry = nullptr;
-  // fp32 [slot_end - slot_begin, H, V, K]: K2 stores the state at each chunk's
-  // start here, indexed from the window's first slot (for the backward); null in
-  // the forward.
-  float* chunk_states = nullptr;
+  // bf16 [slot_end - slot_begin, H, V, K]: K2 stores the state at each chunk's
+  // start here, rounded once, indexed from the window's first slot (for the
+  // backward's record gradients, which multiply by it in bf16); null in the
+  // forward. The state itself stays fp32 on chip.
+  void* chunk_states = nullptr;
   // fp32 [count, H, V, K] or null: the forward's K2 also stores the state at
   // the start of every checkpoint_every-th chunk slot of sequence 0 (a single
   // sequence: checkpoints.h), for the backward's windows.
@@ -131,9 +132,11 @@ constexpr int kDRecGl = kDRecU0 + kChunk * kHeadDim;
 constexpr int kDRecFloats = kDRecGl + kHeadDim;
 
 // What the backward's kernels pass each other per (chunk slot, head): the
-// record, the state at the chunk's start and dS at its end (fp32), and the
-// record's gradients (backward_schedule.h).
-constexpr int64_t kBwdSlotScratchBytes = kWsChunkBytes + 2 * kHeadDim * kHeadDim * 4 + kDRecFloats * 4;
+// record, the state at the chunk's start and dS at its end (bf16: they reach
+// only the record gradients' products; the recurrences carry both in fp32), and
+// the record's gradients (backward_schedule.h).
+constexpr int64_t kBwdStateBytes = kHeadDim * kHeadDim * 2;
+constexpr int64_t kBwdSlotScratchBytes = kWsChunkBytes + 2 * kBwdStateBytes + kDRecFloats * 4;
 
 struct PrepareBwdParams {
   FwdParams fwd;  // the inputs, sizes, offsets and slot window, as K1 reads them
@@ -178,11 +181,11 @@ struct PrepareBwdParams {
 // window's first slot.
 struct SweepBwdParams {
   FwdParams fwd;                 // sizes, offsets, the window, the records (fwd.workspace)
-  const float* states = nullptr;  // [window slots, H, V, K] fp32: the state at each chunk's start
+  const void* states = nullptr;  // [window slots, H, V, K] bf16: the state at each chunk's start
   const void* grad_out = nullptr;  // [tokens, H, V], bf16 or (grad_out_fp32) fp32, 16-byte aligned
   bool grad_out_fp32 = false;
   const float* grad_final = nullptr;  // [N, H, V, K] fp32, or null (zero)
-  float* d_states = nullptr;     // [window slots, H, V, K] fp32 scratch: dS at each chunk's end
+  void* d_states = nullptr;      // [window slots, H, V, K] bf16 scratch: dS at each chunk's end
   float* d_record = nullptr;     // [window slots, H, kDRecFloats]
   float* d_carry = nullptr;      // [N, H, V, K] fp32: dS between windows; null with one window
   float* d_initial = nullptr;    // [N, H, V, K] fp32, or null (not wanted)
