@@ -59,9 +59,6 @@ __device__ __forceinline__ void mma3(float (&acc)[3][2][4], int nt, const uint32
 // The dS recurrence.
 
 // A block is kWarps row groups (16 value rows each) of one (sequence, head).
-// dS1's stores (below): bulk copies of whole rows, or the fragments' own stores.
-constexpr bool kDs1Bulk = false;
-
 template <int kWarps, bool kDoutFp32>
 struct DsConfig {
   static constexpr int kThreads = 32 * kWarps;
@@ -72,11 +69,6 @@ struct DsConfig {
   // Rows of the staged dO 16 bytes longer than the data: the two tokens a lane
   // reads (2t, 2t + 1, t = lane % 4) then sit in different banks.
   static constexpr int kDoutPitch = kCols * kDoutBytes + 16;
-  // A warp's 16 rows of dS1 in bf16 on their way out (bulk copies): rows 16
-  // bytes longer than the data, so that the fragments' 4-byte stores (rows g,
-  // columns 8j + 2t4) hit 32 distinct banks.
-  static constexpr int kDs1Pitch = D + 8;  // elements
-  static constexpr int kDs1TileBytes = 16 * kDs1Pitch * 2;
 };
 
 template <int kWarps, bool kDoutFp32>
@@ -200,49 +192,20 @@ __global__ void __launch_bounds__(kWarps * 32) ds_recurrence_kernel(const SweepB
   // live across the barrier (255 registers and spills); the splits' own hi
   // parts, stored from inside the products' loop, slowed the step where the
   // step is the chain (8192 x 64 heads: the dS recurrence 0.997 -> 1.213 ms).
-  // With kDs1Bulk the rows go through a shared-memory tile and leave by one
-  // bulk copy each (256 contiguous bytes), not as the fragments' 16-byte
-  // pieces of eight rows per store.
-  __nv_bfloat16* ds1_tile = reinterpret_cast<__nv_bfloat16*>(smem_raw + kSt * sizeof(St)) + warp * 16 * Cfg::kDs1Pitch;
+  // (Through a shared-memory tile and one bulk copy per 256-byte row instead,
+  // the dS recurrence was 15-20 % slower at 8192 and 32768 x 32 heads and 12 %
+  // faster at 8192 x 64: the copies' operands are uniform registers, and each
+  // copy took a loop of its own.)
   auto store_ds1 = [&](int64_t wslot) {
-    if constexpr (kDs1Bulk) {
-      if (lane == 0) {  // the previous copies have read the tile
-        asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");
-      }
-      __syncwarp();
+    __nv_bfloat16* out = static_cast<__nv_bfloat16*>(bp.d_states) + ((wslot * H + h) * D + v0 + g) * D;
 #pragma unroll
-      for (int j = 0; j < D / 8; ++j) {
-        const int k0 = 8 * j + 2 * t4;
-        uint32_t a, b;
-        asm volatile("cvt.rn.satfinite.bf16x2.f32 %0, %1, %2;" : "=r"(a) : "f"(ds[j][1]), "f"(ds[j][0]));
-        asm volatile("cvt.rn.satfinite.bf16x2.f32 %0, %1, %2;" : "=r"(b) : "f"(ds[j][3]), "f"(ds[j][2]));
-        *reinterpret_cast<uint32_t*>(ds1_tile + g * Cfg::kDs1Pitch + k0) = a;
-        *reinterpret_cast<uint32_t*>(ds1_tile + (g + 8) * Cfg::kDs1Pitch + k0) = b;
-      }
-      asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-      __syncwarp();
-      if (lane == 0) {  // one lane: the copies' operands are uniform registers
-        __nv_bfloat16* rows = static_cast<__nv_bfloat16*>(bp.d_states) + ((wslot * H + h) * D + v0) * D;
-        const uint32_t tile = smem_u32(ds1_tile);
-#pragma unroll
-        for (int r = 0; r < 16; ++r) {
-          asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;" ::"l"(rows + r * D),
-                       "r"(tile + r * Cfg::kDs1Pitch * 2), "n"(D * 2)
-                       : "memory");
-        }
-        asm volatile("cp.async.bulk.commit_group;" ::: "memory");
-      }
-    } else {
-      __nv_bfloat16* out = static_cast<__nv_bfloat16*>(bp.d_states) + ((wslot * H + h) * D + v0 + g) * D;
-#pragma unroll
-      for (int j = 0; j < D / 8; ++j) {
-        const int k0 = 8 * j + 2 * t4;
-        uint32_t a, b;
-        asm volatile("cvt.rn.satfinite.bf16x2.f32 %0, %1, %2;" : "=r"(a) : "f"(ds[j][1]), "f"(ds[j][0]));
-        asm volatile("cvt.rn.satfinite.bf16x2.f32 %0, %1, %2;" : "=r"(b) : "f"(ds[j][3]), "f"(ds[j][2]));
-        *reinterpret_cast<uint32_t*>(out + k0) = a;
-        *reinterpret_cast<uint32_t*>(out + 8 * D + k0) = b;
-      }
+    for (int j = 0; j < D / 8; ++j) {
+      const int k0 = 8 * j + 2 * t4;
+      uint32_t a, b;
+      asm volatile("cvt.rn.satfinite.bf16x2.f32 %0, %1, %2;" : "=r"(a) : "f"(ds[j][1]), "f"(ds[j][0]));
+      asm volatile("cvt.rn.satfinite.bf16x2.f32 %0, %1, %2;" : "=r"(b) : "f"(ds[j][3]), "f"(ds[j][2]));
+      *reinterpret_cast<uint32_t*>(out + k0) = a;
+      *reinterpret_cast<uint32_t*>(out + 8 * D + k0) = b;
     }
   };
   if (nchunks > 0) {
@@ -351,9 +314,6 @@ __global__ void __launch_bounds__(kWarps * 32) ds_recurrence_kernel(const SweepB
     }
   }
 
-  if (kDs1Bulk && lane == 0) {  // the tile stays until the last copies have read it
-    asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");
-  }
   float* ds_out = starts_here ? bp.d_initial : bp.d_carry;
   if (ds_out != nullptr) {
 #pragma unroll
@@ -368,9 +328,8 @@ __global__ void __launch_bounds__(kWarps * 32) ds_recurrence_kernel(const SweepB
 template <int kWarps, bool kDoutFp32>
 void launch_ds(const SweepBwdParams& bp, cudaStream_t stream) {
   using Cfg = DsConfig<kWarps, kDoutFp32>;
-  constexpr size_t kSmem = Cfg::kStages * sizeof(DsStage<kWarps, kDoutFp32>) + kWarps * Cfg::kDs1TileBytes;
+  constexpr size_t kSmem = Cfg::kStages * sizeof(DsStage<kWarps, kDoutFp32>);
   static_assert(kSmem <= 227 * 1024, "over the per-block shared memory of sm_90");
-  static_assert(sizeof(DsStage<kWarps, kDoutFp32>) % 16 == 0 && Cfg::kDs1TileBytes % 16 == 0, "bulk copies' alignment");
   auto* kernel = ds_recurrence_kernel<kWarps, kDoutFp32>;
   C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(kSmem)));
   const int64_t blocks = bp.fwd.N * bp.fwd.H * (D / Cfg::kCols);
