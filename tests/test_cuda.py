@@ -775,8 +775,13 @@ def test_malformed_cu_seqlens_read_clamped_and_non_decreasing(bad, monkeypatch):
 
 GRAD_NAMES = ("dq", "dk", "dv", "dg", "dbeta", "dA_log", "ddt_bias", "dinitial_state")
 # The issue's targets are 1e-2 (dq, dk, dv, dh0) and 2e-2 (dg, dbeta, dA_log, ddt_bias);
-# the tests hold the fp32 computation to what it reaches, so that a bug cannot hide
-# under them: bf16 gradients are rounded outputs (~2e-3), fp32 ones are ~1e-6.
+# the tests hold the computation to what it reaches, so that a bug cannot hide under
+# them: bf16 gradients are rounded outputs (~2e-3); dA_log and ddt_bias, sums over
+# every token of terms that cancel, carry the bf16 rounding of the chunk states and
+# dS that the record gradients multiply by (3e-4 to 6.2e-3 on the H200, against
+# ~1e-5 with fp32 ones); the initial state's gradient comes from the fp32 carry (~3e-6).
+# The record gradients themselves are held to 5e-5 given those bf16 values
+# (test_sweep_backward_matches_reference).
 GRAD_TOL = dict(dq=5e-3, dk=5e-3, dv=5e-3, dg=5e-3, dbeta=5e-3, dA_log=1e-2, ddt_bias=1e-2, dinitial_state=1e-4)
 
 
@@ -921,8 +926,9 @@ def test_backward_window_setting_makes_windows(monkeypatch):
 
 
 def test_backward_windows_engage_and_bound_memory(monkeypatch):
-    """Long few-head calls get windows without any setting: far less memory than
-    the one-pass scratch (12.5 KB per token and head), the one-pass gradients."""
+    """Long few-head calls get windows without any setting: less memory than the
+    one-pass scratch (8.25 KB per token and head; H200: 1294 of its 2112 MiB),
+    the one-pass gradients."""
     monkeypatch.delenv("TORCH_KDA_WINDOW_SLOTS", raising=False)
     _, g = cuda_inputs(B=1, T=16384, H=16, state_dtype=torch.float32)
     grad_out = torch.randn(*g["v"].shape, device=DEV).to(torch.bfloat16)
@@ -933,9 +939,9 @@ def test_backward_windows_engage_and_bound_memory(monkeypatch):
     got = torch.ops.kda.bwd(grad_out, None, *positional(g), **kw)
     torch.cuda.synchronize()
     peak = torch.cuda.max_memory_allocated() - base
-    one_pass_scratch = 16384 * 16 * 12480
+    one_pass_scratch = 16384 * 16 * 8448
     print(f"\nbackward peak {peak / 2**20:.0f} MiB (one-pass scratch alone {one_pass_scratch / 2**20:.0f} MiB)", end="")
-    assert peak < one_pass_scratch / 2
+    assert peak < one_pass_scratch * 3 / 4
     monkeypatch.setenv("TORCH_KDA_WINDOW_SLOTS", "0")
     want = torch.ops.kda.bwd(grad_out, None, *positional(g), **kw)
     for name, x, y in zip(GRAD_NAMES, got, want):

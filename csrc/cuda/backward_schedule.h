@@ -1,9 +1,10 @@
 // How one backward call's kernels are enqueued, and the memory between them.
 //
 // Per chunk slot and head the backward's kernels pass each other the record
-// (35,328 bytes), the state at the chunk's start and dS at its end (65,536
-// bytes each, fp32) and the record's gradients (34,304 bytes): 12.5 KB per
-// (token, head), 3.1 GiB for one pass at 8192 tokens x 32 heads. Where one pass
+// (35,328 bytes), the state at the chunk's start and dS at its end (32,768
+// bytes each, bf16: they reach only the record gradients' products) and the
+// record's gradients (34,304 bytes): 8.25 KB per (token, head), 2.06 GiB for one
+// pass at 8192 tokens x 32 heads. Where one pass
 // would hold too much (backward_schedule.cpp), the slots are cut into windows: every
 // sequence's state at each window's start (a checkpoint) comes from the forward
 // (kda._fwd_checkpointed, checkpoints.h) or else from a first forward pass (K1, K2

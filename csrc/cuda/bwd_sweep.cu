@@ -359,7 +359,7 @@ void launch_ds_for(const SweepBwdParams& bp, cudaStream_t stream) {
 // S0 and dS1 (bf16, as stored) take turns in one plane (the products that read
 // S0, then the one that reads dS1), and of the record only W and U0 are loaded:
 // 76 KB of shared memory, two blocks per SM, so that one block's loads overlap
-// the other's products (the kernel moves ~116 KB per chunk and head).
+// the other's products (the kernel moves ~118 KB per chunk and head).
 
 constexpr int kGradWarps = D / 16;
 constexpr int kGradThreads = 32 * kGradWarps;
@@ -368,7 +368,7 @@ struct __align__(16) GradSmem {
   __nv_bfloat16 mat[D * D];      // S0 [v][k], then dS1 [v][k], as stored; swizzled 128-wide rows (plane_index)
   __nv_bfloat16 w[2][C * D];     // the record's W planes, verbatim
   float u0[C * D];               // the record's U0 [t][v]
-  __nv_bfloat16 dout[2][C * D];  // dO [t][v], hi and lo (lo only for an fp32 dO)
+  __nv_bfloat16 dout[2][C * D];  // dO [t][v], hi and lo (lo read only for an fp32 dO)
   __nv_bfloat16 u[2][C * D];     // U [t][v]
   __nv_bfloat16 du[2][C * D];    // dU [t][v]
   float dgl[kGradWarps][D];      // per warp: the sum over its rows of S0 * dS1
