@@ -1286,7 +1286,7 @@ def test_sweep_backward_matches_reference(case):
             want_init[bb, h] = dS
     err = rel(got_ds, want_ds)
     print(f"d_states: rel {err:.2e}")
-    assert err <= 3e-3  # bf16's rounding: ~1.1e-3 on random values
+    assert err <= 3e-3  # bf16's rounding: 1.67e-3 measured on the H200
     for name, lo, hi in (("dQs", 0, 2048), ("dW", 2048, 4096), ("dKd", 4096, 6144), ("dAqk", 6144, 6400),
                          ("dU0", 6400, 8448), ("dgl", 8448, 8576)):
         err = rel(d_record[..., lo:hi].cpu(), want_rec[..., lo:hi])

@@ -630,7 +630,7 @@ __global__ void __launch_bounds__(kGradThreads, 2) record_grads_kernel(const Swe
           make_float2(sum_terms(aa, nt, 2), sum_terms(aa, nt, 3));
     }
   }
-  __syncthreads();  // every read of S0's planes is done
+  __syncthreads();  // every read of S0's plane is done
 
   // dS1 into the plane, and dgl's products with S0 as they pass; then dKd = U dS1.
   {

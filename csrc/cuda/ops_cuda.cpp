@@ -372,8 +372,9 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> bwd(
                              cu_seqlens, ckpt);
 }
 
-// An fp32 intermediate that a private test op takes in (what the backward's
-// kernels pass each other): contiguous, on q's device, of exactly this shape.
+// An intermediate that a private test op takes in (what the backward's kernels
+// pass each other: fp32, or bf16 for the chunk states): contiguous, on q's
+// device, of exactly this dtype and shape.
 void check_scratch_input(const char* op, const char* name, const Tensor& t, const Tensor& q,
                          at::IntArrayRef shape, at::ScalarType dtype = at::kFloat) {
   TORCH_CHECK(t.device() == q.device() && t.scalar_type() == dtype && t.is_contiguous() && t.sizes() == shape,
