@@ -40,19 +40,32 @@ static_assert(C == 16, "the fragments below assume 16-token chunks");
 // The record's [16][128] planes before Aqk's hi plane, in order (params.h).
 constexpr int kQsHi = 0, kWHi = 1, kWLo = 2, kKdHi = 3, kKdLo = 4;
 
-template <int kTerms, int kNt>
-__device__ __forceinline__ float sum3(const float (&acc)[kTerms][kNt][4], int nt, int e) {
-  return (acc[0][nt][e] + acc[1][nt][e]) + acc[2][nt][e];  // the small terms first, as mma_bf16x3
+// One product of A and B, each split (hi, lo) or an exact bf16 (hi alone): the
+// terms into separate accumulators, the small ones first (lo * hi, hi * lo,
+// then hi * hi), so that consecutive mmas rarely wait on each other. With `zero`
+// (a constant once loops are unrolled) the products start the sums.
+template <bool kALo, bool kBLo>
+__device__ __forceinline__ void mma_split(float (&acc)[1 + kALo + kBLo][2][4], int nt, const uint32_t (&ah)[4],
+                                          const uint32_t (&al)[4], uint32_t bh0, uint32_t bh1, uint32_t bl0,
+                                          uint32_t bl1, bool zero) {
+  if constexpr (kALo) {
+    mma_bf16_into(acc[0][nt], al, bh0, bh1, zero);
+  }
+  if constexpr (kBLo) {
+    mma_bf16_into(acc[kALo][nt], ah, bl0, bl1, zero);
+  }
+  mma_bf16_into(acc[kALo + kBLo][nt], ah, bh0, bh1, zero);
 }
 
-// The three bf16x3 terms into separate accumulators, so that consecutive mmas
-// rarely wait on each other. With `zero` (a constant once loops are unrolled)
-// the products start the sums.
-__device__ __forceinline__ void mma3(float (&acc)[3][2][4], int nt, const uint32_t (&ah)[4], const uint32_t (&al)[4],
-                                     uint32_t bh0, uint32_t bh1, uint32_t bl0, uint32_t bl1, bool zero = false) {
-  mma_bf16_into(acc[0][nt], al, bh0, bh1, zero);
-  mma_bf16_into(acc[1][nt], ah, bl0, bl1, zero);
-  mma_bf16_into(acc[2][nt], ah, bh0, bh1, zero);
+template <int kTerms>
+__device__ __forceinline__ float sum_terms(const float (&acc)[kTerms][2][4], int nt, int e) {
+  if constexpr (kTerms == 1) {
+    return acc[0][nt][e];
+  } else if constexpr (kTerms == 2) {
+    return acc[0][nt][e] + acc[1][nt][e];
+  } else {
+    return (acc[0][nt][e] + acc[1][nt][e]) + acc[2][nt][e];  // the small terms first, as mma_bf16x3
+  }
 }
 
 // ---------------------------------------------------------------------------
@@ -201,11 +214,8 @@ __global__ void __launch_bounds__(kWarps * 32) ds_recurrence_kernel(const SweepB
 #pragma unroll
     for (int j = 0; j < D / 8; ++j) {
       const int k0 = 8 * j + 2 * t4;
-      uint32_t a, b;
-      asm volatile("cvt.rn.satfinite.bf16x2.f32 %0, %1, %2;" : "=r"(a) : "f"(ds[j][1]), "f"(ds[j][0]));
-      asm volatile("cvt.rn.satfinite.bf16x2.f32 %0, %1, %2;" : "=r"(b) : "f"(ds[j][3]), "f"(ds[j][2]));
-      *reinterpret_cast<uint32_t*>(out + k0) = a;
-      *reinterpret_cast<uint32_t*>(out + 8 * D + k0) = b;
+      *reinterpret_cast<uint32_t*>(out + k0) = pack_bf16x2_satfinite(ds[j][0], ds[j][1]);
+      *reinterpret_cast<uint32_t*>(out + 8 * D + k0) = pack_bf16x2_satfinite(ds[j][2], ds[j][3]);
     }
   };
   if (nchunks > 0) {
@@ -252,7 +262,7 @@ __global__ void __launch_bounds__(kWarps * 32) ds_recurrence_kernel(const SweepB
       ldmatrix_x4(kl, record_piece(st.mat[kKdLo], row, piece));
 #pragma unroll
       for (int nt = 0; nt < 2; ++nt) {
-        mma3(acc_du, nt, dh, dl, kh[2 * nt], kh[2 * nt + 1], kl[2 * nt], kl[2 * nt + 1], kk == 0);
+        mma_split<true, true>(acc_du, nt, dh, dl, kh[2 * nt], kh[2 * nt + 1], kl[2 * nt], kl[2 * nt + 1], kk == 0);
       }
     }
     {
@@ -262,7 +272,7 @@ __global__ void __launch_bounds__(kWarps * 32) ds_recurrence_kernel(const SweepB
       ldmatrix_x4_trans(al, &st.aqk_lo[arow * C + acol]);
 #pragma unroll
       for (int nt = 0; nt < 2; ++nt) {
-        mma3(acc_du, nt, oh, ol, ah[2 * nt], ah[2 * nt + 1], al[2 * nt], al[2 * nt + 1]);
+        mma_split<true, true>(acc_du, nt, oh, ol, ah[2 * nt], ah[2 * nt + 1], al[2 * nt], al[2 * nt + 1], false);
       }
     }
     // du[nt][e]: rows v0 + g (+ 8 for e >= 2), tokens 8nt + 2t4 (+ 1 for odd e); dU0 = dU.
@@ -273,7 +283,7 @@ __global__ void __launch_bounds__(kWarps * 32) ds_recurrence_kernel(const SweepB
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int t = 8 * nt + 2 * t4 + (e & 1), v = v0 + g + 8 * (e >> 1);
-        du[nt][e] = sum3(acc_du, nt, e);
+        du[nt][e] = sum_terms(acc_du, nt, e);
         dr[kDRecU0 + t * D + v] = du[nt][e];
       }
     }
@@ -441,33 +451,6 @@ __device__ __forceinline__ void load_ds1_dgl(GradSmem& sm, const __nv_bfloat16* 
       }
       slot = x[it];
     }
-  }
-}
-
-// One product of A and B, each split (hi, lo) or an exact bf16 (hi alone): the
-// terms into separate accumulators, the small ones first (lo * hi, hi * lo,
-// then hi * hi), so that consecutive mmas rarely wait on each other.
-template <bool kALo, bool kBLo>
-__device__ __forceinline__ void mma_split(float (&acc)[1 + kALo + kBLo][2][4], int nt, const uint32_t (&ah)[4],
-                                          const uint32_t (&al)[4], uint32_t bh0, uint32_t bh1, uint32_t bl0,
-                                          uint32_t bl1, bool zero) {
-  if constexpr (kALo) {
-    mma_bf16_into(acc[0][nt], al, bh0, bh1, zero);
-  }
-  if constexpr (kBLo) {
-    mma_bf16_into(acc[kALo][nt], ah, bl0, bl1, zero);
-  }
-  mma_bf16_into(acc[kALo + kBLo][nt], ah, bh0, bh1, zero);
-}
-
-template <int kTerms>
-__device__ __forceinline__ float sum_terms(const float (&acc)[kTerms][2][4], int nt, int e) {
-  if constexpr (kTerms == 1) {
-    return acc[0][nt][e];
-  } else if constexpr (kTerms == 2) {
-    return acc[0][nt][e] + acc[1][nt][e];
-  } else {
-    return sum3(acc, nt, e);
   }
 }
 

@@ -95,6 +95,16 @@ __device__ __forceinline__ uint32_t pack_bf16x2_rn(float x, float y) {
   return r;
 }
 
+// The same bf16 values (an infinity becomes the largest finite bf16) by an
+// instruction that ptxas does not merge with pack_bf16x2_rn of the same inputs:
+// for a store of values that are split again later (merged, the packs stay live
+// in between).
+__device__ __forceinline__ uint32_t pack_bf16x2_satfinite(float x, float y) {
+  uint32_t r;
+  asm volatile("cvt.rn.satfinite.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(y), "f"(x));
+  return r;
+}
+
 __device__ __forceinline__ void split_pack(float x, float y, uint32_t& hi, uint32_t& lo) {
   hi = pack_bf16x2_rn(x, y);
   const float hx = __uint_as_float(hi << 16), hy = __uint_as_float(hi & 0xffff0000u);
