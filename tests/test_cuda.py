@@ -1027,6 +1027,25 @@ def test_backward_and_checkpoints_in_every_block_shape(shape, monkeypatch):
     _assert_checkpoints_are_prefix_states(g, ckpt)
 
 
+@pytest.mark.parametrize("ds_block", ["1x1", "2x1", "4x1", "2x2", "4x2", "8x2"])
+def test_backward_in_every_ds_block_shape(ds_block, monkeypatch):
+    """Each block shape of the dS recurrence (TORCH_KDA_DS_BLOCK) in the whole
+    backward, in windows of 5 slots (dS through the carries), on a varlen batch
+    with an empty sequence and partial chunks: gradients against float64."""
+    monkeypatch.setenv("TORCH_KDA_DS_BLOCK", ds_block)
+    monkeypatch.setenv("TORCH_KDA_WINDOW_SLOTS", "5")
+    d, g = cuda_inputs(seqlens=[37, 0, 100, 16], H=3, state_dtype=torch.float32)
+    got, ref = cuda_and_reference_grads(d, g)
+    check_grads(ds_block, got, ref)
+
+
+def test_forced_ds_block_shape_is_checked(monkeypatch):
+    d, g = cuda_inputs(B=1, T=40, H=2)
+    monkeypatch.setenv("TORCH_KDA_DS_BLOCK", "2x4")
+    with pytest.raises(RuntimeError, match="TORCH_KDA_DS_BLOCK must be one of 1x1, 2x1, 4x1, 2x2, 4x2, 8x2, got '2x4'"):
+        torch.ops.kda.bwd(torch.randn_like(g["v"]), None, *positional(g), lower_bound=-5.0)
+
+
 def test_autograd_uses_the_forward_checkpoints(monkeypatch):
     """torch_kda.kda with a gradient wanted on CUDA keeps the checkpoints and its
     backward starts from them (K1 once per window): the gradients of kda.bwd
@@ -1218,9 +1237,12 @@ def test_prepare_backward_matches_reference(case):
         assert err <= 2e-5, name  # fp32 against float64: ~1e-6 in a CPU emulation of the kernel
 
 
-@pytest.mark.parametrize("case", ["random", "weak_decay"])
-def test_sweep_backward_matches_reference(case):
-    """The backward sweep alone (kda._sweep_bwd, after K1), from chunk-start states
+@pytest.mark.parametrize("case, ds_block", [("random", ""), ("weak_decay", ""), ("random", "1x1"), ("random", "2x1"),
+                                            ("random", "4x1"), ("weak_decay", "2x2"), ("random", "4x2"),
+                                            ("random", "8x2")])
+def test_sweep_backward_matches_reference(case, ds_block, monkeypatch):
+    """The backward sweep alone (kda._sweep_bwd, after K1), in the dS recurrence's
+    automatic block shape or one forced by TORCH_KDA_DS_BLOCK, from chunk-start states
     given in bf16 (as K2 stores them for it), against reference.chunk_step_backward
     chained over the chunks in float64: dS at every chunk's end (which the dS
     recurrence carries in fp32 and stores in bf16), every record gradient (zero on
@@ -1232,6 +1254,7 @@ def test_sweep_backward_matches_reference(case):
     dS1 diag(exp(G_last)) in d_initial."""
     from torch_kda import reference
 
+    monkeypatch.setenv("TORCH_KDA_DS_BLOCK", ds_block)
     B, T, H = 2, 37, 2
     d, g = cuda_inputs(B=B, T=T, H=H, state_dtype=torch.float32)
     _hard_case(case, d, g)

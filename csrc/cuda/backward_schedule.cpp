@@ -51,7 +51,7 @@ int64_t backward_window_slots(const FwdParams& p, int64_t device_memory) {
 }
 
 void run_backward(const BackwardCall& call, const at::Tensor& like, int64_t window, RecurrenceBlock block,
-                  const float* saved_checkpoints) {
+                  DsBlock ds_block, const float* saved_checkpoints) {
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(like.device().index()).stream();
   const auto f32 = like.options().dtype(at::kFloat);
   FwdParams p = call.fwd;
@@ -127,7 +127,7 @@ void run_backward(const BackwardCall& call, const at::Tensor& like, int64_t wind
     sp.d_record = d_record.data_ptr<float>();
     sp.d_carry = d_carry.defined() ? d_carry.data_ptr<float>() : nullptr;
     sp.d_initial = call.d_initial;
-    launch_sweep_backward(sp, stream);
+    launch_sweep_backward(sp, stream, ds_block);
 
     // K1's backward recomputes what it needs of the records from the inputs.
     PrepareBwdParams pp;

@@ -48,6 +48,6 @@ int64_t backward_window_slots(const FwdParams& params, int64_t device_memory);
 // fp32 [windows, N, H, 128, 128] (kda._fwd_checkpointed's, its first entry
 // unread): the first forward pass is then skipped.
 void run_backward(const BackwardCall& call, const at::Tensor& like, int64_t window, RecurrenceBlock block,
-                  const float* saved_checkpoints = nullptr);
+                  DsBlock ds_block, const float* saved_checkpoints = nullptr);
 
 }  // namespace kda::cuda

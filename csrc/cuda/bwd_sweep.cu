@@ -24,6 +24,7 @@
 #include <c10/cuda/CUDAException.h>
 
 #include <cstddef>
+#include <cstdlib>
 #include <string>
 
 #include "cuda/device_utils.cuh"
@@ -71,20 +72,30 @@ __device__ __forceinline__ float sum_terms(const float (&acc)[kTerms][2][4], int
 // ---------------------------------------------------------------------------
 // The dS recurrence.
 
-// A block is kWarps row groups (16 value rows each) of one (sequence, head).
-template <int kWarps, bool kDoutFp32>
+// A block is kWarps / kSplit row groups (16 value rows each) of one (sequence,
+// head), each row group's 128 key columns split over kSplit warps, as in K2:
+// where each SM would run only one or two full-width warps, the split spreads
+// a step's products over more of its schedulers. dU^T = dS1 Kd^T is then a sum
+// of the warps' partial sums over their key columns, which meet in shared
+// memory once a step; the update of dS needs only the warp's own columns.
+template <int kWarps, int kSplit, bool kDoutFp32>
 struct DsConfig {
+  static_assert(kWarps % kSplit == 0 && (kSplit == 1 || kSplit == 2), "whole row groups; a two-way split at most");
   static constexpr int kThreads = 32 * kWarps;
-  static constexpr int kCols = 16 * kWarps;  // the block's value channels (rows of dS)
-  static constexpr int kStages = 3;          // chunks staged ahead, as in K2
+  static constexpr int kRowGroups = kWarps / kSplit;
+  static constexpr int kCols = 16 * kRowGroups;  // the block's value channels (rows of dS)
+  static constexpr int kNt = 16 / kSplit;        // 8-column n-tiles of dS per warp
+  static constexpr int kStages = 3;              // chunks staged ahead, as in K2
   static constexpr int kDoutBytes = kDoutFp32 ? 4 : 2;
   static constexpr int kRowPieces = kCols * kDoutBytes / 16;  // 16-byte pieces of one token's dO
   // Rows of the staged dO 16 bytes longer than the data: the two tokens a lane
   // reads (2t, 2t + 1, t = lane % 4) then sit in different banks.
   static constexpr int kDoutPitch = kCols * kDoutBytes + 16;
+  // Per warp, its partial dU^T in fragment order ([n-tile][lane] of float4s).
+  static constexpr int kRedFloats = kSplit > 1 ? 2 * 4 * 32 : 0;
 };
 
-template <int kWarps, bool kDoutFp32>
+template <int kCols, int kDoutPitch>
 struct __align__(16) DsStage {
   // The record's bf16 part, verbatim: Qs hi, W and Kd hi/lo; Aqk hi; Qs lo; Aqk lo.
   __nv_bfloat16 mat[5][C * D];
@@ -92,8 +103,17 @@ struct __align__(16) DsStage {
   __nv_bfloat16 qs_lo[C * D];
   __nv_bfloat16 aqk_lo[C * C];
   float gl[D];
-  unsigned char dout[C * DsConfig<kWarps, kDoutFp32>::kDoutPitch];  // dO [t][block's v], as given; zero past the end
+  unsigned char dout[C * kDoutPitch];  // dO [t][block's v], as given; zero past the end
 };
+
+template <int kWarps, int kSplit, bool kDoutFp32>
+using DsStageOf = DsStage<DsConfig<kWarps, kSplit, kDoutFp32>::kCols, DsConfig<kWarps, kSplit, kDoutFp32>::kDoutPitch>;
+
+template <int kWarps, int kSplit, bool kDoutFp32>
+constexpr size_t ds_smem_bytes() {
+  using Cfg = DsConfig<kWarps, kSplit, kDoutFp32>;
+  return Cfg::kStages * sizeof(DsStageOf<kWarps, kSplit, kDoutFp32>) + kWarps * Cfg::kRedFloats * sizeof(float);
+}
 
 template <bool kFp32>
 __device__ __forceinline__ float dout_at(const unsigned char* row, int v) {
@@ -104,17 +124,41 @@ __device__ __forceinline__ float dout_at(const unsigned char* row, int v) {
   }
 }
 
-template <int kWarps, bool kDoutFp32>
+// The row group's warps meet here: named barrier 1 + rg over its kSplit warps
+// (0 is the block's, __syncthreads). The barrier's number is an immediate in
+// each branch: from a register, ptxas reserves all sixteen for the block.
+template <int kId, int kThreads>
+__device__ __forceinline__ void named_barrier() {
+  asm volatile("bar.sync %0, %1;\n" ::"n"(kId), "n"(kThreads) : "memory");
+}
+
+template <int kSplit, int kRowGroups>
+__device__ __forceinline__ void row_group_barrier(int rg) {
+  static_assert(kRowGroups <= 4, "four row groups at most");
+  constexpr int kThreads = 32 * kSplit;
+  if (kRowGroups == 1 || rg == 0) {
+    named_barrier<1, kThreads>();
+  } else if (kRowGroups == 2 || rg == 1) {
+    named_barrier<2, kThreads>();
+  } else if (rg == 2) {
+    named_barrier<3, kThreads>();
+  } else {
+    named_barrier<4, kThreads>();
+  }
+}
+
+template <int kWarps, int kSplit, bool kDoutFp32>
 __global__ void __launch_bounds__(kWarps * 32) ds_recurrence_kernel(const SweepBwdParams bp) {
-  using Cfg = DsConfig<kWarps, kDoutFp32>;
-  using St = DsStage<kWarps, kDoutFp32>;
-  constexpr int kSt = Cfg::kStages;
+  using Cfg = DsConfig<kWarps, kSplit, kDoutFp32>;
+  using St = DsStageOf<kWarps, kSplit, kDoutFp32>;
+  constexpr int kSt = Cfg::kStages, kNt = Cfg::kNt;
   static_assert(offsetof(St, aqk_hi) == kWsAqk && offsetof(St, qs_lo) == kWsQsLo && offsetof(St, aqk_lo) == kWsAqkLo &&
                     offsetof(St, gl) == kWsU0,
                 "one verbatim copy of the record's bf16 part");
   const FwdParams& p = bp.fwd;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   St* stages = reinterpret_cast<St*>(smem_raw);
+  float4* red = reinterpret_cast<float4*>(smem_raw + kSt * sizeof(St));
 
   constexpr int kGroups = D / Cfg::kCols;
   const int64_t H = p.H;
@@ -124,9 +168,11 @@ __global__ void __launch_bounds__(kWarps * 32) ds_recurrence_kernel(const SweepB
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   const int g = lane / 4, t4 = lane % 4;
   const int mi = lane / 8, mr = lane % 8;  // ldmatrix: lane l addresses row l % 8 of matrix l / 8
+  const int rg = warp / kSplit, ks = warp % kSplit;  // row group; key slice within it
   const int vcol0 = group * Cfg::kCols;    // the block's first value channel
-  const int vloc = 16 * warp;              // the warp's first row within the block
+  const int vloc = 16 * rg;                // the row group's first row within the block
   const int v0 = vcol0 + vloc;
+  const int j0 = ks * kNt;                 // the warp's first n-tile of key columns
 
   const int64_t seq_bos = seq_offset(p, n), seq_eos = seq_offset(p, n + 1);
   // The sequence's part of this window [lo, hi), as in K2: its dS starts from
@@ -182,13 +228,13 @@ __global__ void __launch_bounds__(kWarps * 32) ds_recurrence_kernel(const SweepB
   }
 
   // ds[j][e]: dS rows v0 + g (e = 0, 1) and v0 + g + 8 (e = 2, 3), key columns
-  // 8j + 2t4 (e even) and + 1 (e odd).
+  // 8(j0 + j) + 2t4 (e even) and + 1 (e odd).
   const int64_t state_base = (n * H + h) * D * D;
   const float* ds_in = ends_here ? bp.grad_final : bp.d_carry;
-  float ds[D / 8][4];
+  float ds[kNt][4];
 #pragma unroll
-  for (int j = 0; j < D / 8; ++j) {
-    const int64_t i0 = state_base + (v0 + g) * D + 8 * j + 2 * t4;
+  for (int j = 0; j < kNt; ++j) {
+    const int64_t i0 = state_base + (v0 + g) * D + 8 * (j0 + j) + 2 * t4;
     if (ds_in != nullptr) {
       const float2 a = *reinterpret_cast<const float2*>(ds_in + i0);
       const float2 b = *reinterpret_cast<const float2*>(ds_in + i0 + 8 * D);
@@ -199,7 +245,8 @@ __global__ void __launch_bounds__(kWarps * 32) ds_recurrence_kernel(const SweepB
   }
 
   // dS1, the gradient of a chunk's end state, for the record gradients, in
-  // bf16: stored for step c + 1 once step c has made it. The conversion is
+  // bf16: stored for step c + 1 once step c has made it, two n-tiles per 8-byte
+  // store (quad_piece). The conversion is
   // satfinite (the same bf16 values, but for an infinity) so that ptxas cannot
   // merge it with the next step's splits of the same values, which then stay
   // live across the barrier (255 registers and spills); the splits' own hi
@@ -209,13 +256,17 @@ __global__ void __launch_bounds__(kWarps * 32) ds_recurrence_kernel(const SweepB
   // the dS recurrence was 15-20 % slower at 8192 and 32768 x 32 heads and 12 %
   // faster at 8192 x 64: the copies' operands are uniform registers, and each
   // copy took a loop of its own.)
+  const bool odd = t4 & 1;
   auto store_ds1 = [&](int64_t wslot) {
-    __nv_bfloat16* out = static_cast<__nv_bfloat16*>(bp.d_states) + ((wslot * H + h) * D + v0 + g) * D;
+    __nv_bfloat16* out = static_cast<__nv_bfloat16*>(bp.d_states) + ((wslot * H + h) * D + v0 + g) * D + 8 * j0 +
+                         quad_piece_column(t4);
 #pragma unroll
-    for (int j = 0; j < D / 8; ++j) {
-      const int k0 = 8 * j + 2 * t4;
-      *reinterpret_cast<uint32_t*>(out + k0) = pack_bf16x2_satfinite(ds[j][0], ds[j][1]);
-      *reinterpret_cast<uint32_t*>(out + 8 * D + k0) = pack_bf16x2_satfinite(ds[j][2], ds[j][3]);
+    for (int jj = 0; jj < kNt / 2; ++jj) {
+      const int j = 2 * jj;
+      *reinterpret_cast<uint2*>(out + 16 * jj) = quad_piece(pack_bf16x2_satfinite(ds[j][0], ds[j][1]),
+                                                            pack_bf16x2_satfinite(ds[j + 1][0], ds[j + 1][1]), odd);
+      *reinterpret_cast<uint2*>(out + 8 * D + 16 * jj) = quad_piece(
+          pack_bf16x2_satfinite(ds[j][2], ds[j][3]), pack_bf16x2_satfinite(ds[j + 1][2], ds[j + 1][3]), odd);
     }
   };
   if (nchunks > 0) {
@@ -225,7 +276,8 @@ __global__ void __launch_bounds__(kWarps * 32) ds_recurrence_kernel(const SweepB
   for (int64_t c = 0; c < nchunks; ++c) {
     const int64_t slot = hi - 1 - c, wslot = slot - p.slot_begin;
     // One barrier a step (as K2): chunk c's stage is complete and every warp
-    // has left step c - 1, whose stage is the one refilled here.
+    // has left step c - 1, whose stage is the one refilled here (and whose
+    // partial sums have then been read).
     cp_async_wait<kSt - 2>();
     __syncthreads();
     if (c + kSt - 1 < nchunks) {
@@ -234,7 +286,7 @@ __global__ void __launch_bounds__(kWarps * 32) ds_recurrence_kernel(const SweepB
     cp_async_commit();
     const St& st = stages[c % kSt];
 
-    // dO^T as an A operand (rows: the warp's value channels; k: the tokens).
+    // dO^T as an A operand (rows: the row group's value channels; k: the tokens).
     uint32_t oh[4], ol[4];
     {
       const unsigned char* r0 = st.dout + (2 * t4) * Cfg::kDoutPitch;
@@ -246,17 +298,19 @@ __global__ void __launch_bounds__(kWarps * 32) ds_recurrence_kernel(const SweepB
       split_pack(dout_at<kDoutFp32>(r8, vb), dout_at<kDoutFp32>(r8 + Cfg::kDoutPitch, vb), oh[3], ol[3]);
     }
 
-    // dU^T = dS1 Kd^T + dO^T Aqk for the warp's rows; Kd [t][k] with the tokens
-    // as the n dimension, as W in K2; Aqk [i][t] as the B operand (k = i), transposed.
+    // dU^T = dS1 Kd^T + dO^T Aqk for the row group's rows; Kd [t][k] with the
+    // tokens as the n dimension, as W in K2; Aqk [i][t] as the B operand (k = i),
+    // transposed. Split warps: dS1 Kd^T over the warp's key columns, and of
+    // dO^T Aqk n-tile ks alone, so that the parts add up to dU^T.
     float acc_du[3][2][4];  // written first by the kk = 0 products
 #pragma unroll
-    for (int kk = 0; kk < D / 16; ++kk) {
+    for (int kk = 0; kk < kNt / 2; ++kk) {
       uint32_t dh[4], dl[4];
       split_pack(ds[2 * kk][0], ds[2 * kk][1], dh[0], dl[0]);
       split_pack(ds[2 * kk][2], ds[2 * kk][3], dh[1], dl[1]);
       split_pack(ds[2 * kk + 1][0], ds[2 * kk + 1][1], dh[2], dl[2]);
       split_pack(ds[2 * kk + 1][2], ds[2 * kk + 1][3], dh[3], dl[3]);
-      const int row = (mi / 2) * 8 + mr, piece = 2 * kk + mi % 2;
+      const int row = (mi / 2) * 8 + mr, piece = j0 + 2 * kk + mi % 2;
       uint32_t kh[4], kl[4];
       ldmatrix_x4(kh, record_piece(st.mat[kKdHi], row, piece));
       ldmatrix_x4(kl, record_piece(st.mat[kKdLo], row, piece));
@@ -272,33 +326,58 @@ __global__ void __launch_bounds__(kWarps * 32) ds_recurrence_kernel(const SweepB
       ldmatrix_x4_trans(al, &st.aqk_lo[arow * C + acol]);
 #pragma unroll
       for (int nt = 0; nt < 2; ++nt) {
-        mma_split<true, true>(acc_du, nt, oh, ol, ah[2 * nt], ah[2 * nt + 1], al[2 * nt], al[2 * nt + 1], false);
+        if (kSplit == 1 || nt == ks) {
+          mma_split<true, true>(acc_du, nt, oh, ol, ah[2 * nt], ah[2 * nt + 1], al[2 * nt], al[2 * nt + 1], false);
+        }
       }
     }
     // du[nt][e]: rows v0 + g (+ 8 for e >= 2), tokens 8nt + 2t4 (+ 1 for odd e); dU0 = dU.
     float du[2][4];
-    float* dr = bp.d_record + (wslot * H + h) * kDRecFloats;
 #pragma unroll
     for (int nt = 0; nt < 2; ++nt) {
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
-        const int t = 8 * nt + 2 * t4 + (e & 1), v = v0 + g + 8 * (e >> 1);
         du[nt][e] = sum_terms(acc_du, nt, e);
-        dr[kDRecU0 + t * D + v] = du[nt][e];
+      }
+    }
+    if constexpr (kSplit > 1) {
+      // The two warps' parts, each added to the other's: the same sum (and bits) in both.
+      float4* mine = red + warp * (Cfg::kRedFloats / 4);
+      const float4* other = red + (warp ^ 1) * (Cfg::kRedFloats / 4);
+#pragma unroll
+      for (int nt = 0; nt < 2; ++nt) {
+        mine[nt * 32 + lane] = make_float4(du[nt][0], du[nt][1], du[nt][2], du[nt][3]);
+      }
+      row_group_barrier<kSplit, Cfg::kRowGroups>(rg);
+#pragma unroll
+      for (int nt = 0; nt < 2; ++nt) {
+        const float4 x = other[nt * 32 + lane];
+        du[nt][0] += x.x, du[nt][1] += x.y, du[nt][2] += x.z, du[nt][3] += x.w;
+      }
+    }
+    float* dr = bp.d_record + (wslot * H + h) * kDRecFloats;
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt) {
+      if (kSplit == 1 || nt == ks) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int t = 8 * nt + 2 * t4 + (e & 1), v = v0 + g + 8 * (e >> 1);
+          dr[kDRecU0 + t * D + v] = du[nt][e];
+        }
       }
     }
 
-    // dS0 = dS1 diag(gl) + dO^T Qs - dU^T W; Qs and W [t][k] transposed on the
-    // way (tokens are the k dimension). As in K2, the products go into zero
-    // accumulators and reach dS through one fp32 FMA.
+    // dS0 = dS1 diag(gl) + dO^T Qs - dU^T W over the warp's key columns; Qs and
+    // W [t][k] transposed on the way (tokens are the k dimension). As in K2, the
+    // products go into zero accumulators and reach dS through one fp32 FMA.
     uint32_t nh[4], nl[4];  // -dU^T as an A operand: its two n-tiles are the 16 tokens
     split_pack(-du[0][0], -du[0][1], nh[0], nl[0]);
     split_pack(-du[0][2], -du[0][3], nh[1], nl[1]);
     split_pack(-du[1][0], -du[1][1], nh[2], nl[2]);
     split_pack(-du[1][2], -du[1][3], nh[3], nl[3]);
 #pragma unroll
-    for (int jj = 0; jj < D / 16; ++jj) {
-      const int row = (mi % 2) * 8 + mr, piece = 2 * jj + mi / 2;
+    for (int jj = 0; jj < kNt / 2; ++jj) {
+      const int row = (mi % 2) * 8 + mr, piece = j0 + 2 * jj + mi / 2;
       uint32_t qh[4], ql[4], wh[4], wl[4];
       ldmatrix_x4_trans(qh, record_piece(st.mat[kQsHi], row, piece));
       ldmatrix_x4_trans(ql, record_piece(st.qs_lo, row, piece));
@@ -312,7 +391,7 @@ __global__ void __launch_bounds__(kWarps * 32) ds_recurrence_kernel(const SweepB
 #pragma unroll
       for (int h2 = 0; h2 < 2; ++h2) {
         const int j = 2 * jj + h2;
-        const float2 decay = *reinterpret_cast<const float2*>(&st.gl[8 * j + 2 * t4]);
+        const float2 decay = *reinterpret_cast<const float2*>(&st.gl[8 * (j0 + j) + 2 * t4]);
         ds[j][0] = fmaf(ds[j][0], decay.x, upd[h2][0]);
         ds[j][1] = fmaf(ds[j][1], decay.y, upd[h2][1]);
         ds[j][2] = fmaf(ds[j][2], decay.x, upd[h2][2]);
@@ -327,20 +406,20 @@ __global__ void __launch_bounds__(kWarps * 32) ds_recurrence_kernel(const SweepB
   float* ds_out = starts_here ? bp.d_initial : bp.d_carry;
   if (ds_out != nullptr) {
 #pragma unroll
-    for (int j = 0; j < D / 8; ++j) {
-      const int64_t i0 = state_base + (v0 + g) * D + 8 * j + 2 * t4;
+    for (int j = 0; j < kNt; ++j) {
+      const int64_t i0 = state_base + (v0 + g) * D + 8 * (j0 + j) + 2 * t4;
       *reinterpret_cast<float2*>(ds_out + i0) = make_float2(ds[j][0], ds[j][1]);
       *reinterpret_cast<float2*>(ds_out + i0 + 8 * D) = make_float2(ds[j][2], ds[j][3]);
     }
   }
 }
 
-template <int kWarps, bool kDoutFp32>
+template <int kWarps, int kSplit, bool kDoutFp32>
 void launch_ds(const SweepBwdParams& bp, cudaStream_t stream) {
-  using Cfg = DsConfig<kWarps, kDoutFp32>;
-  constexpr size_t kSmem = Cfg::kStages * sizeof(DsStage<kWarps, kDoutFp32>);
+  using Cfg = DsConfig<kWarps, kSplit, kDoutFp32>;
+  constexpr size_t kSmem = ds_smem_bytes<kWarps, kSplit, kDoutFp32>();
   static_assert(kSmem <= 227 * 1024, "over the per-block shared memory of sm_90");
-  auto* kernel = ds_recurrence_kernel<kWarps, kDoutFp32>;
+  auto* kernel = ds_recurrence_kernel<kWarps, kSplit, kDoutFp32>;
   C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(kSmem)));
   const int64_t blocks = bp.fwd.N * bp.fwd.H * (D / Cfg::kCols);
   TORCH_CHECK(blocks <= INT32_MAX, "kda.bwd: ", std::to_string(bp.fwd.N), " sequences x ",
@@ -350,16 +429,34 @@ void launch_ds(const SweepBwdParams& bp, cudaStream_t stream) {
 }
 
 template <bool kDoutFp32>
-void launch_ds_for(const SweepBwdParams& bp, cudaStream_t stream) {
-  // As K2 (fwd_recurrence.cu): four-warp blocks where each SM runs more than
-  // two row groups, else blocks as small as the row groups per SM.
-  const int64_t warps_per_sm = recurrence_warps_per_sm(bp.fwd);
-  if (warps_per_sm > 2) {
-    launch_ds<4, kDoutFp32>(bp, stream);
-  } else if (warps_per_sm > 1) {
-    launch_ds<2, kDoutFp32>(bp, stream);
-  } else {
-    launch_ds<1, kDoutFp32>(bp, stream);
+void launch_ds_for(const SweepBwdParams& bp, cudaStream_t stream, DsBlock block) {
+  // By the full-width row groups each SM would run (as K2, fwd_recurrence.cu):
+  // four-warp blocks of them where there are more than two, else the key columns
+  // split over two warps, four-warp blocks (two per SM) where there are two,
+  // two-warp blocks where there is one.
+  if (block == DsBlock::kAuto) {
+    const int64_t warps_per_sm = recurrence_warps_per_sm(bp.fwd);
+    block = warps_per_sm > 2 ? DsBlock::k4x1 : warps_per_sm > 1 ? DsBlock::k4x2 : DsBlock::k2x2;
+  }
+  switch (block) {
+    case DsBlock::k1x1:
+      launch_ds<1, 1, kDoutFp32>(bp, stream);
+      break;
+    case DsBlock::k2x1:
+      launch_ds<2, 1, kDoutFp32>(bp, stream);
+      break;
+    case DsBlock::k2x2:
+      launch_ds<2, 2, kDoutFp32>(bp, stream);
+      break;
+    case DsBlock::k4x2:
+      launch_ds<4, 2, kDoutFp32>(bp, stream);
+      break;
+    case DsBlock::k8x2:
+      launch_ds<8, 2, kDoutFp32>(bp, stream);
+      break;
+    default:
+      launch_ds<4, 1, kDoutFp32>(bp, stream);
+      break;
   }
 }
 
@@ -669,14 +766,30 @@ void launch_record_grads(const SweepBwdParams& bp, int64_t blocks, cudaStream_t 
 
 }  // namespace
 
-void launch_sweep_backward(const SweepBwdParams& bp, cudaStream_t stream) {
+DsBlock forced_ds_block(const char* op) {
+  const char* env = std::getenv("TORCH_KDA_DS_BLOCK");
+  if (env == nullptr || *env == '\0') {
+    return DsBlock::kAuto;
+  }
+  const std::string shape(env);
+  TORCH_CHECK(shape == "1x1" || shape == "2x1" || shape == "4x1" || shape == "2x2" || shape == "4x2" || shape == "8x2",
+              op, ": TORCH_KDA_DS_BLOCK must be one of 1x1, 2x1, 4x1, 2x2, 4x2, 8x2, got '", shape, "'");
+  return shape == "1x1"   ? DsBlock::k1x1
+         : shape == "2x1" ? DsBlock::k2x1
+         : shape == "4x1" ? DsBlock::k4x1
+         : shape == "2x2" ? DsBlock::k2x2
+         : shape == "4x2" ? DsBlock::k4x2
+                          : DsBlock::k8x2;
+}
+
+void launch_sweep_backward(const SweepBwdParams& bp, cudaStream_t stream, DsBlock block) {
   if (bp.fwd.N == 0 || bp.fwd.H == 0) {
     return;
   }
   if (bp.grad_out_fp32) {
-    launch_ds_for<true>(bp, stream);
+    launch_ds_for<true>(bp, stream, block);
   } else {
-    launch_ds_for<false>(bp, stream);
+    launch_ds_for<false>(bp, stream, block);
   }
   const int64_t blocks = (bp.fwd.slot_end - bp.fwd.slot_begin) * bp.fwd.H;
   if (blocks == 0) {

@@ -36,17 +36,26 @@ void launch_recurrence(const FwdParams& params, cudaStream_t stream, RecurrenceB
 // those of q^, k^, v, lambda, sigmoid(beta) (the private test op).
 void launch_prepare_backward(const PrepareBwdParams& params, cudaStream_t stream);
 
+// The dS recurrence's block shapes, as K2's: W warps splitting each row
+// group's key columns S ways. kAuto lets the launcher choose by
+// recurrence_warps_per_sm.
+enum class DsBlock { kAuto, k1x1, k2x1, k4x1, k2x2, k4x2, k8x2 };
+
 // The backward sweep (bwd_sweep.cu), two kernels: the dS recurrence (row
 // groups of each (sequence, head) spread over blocks, backward over its chunks;
 // dU, dS at each chunk's end, the initial state's gradient), then one block per
 // (chunk slot, head) for the record gradients.
-void launch_sweep_backward(const SweepBwdParams& params, cudaStream_t stream);
+void launch_sweep_backward(const SweepBwdParams& params, cudaStream_t stream, DsBlock block);
 
 // TORCH_KDA_RECURRENCE_BLOCK=WxS forces K2's block shape (8x1, 4x1, 4x1w, 2x1,
 // 2x2 or 4x4), for measurements and tests: the shape, or kAuto when unset; raises on
 // any other value, naming `op` (the op called). Read once per call, before K1 and
 // K2 are enqueued, so a bad value leaves no kernel behind that writes the caller's tensors.
 RecurrenceBlock forced_recurrence_block(const char* op);
+
+// TORCH_KDA_DS_BLOCK=WxS forces the dS recurrence's block shape (1x1, 2x1, 4x1,
+// 2x2, 4x2 or 8x2) in the same way, read at the same point.
+DsBlock forced_ds_block(const char* op);
 
 // The warps that K2 gives each SM when every (sequence, head) has its eight row
 // groups resident at once; its block shape follows from this.

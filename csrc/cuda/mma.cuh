@@ -105,6 +105,20 @@ __device__ __forceinline__ uint32_t pack_bf16x2_satfinite(float x, float y) {
   return r;
 }
 
+// One row's bf16 pairs of two adjacent accumulator n-tiles (columns 2t, 2t + 1
+// and 8 + 2t, 9 + 2t of 16) as one 8-byte piece per lane: lanes t and t ^ 1
+// swap a pair, so that each lane holds four consecutive columns, from
+// quad_piece_column(t). A quad then writes each 32-byte sector of the row whole
+// in one store, where two 4-byte stores per lane wrote it in halves.
+__device__ __forceinline__ uint2 quad_piece(uint32_t lo_tile, uint32_t hi_tile, bool odd) {
+  const uint32_t got = __shfl_xor_sync(0xffffffffu, odd ? lo_tile : hi_tile, 1);
+  return odd ? make_uint2(got, hi_tile) : make_uint2(lo_tile, got);
+}
+
+__device__ __forceinline__ int quad_piece_column(int t) {
+  return 2 * t + (t & 1) * 6;
+}
+
 __device__ __forceinline__ void split_pack(float x, float y, uint32_t& hi, uint32_t& lo) {
   hi = pack_bf16x2_rn(x, y);
   const float hx = __uint_as_float(hi << 16), hy = __uint_as_float(hi & 0xffff0000u);

@@ -303,6 +303,7 @@ BackwardTuple backward_by_kernels(const Problem& p, const Tensor& grad_out, cons
   const int64_t H = concrete(p.H), N = concrete(p.N);
   // Read before any kernel is enqueued: a bad value leaves none behind.
   const RecurrenceBlock block = forced_recurrence_block(op);
+  const DsBlock ds_block = forced_ds_block(op);
   Boundaries bounds = sequence_boundaries(op, p, q, cu_seqlens, stream);
   CallInputs in = call_inputs(p, q, k, v, g, beta, A_log, dt_bias, bounds);
   // With the forward's checkpoints (checked against the plan by bwd), their
@@ -346,7 +347,7 @@ BackwardTuple backward_by_kernels(const Problem& p, const Tensor& grad_out, cons
   call.grads.dbeta = o.dbeta.data_ptr();
   call.grads.ddt_bias_part = ddt_part.data_ptr<float>();
   call.grads.dA_log_part = dA_part.data_ptr<float>();
-  run_backward(call, in.v, window, block, saved ? checkpoints.data_ptr<float>() : nullptr);
+  run_backward(call, in.v, window, block, ds_block, saved ? checkpoints.data_ptr<float>() : nullptr);
 
   o.ddt_bias.copy_(ddt_part.sum(0));
   o.dA_log.copy_(dA_part.sum(0));
@@ -419,6 +420,7 @@ std::tuple<Tensor, Tensor, Tensor> sweep_bwd(const Tensor& q, const Tensor& k, c
                                      const optional<Tensor>& grad_final_state, optional<double> scale,
                                      double lower_bound) {
   const char* op = "kda._sweep_bwd";
+  const DsBlock ds_block = forced_ds_block(op);
   Problem p = check_all(op, q, k, v, g, beta, A_log, dt_bias, scale, lower_bound, std::nullopt, std::nullopt);
   const int64_t B = concrete(p.B), T = concrete(p.T), H = concrete(p.H);
   const int64_t slots = B * ((T + kChunk - 1) / kChunk);
@@ -457,7 +459,7 @@ std::tuple<Tensor, Tensor, Tensor> sweep_bwd(const Tensor& q, const Tensor& k, c
   bp.d_record = d_record.data_ptr<float>();
   bp.d_initial = d_initial.data_ptr<float>();
   launch_prepare(fp, stream);
-  launch_sweep_backward(bp, stream);
+  launch_sweep_backward(bp, stream, ds_block);
   return {d_record, d_initial, d_states};
 }
 
