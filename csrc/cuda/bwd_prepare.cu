@@ -10,7 +10,6 @@
 // Its 16 x 16 products on the tensor cores in bf16x3, like K1's; the rest in fp32 FMAs.
 #include <c10/cuda/CUDAException.h>
 
-#include <cstdlib>
 #include <string>
 
 #include "cuda/chunk_inputs.cuh"
@@ -72,9 +71,8 @@ __device__ __forceinline__ void store_bf16(void* base, int64_t index, float x) {
 
 // kChain: finish with the chain rule through the activations (PrepareBwdParams
 // `chain`); otherwise leave the activation gradients (the private test op).
-// kMinBlocks: the blocks per SM that the registers must allow (EXPERIMENT).
-template <bool kChain, int kMinBlocks>
-__global__ void __launch_bounds__(kThreads, kMinBlocks) prepare_backward_kernel(const PrepareBwdParams bp) {
+template <bool kChain>
+__global__ void __launch_bounds__(kThreads) prepare_backward_kernel(const PrepareBwdParams bp) {
   const FwdParams& p = bp.fwd;
   __shared__ __align__(16) float sT0[C][kPad];  // raw q; then k^ exp(G); then scratch
   __shared__ __align__(16) float sT1[C][kPad];  // raw k; then k^ exp(-G); then scratch
@@ -87,6 +85,8 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) prepare_backward_kernel(
   __shared__ float sBeta[C];
   __shared__ float sDb[C];
   __shared__ float sDot[2][C];   // qn . dqn and kn . dkn per row (kChain)
+  __shared__ __align__(16) float sDq[kChain ? C : 1][D];  // dqn, dkn of every row (kChain)
+  __shared__ __align__(16) float sDk[kChain ? C : 1][D];
   // The raw g rows (kChain): the gate's chain rule reads them again at the end,
   // where reloading them from global memory left each row's loads waiting.
   __shared__ __align__(16) float sG[kChain ? C : 1][D];
@@ -96,11 +96,6 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) prepare_backward_kernel(
   // the record is recomputed: read from global memory where they are used, they
   // stalled the block on memory latency at 8 warps per SM (255 registers).
   extern __shared__ __align__(16) float sRec[];
-  // dqn, dkn of every row (kChain), over the record gradients dQs and dKd: thread
-  // d reads element (i, d) of those just before it writes the same element here,
-  // and no other thread reads them.
-  float (*sDq)[D] = reinterpret_cast<float (*)[D]>(sRec + kDRecQs);
-  float (*sDk)[D] = reinterpret_cast<float (*)[D]>(sRec + kDRecKd);
 
   ChunkPlace c;
   if (!place_chunk(p, c)) {
@@ -371,10 +366,7 @@ void launch_prepare_backward(const PrepareBwdParams& bp, cudaStream_t stream) {
   TORCH_CHECK(blocks <= INT32_MAX, "kda.bwd: ", std::to_string(slots), " chunks x ", std::to_string(bp.fwd.H),
               " heads is more blocks than one launch takes");
   constexpr int kSmem = kDRecFloats * 4;  // sRec; with the static part over the 48 KB default
-  const char* env = std::getenv("TORCH_KDA_K1BWD_BLOCKS");  // EXPERIMENT
-  const bool three = env != nullptr && env[0] == '3';
-  auto* kernel = bp.chain ? (three ? prepare_backward_kernel<true, 3> : prepare_backward_kernel<true, 2>)
-                          : (three ? prepare_backward_kernel<false, 3> : prepare_backward_kernel<false, 2>);
+  auto* kernel = bp.chain ? prepare_backward_kernel<true> : prepare_backward_kernel<false>;
   C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem));
   kernel<<<static_cast<unsigned int>(blocks), kThreads, kSmem, stream>>>(bp);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
