@@ -25,7 +25,6 @@
 #include <c10/cuda/CUDAException.h>
 
 #include <cstddef>
-#include <cstdlib>
 #include <string>
 
 #include "cuda/device_utils.cuh"
@@ -766,22 +765,6 @@ void launch_record_grads(const SweepBwdParams& bp, int64_t blocks, cudaStream_t 
 }
 
 }  // namespace
-
-DsBlock forced_ds_block(const char* op) {
-  const char* env = std::getenv("TORCH_KDA_DS_BLOCK");
-  if (env == nullptr || *env == '\0') {
-    return DsBlock::kAuto;
-  }
-  const std::string shape(env);
-  TORCH_CHECK(shape == "1x1" || shape == "2x1" || shape == "4x1" || shape == "2x2" || shape == "4x2" || shape == "8x2",
-              op, ": TORCH_KDA_DS_BLOCK must be one of 1x1, 2x1, 4x1, 2x2, 4x2, 8x2, got '", shape, "'");
-  return shape == "1x1"   ? DsBlock::k1x1
-         : shape == "2x1" ? DsBlock::k2x1
-         : shape == "4x1" ? DsBlock::k4x1
-         : shape == "2x2" ? DsBlock::k2x2
-         : shape == "4x2" ? DsBlock::k4x2
-                          : DsBlock::k8x2;
-}
 
 void launch_sweep_backward(const SweepBwdParams& bp, cudaStream_t stream, DsBlock block) {
   if (bp.fwd.N == 0 || bp.fwd.H == 0) {

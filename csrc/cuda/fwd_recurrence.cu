@@ -21,7 +21,6 @@
 #include <c10/cuda/CUDAException.h>
 
 #include <cstddef>
-#include <cstdlib>
 #include <string>
 
 #include "cuda/device_utils.cuh"
@@ -780,22 +779,6 @@ void launch(const FwdParams& p, cudaStream_t stream) {
 }
 
 }  // namespace
-
-RecurrenceBlock forced_recurrence_block(const char* op) {
-  const char* env = std::getenv("TORCH_KDA_RECURRENCE_BLOCK");
-  if (env == nullptr || *env == '\0') {
-    return RecurrenceBlock::kAuto;
-  }
-  const std::string shape(env);
-  TORCH_CHECK(shape == "8x1" || shape == "4x1" || shape == "4x1w" || shape == "2x1" || shape == "2x2" || shape == "4x4",
-              op, ": TORCH_KDA_RECURRENCE_BLOCK must be one of 8x1, 4x1, 4x1w, 2x1, 2x2, 4x4, got '", shape, "'");
-  return shape == "8x1"    ? RecurrenceBlock::k8x1
-         : shape == "4x1"  ? RecurrenceBlock::k4x1
-         : shape == "4x1w" ? RecurrenceBlock::k4x1w
-         : shape == "2x1" ? RecurrenceBlock::k2x1
-         : shape == "2x2" ? RecurrenceBlock::k2x2
-                          : RecurrenceBlock::k4x4;
-}
 
 void launch_recurrence(const FwdParams& p, cudaStream_t stream, RecurrenceBlock block) {
   if (p.N == 0 || p.H == 0) {
