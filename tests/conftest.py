@@ -7,6 +7,7 @@ formula in the package cannot agree with itself.
 Every test draws fresh random inputs from a seed derived from its node id:
 inputs differ between tests, and a failing test reproduces exactly.
 """
+import contextlib
 import math
 import zlib
 
@@ -198,3 +199,19 @@ def rel(x, ref):
 
 def nan_like(t):
     return torch.full_like(t, float("nan"))
+
+
+@contextlib.contextmanager
+def nan_filled_empty():
+    """Every tensor that torch allocates uninitialised inside the block (at::empty in
+    the ops' C++ too: their outputs and scratch) is filled with NaN first, through
+    torch's deterministic mode, so that an element no kernel writes shows."""
+    det = torch.are_deterministic_algorithms_enabled()
+    fill = torch.utils.deterministic.fill_uninitialized_memory
+    torch.use_deterministic_algorithms(True)
+    torch.utils.deterministic.fill_uninitialized_memory = True
+    try:
+        yield
+    finally:
+        torch.utils.deterministic.fill_uninitialized_memory = fill
+        torch.use_deterministic_algorithms(det)

@@ -883,8 +883,7 @@ def test_backward_windows_are_bitwise_one_pass(case, state_dtype, monkeypatch):
     between them in fp32) gives the one-pass gradients bit for bit; sequences
     start, end and are empty at and across window edges, with and without a
     gradient flowing into the final state, with an fp32, a bf16 or no initial
-    state (the bf16 and no-state cases were added after the fifth session's last
-    device call and have not run on a GPU yet)."""
+    state."""
     kw, windows = WINDOW_CASES[case]
     _, g = cuda_inputs(state_dtype=state_dtype or torch.float32, **kw)
     state_shape = g["initial_state"].shape
