@@ -1,5 +1,6 @@
 // Launchers of the CUDA kernels (each defined in its own .cu file of this
-// folder). They take the params by value and enqueue on the given stream.
+// folder). They take the params by value and enqueue on the given stream. The
+// block-shape knobs below are read in forced_shapes.cpp.
 #pragma once
 
 #include <cuda_runtime_api.h>
