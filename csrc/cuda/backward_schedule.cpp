@@ -14,7 +14,8 @@
 namespace kda::cuda {
 namespace {
 
-constexpr int64_t kStateBytes = kHeadDim * kHeadDim * 4;
+// One fp32 state (the checkpoints and the carries; the scratch states are bf16).
+constexpr int64_t kFp32StateBytes = kHeadDim * kHeadDim * 4;
 // Below this a pass over the whole call is kept: windows cost a second forward
 // (for the checkpoints; measured 7.6 against 6.2 ms per step at 8192 tokens x
 // 32 heads, H200) and a few launches per window.
@@ -44,7 +45,7 @@ int64_t backward_window_slots(const FwdParams& p, int64_t device_memory) {
   // window, the checkpoints (a state per sequence and head for each window)
   // with the number of windows: their sum is least at sqrt(slots * checkpoint
   // / per_slot), which calls for longer windows only past ~10^6 tokens.
-  const double checkpoint = static_cast<double>(p.N) * p.H * kStateBytes;
+  const double checkpoint = static_cast<double>(p.N) * p.H * kFp32StateBytes;
   const auto balanced = static_cast<int64_t>(std::ceil(std::sqrt(p.num_slots * checkpoint / per_slot)));
   const int64_t w = std::max(balanced, backward_window_floor(p.H));
   return w >= p.num_slots ? p.num_slots : w;
@@ -84,7 +85,7 @@ void run_backward(const BackwardCall& call, const at::Tensor& like, int64_t wind
       p.slot_end = std::min(S, p.slot_begin + window);
       launch_prepare(p, stream);
       launch_recurrence(p, stream, block);
-      C10_CUDA_CHECK(cudaMemcpyAsync(checkpoints[w].data_ptr(), p.carry, N * H * kStateBytes,
+      C10_CUDA_CHECK(cudaMemcpyAsync(checkpoints[w].data_ptr(), p.carry, N * H * kFp32StateBytes,
                                      cudaMemcpyDeviceToDevice, stream));
     }
   }
@@ -108,7 +109,7 @@ void run_backward(const BackwardCall& call, const at::Tensor& like, int64_t wind
     // forward's checkpoints are the caller's (autograd keeps them for another
     // backward): K2 gets a copy.
     if (saved_checkpoints != nullptr && w > 0) {
-      C10_CUDA_CHECK(cudaMemcpyAsync(carry.data_ptr(), saved_checkpoints + w * N * H * D * D, N * H * kStateBytes,
+      C10_CUDA_CHECK(cudaMemcpyAsync(carry.data_ptr(), saved_checkpoints + w * N * H * D * D, N * H * kFp32StateBytes,
                                      cudaMemcpyDeviceToDevice, stream));
       p.carry = carry.data_ptr<float>();
     } else {
