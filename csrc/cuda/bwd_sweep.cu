@@ -262,11 +262,7 @@ __global__ void __launch_bounds__(kWarps * 32) ds_recurrence_kernel(const SweepB
                          quad_piece_column(t4);
 #pragma unroll
     for (int jj = 0; jj < kNt / 2; ++jj) {
-      const int j = 2 * jj;
-      *reinterpret_cast<uint2*>(out + 16 * jj) = quad_piece(pack_bf16x2_satfinite(ds[j][0], ds[j][1]),
-                                                            pack_bf16x2_satfinite(ds[j + 1][0], ds[j + 1][1]), odd);
-      *reinterpret_cast<uint2*>(out + 8 * D + 16 * jj) = quad_piece(
-          pack_bf16x2_satfinite(ds[j][2], ds[j][3]), pack_bf16x2_satfinite(ds[j + 1][2], ds[j + 1][3]), odd);
+      store_tile_pair_bf16<true>(out + 16 * jj, D, ds[2 * jj], ds[2 * jj + 1], odd);
     }
   };
   if (nchunks > 0) {

@@ -328,11 +328,7 @@ __device__ __forceinline__ void recurrence_body(const FwdParams& p) {
                           (((lo + c - p.slot_begin) * H + h) * D + v0 + g) * D + 8 * j0 + quad_piece_column(t);
 #pragma unroll
       for (int jj = 0; jj < kNt / 2; ++jj) {
-        const int j = 2 * jj;
-        *reinterpret_cast<uint2*>(cs + 16 * jj) =
-            quad_piece(pack_bf16x2_rn(s[j][0], s[j][1]), pack_bf16x2_rn(s[j + 1][0], s[j + 1][1]), t & 1);
-        *reinterpret_cast<uint2*>(cs + 8 * D + 16 * jj) =
-            quad_piece(pack_bf16x2_rn(s[j][2], s[j][3]), pack_bf16x2_rn(s[j + 1][2], s[j + 1][3]), t & 1);
+        store_tile_pair_bf16<false>(cs + 16 * jj, D, s[2 * jj], s[2 * jj + 1], t & 1);
       }
     }
     if (kOut && c == next_checkpoint_c) {

@@ -125,6 +125,19 @@ __device__ __forceinline__ void split_pack(float x, float y, uint32_t& hi, uint3
   lo = pack_bf16x2_rn(x - hx, y - hy);
 }
 
+// Rows g and g + 8 of two adjacent accumulator n-tiles (C fragments a, b) in
+// bf16, one 8-byte store per lane and row (quad_piece): `row_g` is row g's
+// element at column quad_piece_column(t) of the tiles' 16, the rows `pitch`
+// elements apart. kSatfinite: packed by pack_bf16x2_satfinite (values that are
+// split again later), else pack_bf16x2_rn.
+template <bool kSatfinite>
+__device__ __forceinline__ void store_tile_pair_bf16(__nv_bfloat16* row_g, int pitch, const float (&a)[4],
+                                                     const float (&b)[4], bool odd) {
+  auto pack = [](float x, float y) { return kSatfinite ? pack_bf16x2_satfinite(x, y) : pack_bf16x2_rn(x, y); };
+  *reinterpret_cast<uint2*>(row_g) = quad_piece(pack(a[0], a[1]), pack(b[0], b[1]), odd);
+  *reinterpret_cast<uint2*>(row_g + 8 * pitch) = quad_piece(pack(a[2], a[3]), pack(b[2], b[3]), odd);
+}
+
 __device__ __forceinline__ uint32_t smem_u32(const void* smem_ptr) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(smem_ptr));
 }
