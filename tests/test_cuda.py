@@ -1038,6 +1038,31 @@ def test_backward_in_every_ds_block_shape(ds_block, monkeypatch):
     check_grads(ds_block, got, ref)
 
 
+@pytest.mark.parametrize("ds_block", ["", "4x1", "4x2", "8x2"])
+@pytest.mark.parametrize("window", ["0", "5"])
+def test_backward_with_nan_filled_scratch_is_unchanged(ds_block, window, monkeypatch):
+    """kda.bwd with every uninitialised allocation NaN-filled (its outputs and all
+    the scratch between its kernels: records, chunk states, dS1, record gradients,
+    carries), in one pass and in windows, in the dS recurrence's automatic shape and
+    three forced ones: the gradients bit for bit those of a normal call, so no kernel
+    reads an element another did not write."""
+    from conftest import nan_filled_empty
+
+    monkeypatch.setenv("TORCH_KDA_DS_BLOCK", ds_block)
+    monkeypatch.setenv("TORCH_KDA_WINDOW_SLOTS", window)
+    _, g = cuda_inputs(seqlens=[37, 0, 100, 16], H=3, state_dtype=torch.float32)
+    grad_out = torch.randn(*g["v"].shape, device=DEV).to(torch.bfloat16)
+    gf = torch.randn(*g["initial_state"].shape, device=DEV)
+    kw = dict(lower_bound=-5.0, initial_state=g["initial_state"], cu_seqlens=g["cu_seqlens"])
+    want = torch.ops.kda.bwd(grad_out, gf, *positional(g), **kw)
+    with nan_filled_empty():
+        probe = torch.empty(3, device=DEV)
+        got = torch.ops.kda.bwd(grad_out, gf, *positional(g), **kw)
+    assert torch.isnan(probe).all()
+    for name, x, y in zip(GRAD_NAMES, got, want):
+        assert torch.equal(x, y), name
+
+
 def test_forced_ds_block_shape_is_checked(monkeypatch):
     d, g = cuda_inputs(B=1, T=40, H=2)
     monkeypatch.setenv("TORCH_KDA_DS_BLOCK", "2x4")
