@@ -1,6 +1,8 @@
 #include "checkpoints.h"
 
 #include <algorithm>
+#include <cstdlib>
+#include <cstring>
 
 #include <ATen/ops/empty.h>
 
@@ -13,27 +15,32 @@ namespace {
 constexpr int64_t kWindowScratch = int64_t{1} << 30;
 constexpr int64_t kMinWindowSlots = 16;
 
+c10::SymInt saved_slots(const Problem& p, bool varlen) {
+  const c10::SymInt C = cuda::kChunk;
+  if (varlen) {  // B == 1: T is the batch's tokens
+    return p.T.min((p.T + C - 1) / C + p.N);
+  }
+  return p.B * ((p.T + C - 1) / C);
+}
+
 }  // namespace
 
 int64_t backward_window_floor(int64_t H) {
   return std::max(kWindowScratch / (std::max<int64_t>(H, 1) * cuda::kBwdSlotScratchBytes), kMinWindowSlots);
 }
 
-CheckpointPlan checkpoint_plan(const Problem& p, bool varlen) {
-  CheckpointPlan plan;
-  // Specializes B: 1 or not (as dynamic shapes do for sizes 0 and 1 anyway).
-  if (varlen || p.B != 1) {
-    return plan;
+bool save_states_enabled(const char* op) {
+  const char* env = std::getenv("TORCH_KDA_SAVE_STATES");
+  if (env == nullptr || *env == '\0' || std::strcmp(env, "1") == 0) {
+    return true;
   }
-  // Heads are part of the model: specializing them costs no recompiles in practice.
-  const int64_t H = p.H.guard_int(__FILE__, __LINE__);
-  plan.every = backward_window_floor(H);
-  plan.count = ((p.T + cuda::kChunk - 1) / cuda::kChunk + plan.every - 1) / plan.every;
-  return plan;
+  TORCH_CHECK(std::strcmp(env, "0") == 0, op, ": TORCH_KDA_SAVE_STATES must be 0 or 1, got '", env, "'");
+  return false;
 }
 
-at::Tensor allocate_checkpoints(const Problem& p, const at::Tensor& q, const CheckpointPlan& plan) {
-  return at::empty_symint({plan.count, p.H, cuda::kHeadDim, cuda::kHeadDim}, q.options().dtype(at::kFloat));
+at::Tensor allocate_checkpoints(const Problem& p, const at::Tensor& q, bool varlen, bool save) {
+  const c10::SymInt slots = save ? saved_slots(p, varlen) : c10::SymInt(0);
+  return at::empty_symint({slots, p.H, cuda::kHeadDim, cuda::kHeadDim}, q.options().dtype(at::kBFloat16));
 }
 
 void check_checkpoints(const char* op, const Problem& p, bool varlen, const at::Tensor& q,
@@ -41,13 +48,13 @@ void check_checkpoints(const char* op, const Problem& p, bool varlen, const at::
   if (checkpoints.sym_numel() == 0) {
     return;
   }
-  const CheckpointPlan plan = checkpoint_plan(p, varlen);
+  const c10::SymInt slots = saved_slots(p, varlen);
   const c10::SymInt D = cuda::kHeadDim;
-  const bool ok = checkpoints.device() == q.device() && checkpoints.scalar_type() == at::kFloat &&
-                  checkpoints.dim() == 4 && checkpoints.sym_size(0) == plan.count && checkpoints.sym_size(1) == p.H &&
+  const bool ok = checkpoints.device() == q.device() && checkpoints.scalar_type() == at::kBFloat16 &&
+                  checkpoints.dim() == 4 && checkpoints.sym_size(0) == slots && checkpoints.sym_size(1) == p.H &&
                   checkpoints.sym_size(2) == D && checkpoints.sym_size(3) == D && checkpoints.is_contiguous();
   TORCH_CHECK(ok, op, ": checkpoints must be what kda._fwd_checkpointed returned for the same inputs (contiguous "
-              "float32 [", sym_str(plan.count), ", ", sym_str(p.H), ", 128, 128] on q's device) or empty, got ",
+              "bfloat16 [", sym_str(slots), ", ", sym_str(p.H), ", 128, 128] on q's device) or empty, got ",
               dtype_name(checkpoints.scalar_type()), " ", shape_str(checkpoints.sym_sizes()), " on ",
               checkpoints.device().str());
 }

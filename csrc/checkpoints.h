@@ -1,7 +1,8 @@
-// The states that kda._fwd_checkpointed keeps for the CUDA backward, so that
-// the backward's windows (cuda/backward_schedule.h) start from them instead of
-// running a forward pass of their own first. Shared by the real and the Meta
-// kernels, so that the checkpoints' shape agrees by construction.
+// The states that kda._fwd_checkpointed keeps for the CUDA backward: the state
+// at the start of every chunk slot, in bf16 as the backward's record gradients
+// read it (cuda/backward_schedule.h), so that the backward runs no recurrence
+// pass of its own. Shared by the real and the Meta kernels, so that the
+// checkpoints' shape agrees by construction.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -16,26 +17,21 @@ namespace kda {
 // slots as hold kWindowScratch of scratch (at least 16), for H heads.
 int64_t backward_window_floor(int64_t H);
 
-struct CheckpointPlan {
-  int64_t every = 0;      // chunk slots between checkpoints: one backward window
-  c10::SymInt count = 0;  // checkpoints: the state at the start of each window, the first the initial one
-};
+// Whether kda._fwd_checkpointed keeps the states: yes unless TORCH_KDA_SAVE_STATES=0
+// (2 KiB per token and head held from the forward to the backward; without
+// them the backward recomputes them, with one more forward pass where it runs
+// in windows). Raises on another value.
+bool save_states_enabled(const char* op);
 
-// For one fixed-length sequence (B = 1, no cu_seqlens), the only calls whose
-// backward runs in windows at sizes that fit in memory: a checkpoint every
-// window of backward_window_floor(H) slots, so ceil(slots / every) of them;
-// none (count 0) otherwise, and the backward then makes its own where it needs
-// them. A function of the shapes alone, so that a forward and its backward
-// agree on where the checkpoints lie: TORCH_KDA_WINDOW_SLOTS does not move
-// them (a backward given them runs their windows; the gradients are bitwise
-// the same in any windows).
-CheckpointPlan checkpoint_plan(const Problem& p, bool varlen);
+// The checkpoints output: bf16 [slots, H, 128, 128] on q's device, slot s the
+// state at the start of chunk slot s (as the CUDA kernels number the slots:
+// B * ceil(T / 16) for fixed length, min(T, ceil(T / 16) + N) with cu_seqlens;
+// the slots past a varlen batch's chunks are not written), or [0, H, 128, 128]
+// when the states are not saved. A function of the shapes alone.
+at::Tensor allocate_checkpoints(const Problem& p, const at::Tensor& q, bool varlen, bool save);
 
-// The checkpoints output: float32 [plan.count, H, 128, 128] on q's device.
-at::Tensor allocate_checkpoints(const Problem& p, const at::Tensor& q, const CheckpointPlan& plan);
-
-// The checkpoints a backward call was given: empty (none), or float32
-// [plan.count, H, 128, 128] on q's device, contiguous.
+// The checkpoints a backward call was given: empty (none), or what
+// allocate_checkpoints gives for the same shapes, contiguous.
 void check_checkpoints(const char* op, const Problem& p, bool varlen, const at::Tensor& q,
                        const at::Tensor& checkpoints);
 

@@ -29,9 +29,9 @@ TORCH_LIBRARY(kda, m) {
       "fwd_(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor A_log, Tensor dt_bias, "
       "Tensor(a!) out, Tensor(b!)? final_state=None, float? scale=None, float? lower_bound=None, "
       "Tensor? initial_state=None, Tensor? cu_seqlens=None) -> ()");
-  // Not API: fwd that also returns checkpoints, the states at which the CUDA
-  // backward's windows start (checkpoints.h; empty where it needs none), so
-  // that bwd, given them, skips the forward pass it would run for them.
+  // Not API: fwd that also returns checkpoints, the state at every chunk
+  // slot's start in bf16 (checkpoints.h; empty with TORCH_KDA_SAVE_STATES=0),
+  // so that bwd, given them, runs no recurrence pass of its own.
   // torch_kda.kda calls it on CUDA when a gradient is wanted. CUDA and Meta only.
   m.def(
       "_fwd_checkpointed(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor A_log, Tensor dt_bias, "

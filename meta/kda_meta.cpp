@@ -31,7 +31,7 @@ std::tuple<Tensor, Tensor, Tensor> fwd_checkpointed(const Tensor& q, const Tenso
   Problem p = check_forward_args("kda.fwd", q, k, v, g, beta, A_log, dt_bias, scale, lower_bound, initial_state,
                                  cu_seqlens);
   ForwardOutputs o = allocate_forward_outputs(p, q, output_final_state);
-  Tensor checkpoints = allocate_checkpoints(p, q, checkpoint_plan(p, cu_seqlens.has_value()));
+  Tensor checkpoints = allocate_checkpoints(p, q, cu_seqlens.has_value(), save_states_enabled("kda.fwd"));
   return {o.out, o.final_state, checkpoints};
 }
 

@@ -769,6 +769,28 @@ def test_malformed_cu_seqlens_read_clamped_and_non_decreasing(bad, monkeypatch):
     assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])
 
 
+def test_backward_zeros_the_tokens_no_sequence_covers(monkeypatch):
+    """Unchecked, a malformed cu_seqlens that starts past 0 and ends before the
+    last token leaves tokens no chunk covers: their gradients are zeros (the
+    allocations NaN-filled first), the others bitwise those of the covered
+    tokens alone."""
+    from conftest import nan_filled_empty
+
+    monkeypatch.delenv("TORCH_KDA_CHECK", raising=False)
+    _, g = cuda_inputs(seqlens=[40, 40], H=2, state_dtype=torch.float32)
+    bad = torch.tensor([5, 30, 60], device=DEV)
+    grad_out = torch.randn(*g["v"].shape, device=DEV).to(torch.bfloat16)
+    kw = dict(lower_bound=-5.0, initial_state=g["initial_state"])
+    with nan_filled_empty():
+        got = torch.ops.kda.bwd(grad_out, None, *positional(g), cu_seqlens=bad, **kw)
+    part = [t[:, 5:60] for t in positional(g)[:5]] + list(positional(g)[5:])
+    want = torch.ops.kda.bwd(grad_out[:, 5:60], None, *part, cu_seqlens=torch.tensor([0, 25, 55], device=DEV), **kw)
+    for name, x, y in zip(GRAD_NAMES[:5], got, want):
+        assert not torch.isnan(x.float()).any(), name
+        assert torch.equal(x[:, :5], torch.zeros_like(x[:, :5])) and torch.equal(x[:, 60:], torch.zeros_like(x[:, 60:]))
+        assert torch.equal(x[:, 5:60], y), name
+
+
 # --------------------------------------------------------------------------
 # Backward (kernels: K1, K2 with chunk-start states, the sweep, K1's backward)
 # --------------------------------------------------------------------------
@@ -947,43 +969,48 @@ def test_backward_windows_engage_and_bound_memory(monkeypatch):
         assert torch.equal(x, y), name
 
 
-def _prepare_launches(fn):
+# Slots of a backward window of ~1 GiB of scratch (csrc/checkpoints.cpp; 35328
+# + 2 * 32768 + 34304 bytes per slot and head), where one pass would hold too much.
+def _window_floor(H):
+    return max((1 << 30) // (H * 135168), 16)
+
+
+def _recurrence_launches(fn):
+    """fn's result and its launches of K1 (prepare_kernel) and of K2 (the
+    recurrence_kernel, not the dS recurrence's)."""
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         result = fn()
         torch.cuda.synchronize()
     names = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-    return result, sum("prepare_kernel" in n for n in names)
-
-
-# Slots between the forward's checkpoints (csrc/checkpoints.cpp): a backward
-# window of ~1 GiB of scratch (35328 + 2 * 32768 + 34304 bytes per slot and head).
-def _checkpoint_every(H):
-    return max((1 << 30) // (H * 135168), 16)
+    k2 = sum("recurrence_kernel" in n and "ds_recurrence" not in n for n in names)
+    return result, sum("prepare_kernel" in n for n in names), k2
 
 
 def _assert_checkpoints_are_prefix_states(g, ckpt):
-    """ckpt[w] is bitwise the final state of a forward over the tokens before
-    window w (ckpt[0]: the initial state)."""
+    """ckpt[s] is bitwise the fp32 final state of a forward over the tokens
+    before slot s, rounded to bf16 (ckpt[0]: the initial state's), for a few
+    slots of one fixed-length sequence."""
     init = g["initial_state"]
-    every = _checkpoint_every(g["q"].shape[2])
-    assert torch.equal(ckpt[0], init[0])
-    for w in range(1, ckpt.shape[0]):
-        n = w * every * 16
+    slots = ckpt.shape[0]
+    assert slots == math.ceil(g["q"].shape[1] / 16)
+    assert torch.equal(ckpt[0], init[0].bfloat16())
+    for s in sorted({1, slots // 3, slots - 1} - {0}):
+        n = s * 16
         prefix = [t[:, :n] for t in positional(g)[:5]] + list(positional(g)[5:])
         _, state = torch.ops.kda.fwd(*prefix, None, -5.0, init, True, None)
-        assert torch.equal(ckpt[w], state[0]), w
+        assert torch.equal(ckpt[s], state[0].bfloat16()), s
 
 
-@pytest.mark.parametrize("window,T,H,windows,own_windows", [
-    (None, 10000, 16, 2, 2), (None, 4000, 96, 4, 4), ("7", 4000, 96, 4, 36), ("0", 300, 2, 1, 1)])
-def test_forward_checkpoints_serve_the_backward_bitwise(window, T, H, windows, own_windows, monkeypatch):
+@pytest.mark.parametrize("window,T,H,windows", [
+    (None, 10000, 16, 2), (None, 4000, 96, 4), ("7", 4000, 96, 36), ("0", 300, 2, 1)])
+def test_forward_checkpoints_serve_the_backward_bitwise(window, T, H, windows, monkeypatch):
     """kda._fwd_checkpointed returns fwd's outputs bit for bit and the state at
-    the start of each backward window (bitwise a prefix forward's final state).
-    kda.bwd given them runs their windows and no forward pass of its own (K1 once
-    per window, against twice but once without them) and gives the gradients it
-    gives without them, bit for bit, also when called again: the checkpoints are
-    left as they were. TORCH_KDA_WINDOW_SLOTS moves the backward's own windows
-    (7 slots: 36 of them) but not the checkpoints."""
+    every chunk slot's start in bf16 (bitwise a prefix forward's final state,
+    rounded). kda.bwd given them runs no K2 (against one pass per window and the
+    checkpoint pass without them: K1 once per window, against twice but once)
+    and gives the gradients it gives without them, bit for bit, also when called
+    again: the checkpoints are left as they were. TORCH_KDA_WINDOW_SLOTS moves
+    the windows (7 slots: 36 of them) but not the checkpoints."""
     if window is None:
         monkeypatch.delenv("TORCH_KDA_WINDOW_SLOTS", raising=False)
     else:
@@ -993,28 +1020,82 @@ def test_forward_checkpoints_serve_the_backward_bitwise(window, T, H, windows, o
     out, final, ckpt = torch.ops.kda._fwd_checkpointed(*positional(g), None, -5.0, init, True, None)
     want_out, want_final = torch.ops.kda.fwd(*positional(g), None, -5.0, init, True, None)
     assert torch.equal(out, want_out) and torch.equal(final, want_final)
-    assert ckpt.shape == (windows, H, D, D)
+    assert ckpt.shape == (math.ceil(T / 16), H, D, D) and ckpt.dtype == torch.bfloat16
     _assert_checkpoints_are_prefix_states(g, ckpt)
 
     grad_out = torch.randn(*g["v"].shape, device=DEV).to(torch.bfloat16)
     gf = torch.randn_like(init)
     kw = dict(lower_bound=-5.0, initial_state=init)
     saved = ckpt.clone()
-    want, k1_without = _prepare_launches(lambda: torch.ops.kda.bwd(grad_out, gf, *positional(g), **kw))
-    got, k1_with = _prepare_launches(lambda: torch.ops.kda.bwd(grad_out, gf, *positional(g), checkpoints=ckpt, **kw))
+    want, k1_without, k2_without = _recurrence_launches(lambda: torch.ops.kda.bwd(grad_out, gf, *positional(g), **kw))
+    got, k1_with, k2_with = _recurrence_launches(
+        lambda: torch.ops.kda.bwd(grad_out, gf, *positional(g), checkpoints=ckpt, **kw))
     again = torch.ops.kda.bwd(grad_out, gf, *positional(g), checkpoints=ckpt, **kw)
-    assert (k1_with, k1_without) == (windows, 2 * own_windows - 1)
+    assert (k1_with, k2_with) == (windows, 0)
+    assert k1_without == k2_without == 2 * windows - 1
     assert torch.equal(ckpt, saved)
     for name, x, y, z in zip(GRAD_NAMES, got, want, again):
         assert torch.equal(x, y) and torch.equal(z, y), name
+
+
+@pytest.mark.parametrize("window", ["0", "5"])
+def test_forward_checkpoints_serve_a_varlen_backward_bitwise(window, monkeypatch):
+    """A varlen batch (an empty sequence, partial chunks): kda._fwd_checkpointed's
+    checkpoints (min(T, ceil(T / 16) + N) slots, the last N zeroed before the
+    forward, so that the output holds no uninitialised memory: NaN-filled
+    allocations here) give kda.bwd the gradients it gives without them, bit for
+    bit, in one pass and in windows of 5 slots, with no K2 launch."""
+    from conftest import nan_filled_empty
+
+    monkeypatch.setenv("TORCH_KDA_WINDOW_SLOTS", window)
+    _, g = cuda_inputs(seqlens=[37, 0, 100, 16], H=3, state_dtype=torch.float32)
+    init = g["initial_state"]
+    with nan_filled_empty():
+        out, final, ckpt = torch.ops.kda._fwd_checkpointed(*positional(g), None, -5.0, init, True, g["cu_seqlens"])
+    assert ckpt.shape == (min(153, math.ceil(153 / 16) + 4), 3, D, D)  # 14 slots, 3 + 7 + 1 chunks
+    assert not torch.isnan(ckpt.float()).any()
+    assert torch.equal(ckpt[11:], torch.zeros_like(ckpt[11:]))
+    want_out, want_final = torch.ops.kda.fwd(*positional(g), None, -5.0, init, True, g["cu_seqlens"])
+    assert torch.equal(out, want_out) and torch.equal(final, want_final)
+    grad_out = torch.randn(*g["v"].shape, device=DEV).to(torch.bfloat16)
+    gf = torch.randn_like(init)
+    kw = dict(lower_bound=-5.0, initial_state=init, cu_seqlens=g["cu_seqlens"])
+    want = torch.ops.kda.bwd(grad_out, gf, *positional(g), **kw)
+    got, _, k2 = _recurrence_launches(lambda: torch.ops.kda.bwd(grad_out, gf, *positional(g), checkpoints=ckpt, **kw))
+    assert k2 == 0
+    for name, x, y in zip(GRAD_NAMES, got, want):
+        assert torch.equal(x, y), name
+
+
+def test_save_states_off_keeps_nothing(monkeypatch):
+    """TORCH_KDA_SAVE_STATES=0: the forward keeps no states (an empty
+    checkpoints output) and torch_kda.kda's backward recomputes them (K2 runs
+    there), with the same gradients bit for bit."""
+    _, g = cuda_inputs(B=1, T=300, H=2, state_dtype=torch.float32)
+    names = ("q", "k", "v", "g", "beta", "A_log", "dt_bias")
+
+    def grads_and_k2(setting):
+        monkeypatch.setenv("TORCH_KDA_SAVE_STATES", setting)
+        leaves = {n: g[n].detach().clone().requires_grad_() for n in names}
+        out, _ = torch_kda.kda(*(leaves[n] for n in names), lower_bound=-5.0, initial_state=g["initial_state"])
+        _, _, k2 = _recurrence_launches(lambda: out.backward(torch.ones_like(out)))
+        return [leaves[n].grad for n in names], k2
+
+    monkeypatch.setenv("TORCH_KDA_SAVE_STATES", "0")
+    assert torch.ops.kda._fwd_checkpointed(*positional(g), None, -5.0, None, False, None)[2].shape == (0, 2, D, D)
+    off, k2_off = grads_and_k2("0")
+    on, k2_on = grads_and_k2("1")
+    assert (k2_off, k2_on) == (1, 0)
+    for name, x, y in zip(names, off, on):
+        assert torch.equal(x, y), name
 
 
 @pytest.mark.parametrize("shape", ["8x1", "4x1", "4x1w", "2x1", "2x2", "4x4"])
 def test_backward_and_checkpoints_in_every_block_shape(shape, monkeypatch):
     """Each K2 block shape in the backward's passes (K2 without output), in
     windows of 5 slots (the checkpoint pass and the carries too): gradients
-    against float64; and in the forward's checkpoint stores: bitwise a prefix
-    forward's final states (4000 tokens x 96 heads: 4 windows)."""
+    against float64; and in the forward's chunk-state stores: bitwise a prefix
+    forward's final states, rounded (4000 tokens x 96 heads)."""
     monkeypatch.setenv("TORCH_KDA_RECURRENCE_BLOCK", shape)
     monkeypatch.setenv("TORCH_KDA_WINDOW_SLOTS", "5")
     d, g = cuda_inputs(B=2, T=300, H=4, state_dtype=torch.float32)
@@ -1022,7 +1103,6 @@ def test_backward_and_checkpoints_in_every_block_shape(shape, monkeypatch):
     check_grads(shape, got, ref)
     _, g = cuda_inputs(B=1, T=4000, H=96, state_dtype=torch.float32)
     _, _, ckpt = torch.ops.kda._fwd_checkpointed(*positional(g), None, -5.0, g["initial_state"], False, None)
-    assert ckpt.shape[0] == 4
     _assert_checkpoints_are_prefix_states(g, ckpt)
 
 
@@ -1071,13 +1151,14 @@ def test_forced_ds_block_shape_is_checked(monkeypatch):
 
 
 def test_autograd_uses_the_forward_checkpoints(monkeypatch):
-    """torch_kda.kda with a gradient wanted on CUDA keeps the checkpoints and its
-    backward starts from them (K1 once per window): the gradients of kda.bwd
+    """torch_kda.kda with a gradient wanted on CUDA keeps the chunk-start states
+    and its backward runs no K2 (K1 once per window): the gradients of kda.bwd
     without them, bit for bit, again on a second backward through the same
     graph, and with a gradient into the final state alone (out's then zero)."""
     monkeypatch.delenv("TORCH_KDA_WINDOW_SLOTS", raising=False)
+    monkeypatch.delenv("TORCH_KDA_SAVE_STATES", raising=False)
     _, g = cuda_inputs(B=1, T=4000, H=96, state_dtype=torch.float32)
-    windows = math.ceil(250 / _checkpoint_every(96))
+    windows = math.ceil(250 / _window_floor(96))
     assert windows == 4
     names = ("q", "k", "v", "g", "beta", "A_log", "dt_bias")
     leaves = {n: g[n].detach().clone().requires_grad_() for n in names}
@@ -1091,22 +1172,22 @@ def test_autograd_uses_the_forward_checkpoints(monkeypatch):
         want = torch.ops.kda.bwd(grads[0] if len(grads) == 2 else torch.zeros_like(out), gf, *positional(g), **kw)
         for t in (*leaves.values(), init):
             t.grad = None
-        _, k1 = _prepare_launches(lambda: torch.autograd.backward(outputs, grads, retain_graph=True))
-        assert k1 == windows, len(grads)
+        _, k1, k2 = _recurrence_launches(lambda: torch.autograd.backward(outputs, grads, retain_graph=True))
+        assert (k1, k2) == (windows, 0), len(grads)
         for name, t, y in zip(GRAD_NAMES, (*leaves.values(), init), want):
             assert torch.equal(t.grad, y), (len(grads), name)
 
 
 def test_opcheck_cuda_fwd_checkpointed():
-    for kw, state in ((dict(B=1, T=100), torch.float32), (dict(seqlens=[10, 0, 33]), torch.float32),
-                      (dict(B=1, T=21), None)):
+    for kw, state, slots in ((dict(B=1, T=100), torch.float32, 7), (dict(seqlens=[10, 0, 33]), torch.float32, 6),
+                             (dict(B=1, T=21), None, 2)):
         _, g = cuda_inputs(H=2, state_dtype=state, **kw)
         args = [t.detach().requires_grad_() for t in positional(g)]
         torch.library.opcheck(torch.ops.kda._fwd_checkpointed.default,
                               (*args, None, -5.0, g["initial_state"], True, g["cu_seqlens"]))
         out, _, ckpt = torch.ops.kda._fwd_checkpointed(*positional(g), None, -5.0, g["initial_state"], True,
                                                        g["cu_seqlens"])
-        assert ckpt.shape[0] == (1 if kw.get("B") == 1 else 0)
+        assert ckpt.shape == (slots, 2, D, D)
         torch.library.opcheck(
             torch.ops.kda.bwd.default, (torch.randn_like(out), None, *positional(g)),
             {"lower_bound": -5.0, "initial_state": g["initial_state"], "cu_seqlens": g["cu_seqlens"],

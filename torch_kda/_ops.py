@@ -76,8 +76,8 @@ def kda(
         and torch.is_grad_enabled()
         and any(isinstance(t, torch.Tensor) and t.requires_grad for t in differentiable)
     ):
-        # Keeps the states the CUDA backward's windows start from, so that the
-        # backward need not run a forward pass for them first.
+        # Keeps every chunk-start state (bf16, 2 KiB per token and head), so
+        # that the CUDA backward need not recompute them.
         out, final_state, _ = torch.ops.kda._fwd_checkpointed(*args)
     else:
         out, final_state = torch.ops.kda.fwd(*args)
@@ -143,7 +143,7 @@ def _setup_context(ctx, inputs, output):
 def _setup_context_checkpointed(ctx, inputs, output):
     checkpoints = output[2]
     ctx.mark_non_differentiable(checkpoints)
-    # No zero-filled gradient for the checkpoints (64 KiB per head and window);
+    # No zero-filled gradient for the checkpoints (2 KiB per token and head);
     # the backward fills in out's where it is missing.
     ctx.set_materialize_grads(False)
     _save(ctx, inputs, checkpoints)

@@ -27,18 +27,33 @@ constexpr int64_t kOnePassScratch = int64_t{256} << 20;
 // where the memory is there: at most a quarter of the device's. (Windows along
 // each sequence would serve both.)
 constexpr int64_t kOnePassScratchSeveralSequences = int64_t{32} << 30;
+// With the forward's chunk-start states a window costs no forward pass, only
+// the dS recurrence's parallelism across the sequences it holds: calls of
+// several sequences then run in as few equal windows as hold at most this
+// much scratch each (8 x 8192 tokens x 32 heads: two windows of four
+// sequences, 19.15 GiB of one pass down to ~13 GiB at the step's peak).
+constexpr int64_t kWindowScratchSeveralSequences = int64_t{8} << 30;
 
 }  // namespace
 
-int64_t backward_window_slots(const FwdParams& p, int64_t device_memory) {
+int64_t backward_window_slots(const FwdParams& p, int64_t device_memory, bool saved_states) {
   if (const char* env = std::getenv("TORCH_KDA_WINDOW_SLOTS"); env != nullptr && *env != '\0') {
     return window_slots(p, "kda.bwd");  // the forward's reading of it (checks the value)
   }
-  const int64_t per_slot = p.H * kBwdSlotScratchBytes;
+  const int64_t per_slot = p.H * (kBwdSlotScratchBytes - (saved_states ? kBwdStateBytes : 0));
+  if (saved_states && p.N > 1) {
+    const int64_t limit = std::min(kWindowScratchSeveralSequences, device_memory / 4);
+    const int64_t windows = std::max<int64_t>(1, (p.num_slots * per_slot + limit - 1) / limit);
+    return (p.num_slots + windows - 1) / windows;
+  }
   const int64_t one_pass_limit =
       p.N > 1 ? std::min(kOnePassScratchSeveralSequences, device_memory / 4) : kOnePassScratch;
   if (p.num_slots * per_slot <= one_pass_limit) {
     return p.num_slots;
+  }
+  if (saved_states) {  // no checkpoints to balance against
+    const int64_t w = backward_window_floor(p.H);
+    return w >= p.num_slots ? p.num_slots : w;
   }
   // Windows hold about 1 GiB of scratch or more (fewer, longer windows: the
   // checkpoint pass covers all windows but the last). Scratch grows with the
@@ -52,7 +67,7 @@ int64_t backward_window_slots(const FwdParams& p, int64_t device_memory) {
 }
 
 void run_backward(const BackwardCall& call, const at::Tensor& like, int64_t window, RecurrenceBlock block,
-                  DsBlock ds_block, const float* saved_checkpoints) {
+                  DsBlock ds_block, const void* saved_states) {
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(like.device().index()).stream();
   const auto f32 = like.options().dtype(at::kFloat);
   FwdParams p = call.fwd;
@@ -61,10 +76,11 @@ void run_backward(const BackwardCall& call, const at::Tensor& like, int64_t wind
     window = S;
   }
   const int64_t windows = S > 0 ? (S + window - 1) / window : 1;
+  const bool recur = saved_states == nullptr;  // K2's passes make the chunk-start states
   // K2's passes here move only the states: no output, no final state.
   at::Tensor workspace = at::empty({window, H, kWsChunkFloats}, f32);
   const auto bf16 = like.options().dtype(at::kBFloat16);
-  at::Tensor states = at::empty({window, H, D, D}, bf16);
+  at::Tensor states = recur ? at::empty({window, H, D, D}, bf16) : at::Tensor();
   at::Tensor d_states = at::empty({window, H, D, D}, bf16);
   at::Tensor d_record = at::empty({window, H, kDRecFloats}, f32);
   p.out = nullptr;
@@ -72,9 +88,11 @@ void run_backward(const BackwardCall& call, const at::Tensor& like, int64_t wind
   p.workspace = workspace.data_ptr<float>();
 
   at::Tensor carry, d_carry, checkpoints;
-  if (windows > 1 && saved_checkpoints == nullptr) {
-    carry = at::empty({N, H, D, D}, f32);
+  if (windows > 1) {
     d_carry = at::empty({N, H, D, D}, f32);
+  }
+  if (windows > 1 && recur) {
+    carry = at::empty({N, H, D, D}, f32);
     // checkpoints[w]: every sequence's state at window w + 1's start (only those
     // of the sequences that run on into window w + 1 are read).
     checkpoints = at::empty({windows - 1, N, H, D, D}, f32);
@@ -90,37 +108,27 @@ void run_backward(const BackwardCall& call, const at::Tensor& like, int64_t wind
     }
   }
 
-  if (windows > 1 && saved_checkpoints != nullptr) {
-    carry = at::empty({N, H, D, D}, f32);
-    d_carry = at::empty({N, H, D, D}, f32);
-  }
-
   // All on the caller's stream, in order. K2 storing the states and the dS
   // recurrence share only the records and were run side by side on two streams
   // once (fifth session): both issue-bound, each ran slower, and the step was
   // slower on four of five cases, so they run one after the other.
-  p.chunk_states = states.data_ptr();
+  p.chunk_states = recur ? states.data_ptr() : nullptr;
   p.lo_for_backward = true;  // the dS recurrence reads all of the records
   for (int64_t w = windows - 1; w >= 0; --w) {
     p.slot_begin = w * window;
     p.slot_end = std::min(S, p.slot_begin + window);
-    // K2 reads the state of a sequence that runs on from an earlier window from
-    // the checkpoint (and writes it back there at the end: not read again). The
-    // forward's checkpoints are the caller's (autograd keeps them for another
-    // backward): K2 gets a copy.
-    if (saved_checkpoints != nullptr && w > 0) {
-      C10_CUDA_CHECK(cudaMemcpyAsync(carry.data_ptr(), saved_checkpoints + w * N * H * D * D, N * H * kFp32StateBytes,
-                                     cudaMemcpyDeviceToDevice, stream));
-      p.carry = carry.data_ptr<float>();
-    } else {
-      p.carry = w > 0 ? checkpoints[w - 1].data_ptr<float>() : (carry.defined() ? carry.data_ptr<float>() : nullptr);
-    }
     launch_prepare(p, stream);
-    launch_recurrence(p, stream, block);
+    if (recur) {
+      // K2 reads the state of a sequence that runs on from an earlier window
+      // from the checkpoint (and writes it back there at the end: not read again).
+      p.carry = w > 0 ? checkpoints[w - 1].data_ptr<float>() : (carry.defined() ? carry.data_ptr<float>() : nullptr);
+      launch_recurrence(p, stream, block);
+    }
 
     SweepBwdParams sp;
     sp.fwd = p;
-    sp.states = states.data_ptr();
+    sp.states = recur ? states.data_ptr()
+                      : static_cast<const unsigned char*>(saved_states) + p.slot_begin * H * kBwdStateBytes;
     sp.grad_out = call.grad_out;
     sp.grad_out_fp32 = call.grad_out_fp32;
     sp.grad_final = call.grad_final;

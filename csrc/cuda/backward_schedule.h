@@ -4,16 +4,17 @@
 // (35,328 bytes), the state at the chunk's start and dS at its end (32,768
 // bytes each, bf16: they reach only the record gradients' products) and the
 // record's gradients (34,304 bytes): 8.25 KB per (token, head), 2.06 GiB for one
-// pass at 8192 tokens x 32 heads. Where one pass
-// would hold too much (backward_schedule.cpp), the slots are cut into windows: every
-// sequence's state at each window's start (a checkpoint) comes from the forward
-// (kda._fwd_checkpointed, checkpoints.h) or else from a first forward pass (K1, K2
-// without output), then the windows run from the last to the first: K1 (records),
-// K2 from the checkpoint (chunk-start states), the dS recurrence from the dS
-// that the later window left in a carry, the record gradients, and K1's
-// backward, which writes the window's tokens of the gradients. The carries are
-// fp32 and every kernel computes what it computes in one pass, so the gradients
-// are bitwise those of one pass.
+// pass at 8192 tokens x 32 heads. The chunk-start states come from the forward
+// (kda._fwd_checkpointed keeps them, checkpoints.h) or else from K2's passes
+// here. Where one pass would hold too much (backward_schedule.cpp), the slots
+// are cut into windows, run from the last to the first: K1 (records), K2 (the
+// chunk-start states, without the forward's: from every sequence's state at
+// the window's start, a checkpoint that a first forward pass of K1 and K2
+// without output makes), the dS recurrence from the dS that the later window
+// left in a carry, the record gradients, and K1's backward, which writes the
+// window's tokens of the gradients. The carries are fp32 and every kernel
+// computes what it computes in one pass, so the gradients are bitwise those of
+// one pass, with or without the forward's states.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -37,17 +38,17 @@ struct BackwardCall {
 };
 
 // The chunk slots per window for this call (device_memory: the device's total,
-// in bytes): params.num_slots for one pass. Reads TORCH_KDA_WINDOW_SLOTS (as
-// the forward does; raises on a bad value).
-int64_t backward_window_slots(const FwdParams& params, int64_t device_memory);
+// in bytes; saved_states: the forward's chunk-start states are given):
+// params.num_slots for one pass. Reads TORCH_KDA_WINDOW_SLOTS (as the forward
+// does; raises on a bad value).
+int64_t backward_window_slots(const FwdParams& params, int64_t device_memory, bool saved_states);
 
 // Allocates the scratch (`like`: a tensor on the device, for the options and
 // the stream) and enqueues every kernel of the backward on the
 // current stream of its device, in windows of `window` slots.
-// saved_checkpoints: null, or the state of every sequence at each window's start,
-// fp32 [windows, N, H, 128, 128] (kda._fwd_checkpointed's, its first entry
-// unread): the first forward pass is then skipped.
+// saved_states: null, or the state at the start of every chunk slot, bf16
+// [num_slots, H, 128, 128] (kda._fwd_checkpointed's): K2 then does not run.
 void run_backward(const BackwardCall& call, const at::Tensor& like, int64_t window, RecurrenceBlock block,
-                  DsBlock ds_block, const float* saved_checkpoints = nullptr);
+                  DsBlock ds_block, const void* saved_states = nullptr);
 
 }  // namespace kda::cuda

@@ -7,6 +7,7 @@
 // so that a malformed cu_seqlens gives wrong numbers but never an access out
 // of bounds (params.h).
 #include <c10/cuda/CUDAException.h>
+#include <cuda_bf16.h>
 
 #include "cuda/launch.h"
 
@@ -66,7 +67,41 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
+// Block b: tokens [16 b, 16 b + 16) of the rows (`width` bf16 elements per
+// token) outside [seq[0], seq[N]), the only tokens no chunk covers.
+__global__ void __launch_bounds__(128) zero_uncovered_kernel(const int64_t* seq, int64_t N, int64_t tokens,
+                                                             ZeroRows rows) {
+  const int64_t lo = seq[0], hi = seq[N];
+  const int64_t t0 = int64_t{blockIdx.x} * kChunk;
+  if (t0 >= lo && t0 + kChunk <= hi) {
+    return;  // the whole block covered: every block but a few
+  }
+  for (int r = 0; r < ZeroRows::kMax; ++r) {
+    if (rows.base[r] == nullptr) {
+      continue;
+    }
+    const int64_t width = rows.width[r];
+    for (int64_t t = t0; t < t0 + kChunk && t < tokens; ++t) {
+      if (t < lo || t >= hi) {
+        for (int64_t e = threadIdx.x; e < width; e += blockDim.x) {
+          static_cast<__nv_bfloat16*>(rows.base[r])[t * width + e] = __float2bfloat16_rn(0.f);
+        }
+      }
+    }
+  }
+}
+
 }  // namespace
+
+void launch_zero_uncovered(const int64_t* seq, int64_t N, int64_t tokens, const ZeroRows& rows,
+                           cudaStream_t stream) {
+  const int64_t blocks = (tokens + kChunk - 1) / kChunk;
+  if (blocks == 0) {
+    return;
+  }
+  zero_uncovered_kernel<<<static_cast<unsigned int>(blocks), 128, 0, stream>>>(seq, N, tokens, rows);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
 
 void launch_boundaries(const void* cu_seqlens, bool cu_int32, int64_t N, int64_t tokens, int64_t* seq,
                        int64_t* chunks, cudaStream_t stream) {

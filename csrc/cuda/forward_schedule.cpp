@@ -59,10 +59,14 @@ void run_forward(FwdParams p, const at::Tensor& like, int64_t window, Recurrence
   // One stream: K1 of window w + 1 overwrites the records only after K2 of
   // window w has read them. A call without slots (only empty sequences) still
   // runs one K2, which moves the initial states to the final ones.
+  auto* const chunk_states = static_cast<unsigned char*>(p.chunk_states);  // all the call's slots, or null
   int64_t begin = 0;
   do {
     p.slot_begin = begin;
     p.slot_end = std::min(p.num_slots, begin + window);
+    if (chunk_states != nullptr) {
+      p.chunk_states = chunk_states + begin * p.H * kBwdStateBytes;
+    }
     launch_prepare(p, stream);
     launch_recurrence(p, stream, block);
     begin = p.slot_end;

@@ -279,16 +279,6 @@ __device__ __forceinline__ void recurrence_body(const FwdParams& p) {
     }
   }
 
-  // The sequence's next chunk (counted from its first) whose starting state is
-  // a checkpoint, and the same counted from the part's first (c); none
-  // without checkpoints.
-  int64_t next_checkpoint = -1;
-  int next_checkpoint_c = -1;
-  if (kOut && p.checkpoints != nullptr) {
-    next_checkpoint = (lo - c_begin + p.checkpoint_every - 1) / p.checkpoint_every * p.checkpoint_every;
-    next_checkpoint_c = static_cast<int>(next_checkpoint - (lo - c_begin));
-  }
-
   // Lane l writes token row l / 2 of a chunk's out, half l % 2 of the row group's
   // 16 values; with four split warps, lane l < 8 token 8 (ks / 2) + l, half ks % 2.
   const int out_token = kSplit == 4 ? 8 * kOwn4 + lane % 8 : lane / 2;
@@ -307,34 +297,18 @@ __device__ __forceinline__ void recurrence_body(const FwdParams& p) {
       refill();
     }
     cp_async_commit();
-    // For the backward: the state at this chunk's start, at every chunk
-    // (its passes) or at each of its windows' starts (the forward's checkpoints).
-    // The checkpoints restart K2 and stay fp32; the chunk states reach only the
-    // record gradients' products, which take them in bf16.
-    auto store_state = [&](void* base, int64_t index, bool fp32) {
-      const int64_t cs = ((index * H + h) * D + v0 + g) * D;
-#pragma unroll
-      for (int j = 0; j < kNt; ++j) {
-        const int k0 = 8 * (j0 + j) + 2 * t;
-        store_state_pair(base, cs + k0, fp32, s[j][0], s[j][1]);
-        store_state_pair(base, cs + 8 * D + k0, fp32, s[j][2], s[j][3]);
-      }
-    };
-    if (!kOut && p.chunk_states != nullptr) {
-      // bf16, two n-tiles per 8-byte store (quad_piece): whole 32-byte sectors,
-      // where 4-byte stores wrote each in halves (K2's passes 1.112 -> 0.647 ms
-      // at 8192 x 64 heads, 2.460 -> 1.753 at 32768 x 32; H200).
+    // For the backward (its passes, or the forward of kda._fwd_checkpointed):
+    // the state at this chunk's start, bf16, two n-tiles per 8-byte store
+    // (quad_piece): whole 32-byte sectors, where 4-byte stores wrote each in
+    // halves (K2's passes 1.112 -> 0.647 ms at 8192 x 64 heads, 2.460 -> 1.753
+    // at 32768 x 32; H200). The record gradients take it in bf16.
+    if (p.chunk_states != nullptr) {
       __nv_bfloat16* cs = static_cast<__nv_bfloat16*>(p.chunk_states) +
                           (((lo + c - p.slot_begin) * H + h) * D + v0 + g) * D + 8 * j0 + quad_piece_column(t);
 #pragma unroll
       for (int jj = 0; jj < kNt / 2; ++jj) {
         store_tile_pair_bf16<false>(cs + 16 * jj, D, s[2 * jj], s[2 * jj + 1], t & 1);
       }
-    }
-    if (kOut && c == next_checkpoint_c) {
-      store_state(p.checkpoints, next_checkpoint / p.checkpoint_every, true);
-      next_checkpoint += p.checkpoint_every;
-      next_checkpoint_c += static_cast<int>(p.checkpoint_every);
     }
     const St& st = stages[stage];
     stage = stage + 1 == kSt ? 0 : stage + 1;

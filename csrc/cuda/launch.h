@@ -17,6 +17,19 @@ namespace kda::cuda {
 void launch_boundaries(const void* cu_seqlens, bool cu_int32, int64_t N, int64_t tokens, int64_t* seq,
                        int64_t* chunks, cudaStream_t stream);
 
+// Rows of bf16 tensors [tokens, width] to clear where no chunk covers a token.
+struct ZeroRows {
+  static constexpr int kMax = 5;
+  void* base[kMax] = {};  // bf16; null: unused
+  int64_t width[kMax] = {};
+};
+
+// Varlen only: zeros the rows of the tokens outside [seq[0], seq[N]) (seq from
+// launch_boundaries), which no chunk covers: only a malformed cu_seqlens
+// leaves any, and the kernels write every covered token.
+void launch_zero_uncovered(const int64_t* seq, int64_t N, int64_t tokens, const ZeroRows& rows,
+                           cudaStream_t stream);
+
 // K1: token-parallel, one block per (chunk, head): gate, L2 norms, decays,
 // the chunk's matrices and the inverse; fills the workspace.
 void launch_prepare(const FwdParams& params, cudaStream_t stream);

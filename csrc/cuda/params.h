@@ -90,16 +90,12 @@ struct FwdParams {
   float* workspace = nullptr;   // [slot_end - slot_begin, H] records of kWsChunkBytes
   // fp32 [N, H, V, K]: the states between windows; null with one window.
   float* carry = nullptr;
-  // bf16 [slot_end - slot_begin, H, V, K]: K2 stores the state at each chunk's
-  // start here, rounded once, indexed from the window's first slot (for the
-  // backward's record gradients, which multiply by it in bf16); null in the
-  // forward. The state itself stays fp32 on chip.
+  // bf16 [slot_end - slot_begin, H, V, K] or null: K2 stores the state at each
+  // chunk's start here, rounded once, indexed from the window's first slot (for
+  // the backward's record gradients, which multiply by it in bf16): in the
+  // backward's passes, or in the forward for kda._fwd_checkpointed. The state
+  // itself stays fp32 on chip.
   void* chunk_states = nullptr;
-  // fp32 [count, H, V, K] or null: the forward's K2 also stores the state at
-  // the start of every checkpoint_every-th chunk slot of sequence 0 (a single
-  // sequence: checkpoints.h), for the backward's windows.
-  float* checkpoints = nullptr;
-  int64_t checkpoint_every = 0;
   // K1 also writes the lo planes of Qs and Aqk (the backward's dS recurrence
   // reads them; the forward's recurrence does not).
   bool lo_for_backward = false;
