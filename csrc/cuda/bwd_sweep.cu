@@ -464,7 +464,8 @@ void launch_ds_for(const SweepBwdParams& bp, cudaStream_t stream, DsBlock block)
 // The record gradients: one block of eight warps per (chunk slot, head).
 //
 // S0 and dS1 (bf16, as stored) each have a plane, and of the record only W and
-// U0 are loaded: 108 KB of shared memory, two blocks per SM. Every load is issued
+// M are loaded, with v, for U = M v - W S0^T: 105 KB of shared memory, two
+// blocks per SM. Every load is issued
 // at the block's start, dS1's in a copy group of its own that the products
 // reading S0 do not wait for (the kernel moves ~118 KB per chunk and head; with
 // dS1 loaded after those products, into S0's plane, it waited on memory for
@@ -477,13 +478,15 @@ struct __align__(16) GradSmem {
   __nv_bfloat16 mat[D * D];      // S0 [v][k], as stored; swizzled 128-wide rows (plane_index)
   __nv_bfloat16 ds1[D * D];      // dS1 [v][k], the same way
   __nv_bfloat16 w[2][C * D];     // the record's W planes, verbatim
-  float u0[C * D];               // the record's U0 [t][v]
+  __nv_bfloat16 v[C][D + 8];     // v [t][v] (zero past the sequence's end), for U0 = M v
+  __nv_bfloat16 m[2][C * C];     // the record's M planes, verbatim
   __nv_bfloat16 dout[2][C * D];  // dO [t][v], hi and lo (lo read only for an fp32 dO)
   __nv_bfloat16 u[2][C * D];     // U [t][v]
   __nv_bfloat16 du[2][C * D];    // dU [t][v]
   float dgl[kGradWarps][D];      // per warp: the sum over its rows of S0 * dS1
 };
-static_assert(kWsU0 - kWsW >= 2 * kPlaneBytes && kWsW % 16 == 0 && kWsU0 % 16 == 0, "W's planes, then U0");
+static_assert(kWsW % 16 == 0 && kWsM % 16 == 0 && offsetof(GradSmem, v) % 16 == 0 && offsetof(GradSmem, m) % 16 == 0,
+              "16-byte copies");
 
 // Four consecutive values of one row into the hi and lo planes at idx (a multiple of 4).
 __device__ __forceinline__ void store_split4(__nv_bfloat16* hi, __nv_bfloat16* lo, int idx, float4 x) {
@@ -585,14 +588,25 @@ __global__ void __launch_bounds__(kGradThreads, 2) record_grads_kernel(const Swe
   const __nv_bfloat16* s0g = static_cast<const __nv_bfloat16*>(bp.states) + (wslot * H + h) * D * D;
   const __nv_bfloat16* dsg = static_cast<const __nv_bfloat16*>(bp.d_states) + (wslot * H + h) * D * D;
 
-  {  // W's planes and U0 of the record, verbatim; S0
+  {  // W's and M's planes of the record, verbatim; v; S0
     const unsigned char* rec = reinterpret_cast<const unsigned char*>(p.workspace) + (wslot * H + h) * kWsChunkBytes;
-    const uint32_t w = smem_u32(&sm.w[0][0]), u0 = smem_u32(sm.u0);
+    const uint32_t w = smem_u32(&sm.w[0][0]);
 #pragma unroll
     for (int it = 0; it < 2 * kPlaneBytes / 16 / kGradThreads; ++it) {
       const int e = tid + it * kGradThreads;
       cp_async_16(w + e * 16, rec + kWsW + e * 16);
-      cp_async_16(u0 + e * 16, rec + kWsU0 + e * 16);
+    }
+    if (tid < 2 * kAqkPlaneBytes / 16) {
+      cp_async_16(smem_u32(&sm.m[0][0]) + tid * 16, rec + kWsM + tid * 16);
+    }
+    static_assert(C * D / 8 == kGradThreads, "one 16-byte piece of v a thread");
+    {
+      const int t = tid / (D / 8), col = (tid % (D / 8)) * 8;
+      if (t < len) {
+        cp_async_16(smem_u32(&sm.v[t][col]), static_cast<const __nv_bfloat16*>(p.v) + ((bos + t) * H + h) * D + col);
+      } else {
+        *reinterpret_cast<uint4*>(&sm.v[t][col]) = make_uint4(0u, 0u, 0u, 0u);
+      }
     }
     copy_matrix(sm.mat, s0g, tid);
     cp_async_commit();
@@ -621,8 +635,22 @@ __global__ void __launch_bounds__(kGradThreads, 2) record_grads_kernel(const Swe
   __syncthreads();
 
   // U^T = U0^T - S0 W^T for the warp's rows v0.. +16: W [t][k] with the tokens as
-  // the n dimension, as in K2.
+  // the n dimension, as in K2, and U0^T = v^T M^T as K2 forms it (v^T by
+  // ldmatrix.trans, M [i][j] as M^T's B fragment; v exact, M's hi and lo).
   {
+    float u0[2][4];
+    {
+      uint32_t va[4], mh[4], ml[4];
+      ldmatrix_x4_trans(va, &sm.v[(mi / 2) * 8 + mr][v0 + (mi % 2) * 8]);
+      const int row = (mi / 2) * 8 + mr, col = (mi % 2) * 8;
+      ldmatrix_x4(mh, &sm.m[0][row * C + col]);
+      ldmatrix_x4(ml, &sm.m[1][row * C + col]);
+#pragma unroll
+      for (int nt = 0; nt < 2; ++nt) {
+        mma_bf16_zero(u0[nt], va, ml[2 * nt], ml[2 * nt + 1]);
+        mma_bf16(u0[nt], va, mh[2 * nt], mh[2 * nt + 1]);
+      }
+    }
     float acc_u[2][2][4];  // written first by the kk = 0 products
 #pragma unroll
     for (int kk = 0; kk < D / 16; ++kk) {
@@ -643,7 +671,7 @@ __global__ void __launch_bounds__(kGradThreads, 2) record_grads_kernel(const Swe
       for (int e = 0; e < 4; ++e) {
         const int t = 8 * nt + 2 * t4 + (e & 1), v = v0 + g + 8 * (e >> 1);
         store_split(reinterpret_cast<unsigned char*>(sm.u[0]), kPlaneBytes, plane_index(t, v),
-                    sm.u0[t * D + v] - sum_terms(acc_u, nt, e));
+                    u0[nt][e] - sum_terms(acc_u, nt, e));
       }
     }
   }

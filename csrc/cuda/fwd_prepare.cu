@@ -29,20 +29,11 @@ constexpr int kAPitch = C + 4;
 // registers) measured no faster (K1 0.763 -> 0.776 ms at 8192 x 96, H200).
 constexpr int kMinBlocksPerSm = 6;
 
-// M's column d (d < 16) into the record at ws: (I + A_kk)^-1 times column d of
-// diag(beta). Not inlined: inlined after the backward records' W and U0 solve,
-// it spilled 644 bytes at 80 registers; called, it starts with nothing live.
-__device__ __noinline__ void solve_m_column(const float (*sA)[kAPitch], const float* sBeta, unsigned char* ws, int d) {
-  float x[C], y[C];
-  forward_substitute(
-      sA, [&](int i) { return make_float2(i == d ? sBeta[i] : 0.f, 0.f); }, x, y,
-      [&](int i, float xi, float) { store_split(ws + kWsM, kAqkPlaneBytes, i * C + d, xi); });
-}
-
 // kForBackward: the backward's records (FwdParams::lo_for_backward), which
-// also hold U0 and the lo planes of Qs and Aqk. Two kernels rather than a branch:
-// the forward's then neither loads v nor holds it (one kernel for both spilled
-// 612 bytes at the 80 registers of six blocks per SM).
+// also hold the lo planes of Qs and Aqk (the dS recurrence reads them). Neither
+// record holds U0 = M v: K2 and the backward's record gradients form it from v
+// and M on the tensor cores (K1 writing U0 for the backward read v and wrote
+// 8 KB more per chunk and head, which the record gradients read back).
 template <bool kForBackward>
 __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm) prepare_kernel(const FwdParams p) {
   // sQe and sKe first hold the raw q and k rows (load_chunk_inputs), then
@@ -62,11 +53,10 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm) prepare_kernel(cons
   const int64_t H = p.H, h = c.h;
   const int d = threadIdx.x;
   float G2[C], v[C];
-  // The forward's record has no U0 (params.h): v only for the backward's.
-  load_chunk_inputs<kPad>(p, c, sQe, sKe, sBeta, sInvNorm, G2, v, nullptr, kForBackward);
+  // The records have no U0 (params.h): no v.
+  load_chunk_inputs<kPad>(p, c, sQe, sKe, sBeta, sInvNorm, G2, v, nullptr, false);
 
   unsigned char* ws = reinterpret_cast<unsigned char*>(p.workspace) + ((c.slot - p.slot_begin) * H + h) * kWsChunkBytes;
-  float* ws_u0 = reinterpret_cast<float*>(ws + kWsU0);
   const float e_last = fast_exp2(G2[C - 1]);
   // Column d of every tile is this thread's alone until the next barrier.
 #pragma unroll
@@ -143,37 +133,24 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm) prepare_kernel(cons
   __syncthreads();
 
   // Forward substitution with the unit lower triangular (I + A_kk), column d
-  // of two right-hand sides: diag(beta) k^ exp(G) (W), and, in the forward,
-  // column d of diag(beta) (M's column d, stored by threads d < 16) or, for
-  // the backward, diag(beta) v (U0; M's columns then in a pass of their own).
+  // of two right-hand sides: diag(beta) k^ exp(G) (W) and column d of diag(beta)
+  // (M's column d, stored by threads d < 16).
   float x[C], y[C];
-  if constexpr (!kForBackward) {
-    auto rhs = [&](int i) { return make_float2(sBeta[i] * sKe[i][d], i == d ? sBeta[i] : 0.f); };
-    auto row = [&](int i, float xi, float yi) {
-      store_split(ws + kWsW, kPlaneBytes, record_index(i, d), xi);
-      if (d < C) {
-        store_split(ws + kWsM, kAqkPlaneBytes, i * C + d, yi);
-      }
-    };
-    // M's columns are the first warp's (d < 16): the other warps' second
-    // right-hand side is zero, and they skip it (a warp-uniform branch; with
-    // sA's four-entry loads K1 -3 to -5 %: 0.655 -> 0.631 ms at 8192 x 96 heads,
-    // H200).
-    if (d < 32) {
-      forward_substitute<kAPitch, true>(sA, rhs, x, y, row);
-    } else {
-      forward_substitute<kAPitch, false>(sA, rhs, x, y, row);
-    }
-  } else {
-    forward_substitute(
-        sA, [&](int i) { return make_float2(sBeta[i] * sKe[i][d], sBeta[i] * v[i]); }, x, y,
-        [&](int i, float xi, float yi) {
-          store_split(ws + kWsW, kPlaneBytes, record_index(i, d), xi);
-          ws_u0[i * D + d] = yi;
-        });
+  auto rhs = [&](int i) { return make_float2(sBeta[i] * sKe[i][d], i == d ? sBeta[i] : 0.f); };
+  auto row = [&](int i, float xi, float yi) {
+    store_split(ws + kWsW, kPlaneBytes, record_index(i, d), xi);
     if (d < C) {
-      solve_m_column(sA, sBeta, ws, d);
+      store_split(ws + kWsM, kAqkPlaneBytes, i * C + d, yi);
     }
+  };
+  // M's columns are the first warp's (d < 16): the other warps' second
+  // right-hand side is zero, and they skip it (a warp-uniform branch; with
+  // sA's four-entry loads K1 -3 to -5 %: 0.655 -> 0.631 ms at 8192 x 96 heads,
+  // H200).
+  if (d < 32) {
+    forward_substitute<kAPitch, true>(sA, rhs, x, y, row);
+  } else {
+    forward_substitute<kAPitch, false>(sA, rhs, x, y, row);
   }
 }
 

@@ -26,13 +26,16 @@ constexpr int kChunk = 16;     // tokens per chunk
 //   Kd  [16][128] hi, lo  exp(G_last - G) * k^         (writes the next state)
 //   Aqk [16][16]  hi      scale * (q^_i . k^_j exp(G_i - G_j)), j <= i
 //   Qs, Aqk lo            written only for the backward (FwdParams::lo_for_backward)
-//   U0  [16][128] fp32    (I + A_kk)^-1 diag(beta) v   written only for the backward
+//   (8 KB)                unused (U0 = (I + A_kk)^-1 diag(beta) v, fp32, once)
 //   gl  [128]     fp32    exp(G_last)
 //   M   [16][16]  hi, lo  (I + A_kk)^-1 diag(beta)      (U0 = M v)
-// The recurrence forms U0 = M v itself, from the chunk's v (bf16, exact) and
-// M's two planes: 1 KB of M where U0 takes 8 KB, and K1 then neither reads v
-// nor writes U0 in the forward (35 instead of 46 KB of K1 traffic per chunk and
-// head). The backward's record gradients read U0.
+// The recurrence and the backward's record gradients form U0 = M v themselves,
+// from the chunk's v (bf16, exact) and M's two planes: 1 KB of M where U0 takes
+// 8 KB, and K1 then neither reads v nor writes U0 (35 instead of 46 KB of K1
+// traffic per chunk and head; for the backward's records, which wrote U0 until
+// the fifteenth session, K1 -20 % and the record gradients -6 % at 8192 x 96
+// heads, H200). The unused bytes keep the other planes' offsets, which the
+// kernels' staging relies on.
 // Qs and Aqk reach only the output, which is rounded to bf16: the forward's
 // recurrence multiplies by their hi planes alone (out 1.66e-3 -> ~2.3e-3 of
 // float64 where the state dominates it; the state's products keep bf16x3;
