@@ -640,16 +640,8 @@ __global__ void __launch_bounds__(kGradThreads, 2) record_grads_kernel(const Swe
   {
     float u0[2][4];
     {
-      uint32_t va[4], mh[4], ml[4];
-      ldmatrix_x4_trans(va, &sm.v[(mi / 2) * 8 + mr][v0 + (mi % 2) * 8]);
       const int row = (mi / 2) * 8 + mr, col = (mi % 2) * 8;
-      ldmatrix_x4(mh, &sm.m[0][row * C + col]);
-      ldmatrix_x4(ml, &sm.m[1][row * C + col]);
-#pragma unroll
-      for (int nt = 0; nt < 2; ++nt) {
-        mma_bf16_zero(u0[nt], va, ml[2 * nt], ml[2 * nt + 1]);
-        mma_bf16(u0[nt], va, mh[2 * nt], mh[2 * nt + 1]);
-      }
+      form_u0_tiles(&sm.v[row][v0 + col], &sm.m[0][row * C + col], &sm.m[1][row * C + col], u0);
     }
     float acc_u[2][2][4];  // written first by the kk = 0 products
 #pragma unroll

@@ -327,19 +327,10 @@ __device__ __forceinline__ void recurrence_body(const FwdParams& p) {
     auto load_v_fragment = [&](uint32_t (&va)[4]) {
       ldmatrix_x4_trans(va, &st.v[(mi / 2) * 8 + mr][vloc + (mi % 2) * 8]);
     };
-    // U0^T = v^T M^T (full-width warps): M stored [i][j] is M^T's B fragment as
-    // it stands (as Aqk below); the small term first.
+    // U0^T = v^T M^T (full-width warps; M as Aqk below).
     auto form_u0 = [&](float (&dst)[2][4]) {
-      uint32_t va[4], mh[4], ml[4];
-      load_v_fragment(va);
       const int row = (mi / 2) * 8 + mr, col = (mi % 2) * 8;
-      ldmatrix_x4(mh, &st.m[0][row * C + col]);
-      ldmatrix_x4(ml, &st.m[1][row * C + col]);
-#pragma unroll
-      for (int nt = 0; nt < 2; ++nt) {
-        mma_bf16_zero(dst[nt], va, ml[2 * nt], ml[2 * nt + 1]);
-        mma_bf16(dst[nt], va, mh[2 * nt], mh[2 * nt + 1]);
-      }
+      form_u0_tiles(&st.v[row][vloc + col], &st.m[0][row * C + col], &st.m[1][row * C + col], dst);
     };
     float u0[2][4];  // U0^T (full-width warps)
     if constexpr (!kWg) {

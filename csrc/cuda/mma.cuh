@@ -78,6 +78,25 @@ __device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], const void* 
                : "r"(addr));
 }
 
+// U0^T = v^T M^T for 16 value rows and the chunk's 16 tokens, the two C tiles
+// of tokens 0-7 and 8-15: v_row is this lane's ldmatrix row of v [t][v] (token
+// (l / 16) * 8 + l % 8, value columns + (l / 8 % 2) * 8 of the 16), which
+// ldmatrix.trans turns into v^T's A fragment (v is exact in bf16); m_hi and
+// m_lo are the lane's rows of M [i][j] (row (l / 16) * 8 + l % 8, columns
+// (l / 8 % 2) * 8), M^T's B fragments as they stand. The small term first.
+__device__ __forceinline__ void form_u0_tiles(const void* v_row, const void* m_hi, const void* m_lo,
+                                              float (&dst)[2][4]) {
+  uint32_t va[4], mh[4], ml[4];
+  ldmatrix_x4_trans(va, v_row);
+  ldmatrix_x4(mh, m_hi);
+  ldmatrix_x4(ml, m_lo);
+#pragma unroll
+  for (int nt = 0; nt < 2; ++nt) {
+    mma_bf16_zero(dst[nt], va, ml[2 * nt], ml[2 * nt + 1]);
+    mma_bf16(dst[nt], va, mh[2 * nt], mh[2 * nt + 1]);
+  }
+}
+
 // Two 8x8 bf16 matrices: lanes 8i..8i+7 give the row addresses of matrix i
 // (lanes 16-31 too, unread).
 __device__ __forceinline__ void ldmatrix_x2(uint32_t (&r)[2], const void* smem_row) {
