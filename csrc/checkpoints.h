@@ -1,13 +1,15 @@
-// The states that kda._fwd_checkpointed keeps for the CUDA backward: the state
-// at the start of every chunk slot, in bf16 as the backward's record gradients
-// read it (cuda/backward_schedule.h), so that the backward runs no recurrence
-// pass of its own. Shared by the real and the Meta kernels, so that the
-// checkpoints' shape agrees by construction.
+// What kda._fwd_checkpointed keeps for the CUDA backward: the state at the
+// start of every chunk slot, in bf16 as the backward's record gradients read it
+// (cuda/backward_schedule.h), so that the backward runs no recurrence pass of
+// its own; and K1's records of every chunk slot (cuda/params.h), so that it
+// runs no K1 for them either. Shared by the real and the Meta kernels, so that
+// the shapes agree by construction.
 #pragma once
 
 #include <ATen/core/Tensor.h>
 
 #include <cstdint>
+#include <optional>
 
 #include "kda.h"
 
@@ -23,6 +25,14 @@ int64_t backward_window_floor(int64_t H);
 // in windows). Raises on another value.
 bool save_states_enabled(const char* op);
 
+// Whether kda._fwd_checkpointed also keeps the records (27,136 bytes per chunk
+// slot and head, 1.66 KiB per token and head): yes with the states unless
+// TORCH_KDA_SAVE_RECORDS=0; never without the states (the backward's passes
+// that recompute the states recompute the records too), and
+// TORCH_KDA_SAVE_RECORDS=1 with TORCH_KDA_SAVE_STATES=0 raises, as does any
+// other value.
+bool save_records_enabled(const char* op, bool states);
+
 // The checkpoints output: bf16 [slots, H, 128, 128] on q's device, slot s the
 // state at the start of chunk slot s (as the CUDA kernels number the slots:
 // B * ceil(T / 16) for fixed length, min(T, ceil(T / 16) + N) with cu_seqlens;
@@ -30,9 +40,15 @@ bool save_states_enabled(const char* op);
 // when the states are not saved. A function of the shapes alone.
 at::Tensor allocate_checkpoints(const Problem& p, const at::Tensor& q, bool varlen, bool save);
 
-// The checkpoints a backward call was given: empty (none), or what
-// allocate_checkpoints gives for the same shapes, contiguous.
-void check_checkpoints(const char* op, const Problem& p, bool varlen, const at::Tensor& q,
-                       const at::Tensor& checkpoints);
+// The records output: fp32 [slots, H, 6784] (a record's bytes as fp32
+// elements) on q's device, the slots as for the checkpoints (those past a
+// varlen batch's chunks zero), or [0, H, 6784] when the records are not kept.
+at::Tensor allocate_records(const Problem& p, const at::Tensor& q, bool varlen, bool save);
+
+// What a backward call was given of these: each absent, empty, or what
+// allocate_checkpoints / allocate_records give for the same shapes,
+// contiguous; records only with checkpoints.
+void check_saved(const char* op, const Problem& p, bool varlen, const at::Tensor& q,
+                 const std::optional<at::Tensor>& checkpoints, const std::optional<at::Tensor>& records);
 
 }  // namespace kda

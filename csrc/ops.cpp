@@ -30,21 +30,24 @@ TORCH_LIBRARY(kda, m) {
       "Tensor(a!) out, Tensor(b!)? final_state=None, float? scale=None, float? lower_bound=None, "
       "Tensor? initial_state=None, Tensor? cu_seqlens=None) -> ()");
   // Not API: fwd that also returns checkpoints, the state at every chunk
-  // slot's start in bf16 (checkpoints.h; empty with TORCH_KDA_SAVE_STATES=0),
-  // so that bwd, given them, runs no recurrence pass of its own.
+  // slot's start in bf16, and records, K1's record of every chunk slot
+  // (checkpoints.h; empty with TORCH_KDA_SAVE_STATES=0, the records also with
+  // TORCH_KDA_SAVE_RECORDS=0), so that bwd, given them, runs no recurrence
+  // pass and no K1 of its own for them.
   // torch_kda.kda calls it on CUDA when a gradient is wanted. CUDA and Meta only.
   m.def(
       "_fwd_checkpointed(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor A_log, Tensor dt_bias, "
       "float? scale=None, float? lower_bound=None, Tensor? initial_state=None, "
       "bool output_final_state=False, Tensor? cu_seqlens=None) -> (Tensor out, Tensor final_state, "
-      "Tensor checkpoints)");
+      "Tensor checkpoints, Tensor records)");
   // Backward of fwd. dinitial_state is empty when there is no initial_state.
-  // checkpoints: _fwd_checkpointed's for the same inputs, or None / empty.
+  // checkpoints, records: _fwd_checkpointed's for the same inputs, or None /
+  // empty (records only with checkpoints).
   m.def(
       "bwd(Tensor grad_out, Tensor? grad_final_state, Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, "
       "Tensor A_log, Tensor dt_bias, float? scale=None, float? lower_bound=None, Tensor? initial_state=None, "
-      "Tensor? cu_seqlens=None, Tensor? checkpoints=None) -> (Tensor dq, Tensor dk, Tensor dv, Tensor dg, "
-      "Tensor dbeta, Tensor dA_log, Tensor ddt_bias, Tensor dinitial_state)");
+      "Tensor? cu_seqlens=None, Tensor? checkpoints=None, Tensor? records=None) -> (Tensor dq, Tensor dk, "
+      "Tensor dv, Tensor dg, Tensor dbeta, Tensor dA_log, Tensor ddt_bias, Tensor dinitial_state)");
   // Not API: kda::bwd computed by the chunked ATen composition
   // (chunked_backward.h) on any device, so that the CPU tests can check it.
   m.def(

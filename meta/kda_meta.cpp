@@ -23,7 +23,7 @@ std::tuple<Tensor, Tensor> fwd(const Tensor& q, const Tensor& k, const Tensor& v
   return {o.out, o.final_state};
 }
 
-std::tuple<Tensor, Tensor, Tensor> fwd_checkpointed(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g,
+std::tuple<Tensor, Tensor, Tensor, Tensor> fwd_checkpointed(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g,
                                                     const Tensor& beta, const Tensor& A_log, const Tensor& dt_bias,
                                                     optional<double> scale, optional<double> lower_bound,
                                                     const optional<Tensor>& initial_state, bool output_final_state,
@@ -31,8 +31,10 @@ std::tuple<Tensor, Tensor, Tensor> fwd_checkpointed(const Tensor& q, const Tenso
   Problem p = check_forward_args("kda.fwd", q, k, v, g, beta, A_log, dt_bias, scale, lower_bound, initial_state,
                                  cu_seqlens);
   ForwardOutputs o = allocate_forward_outputs(p, q, output_final_state);
-  Tensor checkpoints = allocate_checkpoints(p, q, cu_seqlens.has_value(), save_states_enabled("kda.fwd"));
-  return {o.out, o.final_state, checkpoints};
+  const bool states = save_states_enabled("kda.fwd");
+  Tensor checkpoints = allocate_checkpoints(p, q, cu_seqlens.has_value(), states);
+  Tensor records = allocate_records(p, q, cu_seqlens.has_value(), save_records_enabled("kda.fwd", states));
+  return {o.out, o.final_state, checkpoints, records};
 }
 
 void fwd_inplace(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g, const Tensor& beta,
@@ -48,13 +50,11 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> bwd(
     const Tensor& grad_out, const optional<Tensor>& grad_final_state, const Tensor& q, const Tensor& k,
     const Tensor& v, const Tensor& g, const Tensor& beta, const Tensor& A_log, const Tensor& dt_bias,
     optional<double> scale, optional<double> lower_bound, const optional<Tensor>& initial_state,
-    const optional<Tensor>& cu_seqlens, const optional<Tensor>& checkpoints) {
+    const optional<Tensor>& cu_seqlens, const optional<Tensor>& checkpoints, const optional<Tensor>& records) {
   Problem p = check_forward_args("kda.bwd", q, k, v, g, beta, A_log, dt_bias, scale, lower_bound, initial_state,
                                  cu_seqlens);
   check_backward_grads("kda.bwd", p, q, grad_out, grad_final_state);
-  if (checkpoints.has_value()) {
-    check_checkpoints("kda.bwd", p, cu_seqlens.has_value(), q, *checkpoints);
-  }
+  check_saved("kda.bwd", p, cu_seqlens.has_value(), q, checkpoints, records);
   BackwardOutputs o = allocate_backward_outputs(p, q, k, v, g, beta, A_log, dt_bias, initial_state);
   return {o.dq, o.dk, o.dv, o.dg, o.dbeta, o.dA_log, o.ddt_bias, o.dinitial_state};
 }

@@ -1,7 +1,8 @@
-"""kda._fwd_checkpointed's checkpoints (csrc/checkpoints.h), where no GPU is
-needed: their shape (every chunk slot's starting state, bf16) on Meta tensors,
-TORCH_KDA_SAVE_STATES, and kda.bwd's check of those it is given. Their values and
-what the backward does with them are tested on the GPU (tests/test_cuda.py)."""
+"""kda._fwd_checkpointed's checkpoints and records (csrc/checkpoints.h), where
+no GPU is needed: their shapes (every chunk slot's starting state, bf16, and K1's
+record, fp32) on Meta tensors, TORCH_KDA_SAVE_STATES and TORCH_KDA_SAVE_RECORDS,
+and kda.bwd's checks of those it is given. Their values and what the backward
+does with them are tested on the GPU (tests/test_cuda.py)."""
 import expecttest
 import pytest
 import torch
@@ -17,9 +18,16 @@ def _meta_inputs(**kw):
     return {n: (t.to(META) if t is not None else t) for n, t in d.items()}
 
 
-def _checkpoints(d):
+RECORD_FLOATS = 6784  # 27,136 bytes a record (csrc/cuda/params.h)
+
+
+def _saved(d):
     out = torch.ops.kda._fwd_checkpointed(*positional(d), None, -5.0, d["initial_state"], False, d["cu_seqlens"])
-    return out[2]
+    return out[2], out[3]
+
+
+def _checkpoints(d):
+    return _saved(d)[0]
 
 
 # The CUDA kernels' chunk slots: B * ceil(T / 16) for fixed length, and for a
@@ -28,26 +36,48 @@ def _checkpoints(d):
     (dict(B=1, T=8192, H=32), 512), (dict(B=1, T=16 * 500 + 1, H=8), 501), (dict(B=2, T=300, H=2), 38),
     (dict(B=1, T=0, H=2), 0), (dict(seqlens=[300], H=2), 20), (dict(seqlens=[100, 200], H=2), 21),
     (dict(seqlens=[5, 0, 3], H=4), 4), (dict(seqlens=[1, 1, 1, 1, 1], H=2), 5)])
-def test_one_checkpoint_per_chunk_slot(kw, slots, monkeypatch):
+def test_one_checkpoint_and_record_per_chunk_slot(kw, slots, monkeypatch):
     monkeypatch.delenv("TORCH_KDA_SAVE_STATES", raising=False)
-    ckpt = _checkpoints(_meta_inputs(**kw))
+    monkeypatch.delenv("TORCH_KDA_SAVE_RECORDS", raising=False)
+    ckpt, records = _saved(_meta_inputs(**kw))
     assert ckpt.shape == (slots, kw["H"], 128, 128)
     assert ckpt.dtype == torch.bfloat16 and ckpt.is_contiguous()
+    assert records.shape == (slots, kw["H"], RECORD_FLOATS)
+    assert records.dtype == torch.float32 and records.is_contiguous()
 
 
 @pytest.mark.parametrize("setting", ["7", "0", "1", "300"])
 def test_window_setting_does_not_change_the_checkpoints(setting, monkeypatch):
     d = _meta_inputs(B=1, T=4000, H=96)
     monkeypatch.setenv("TORCH_KDA_WINDOW_SLOTS", setting)
-    assert _checkpoints(d).shape == (250, 96, 128, 128)
+    ckpt, records = _saved(d)
+    assert ckpt.shape == (250, 96, 128, 128) and records.shape == (250, 96, RECORD_FLOATS)
 
 
 def test_save_states_setting(monkeypatch):
     d = _meta_inputs(B=1, T=300, H=2)
+    monkeypatch.delenv("TORCH_KDA_SAVE_RECORDS", raising=False)
     monkeypatch.setenv("TORCH_KDA_SAVE_STATES", "0")
-    assert _checkpoints(d).shape == (0, 2, 128, 128)
+    ckpt, records = _saved(d)
+    assert ckpt.shape == (0, 2, 128, 128) and records.shape == (0, 2, RECORD_FLOATS)
     monkeypatch.setenv("TORCH_KDA_SAVE_STATES", "1")
-    assert _checkpoints(d).shape == (19, 2, 128, 128)
+    ckpt, records = _saved(d)
+    assert ckpt.shape == (19, 2, 128, 128) and records.shape == (19, 2, RECORD_FLOATS)
+
+
+@pytest.mark.parametrize("states", [None, "1"])
+def test_save_records_setting(states, monkeypatch):
+    d = _meta_inputs(B=1, T=300, H=2)
+    if states is None:
+        monkeypatch.delenv("TORCH_KDA_SAVE_STATES", raising=False)
+    else:
+        monkeypatch.setenv("TORCH_KDA_SAVE_STATES", states)
+    monkeypatch.setenv("TORCH_KDA_SAVE_RECORDS", "0")
+    ckpt, records = _saved(d)
+    assert ckpt.shape == (19, 2, 128, 128) and records.shape == (0, 2, RECORD_FLOATS)
+    monkeypatch.setenv("TORCH_KDA_SAVE_RECORDS", "1")
+    ckpt, records = _saved(d)
+    assert ckpt.shape == (19, 2, 128, 128) and records.shape == (19, 2, RECORD_FLOATS)
 
 
 class TestSaveStatesSettingIsChecked(expecttest.TestCase):
@@ -59,22 +89,57 @@ class TestSaveStatesSettingIsChecked(expecttest.TestCase):
                 _checkpoints(d)
         self.assertExpectedInline(str(e.exception).splitlines()[0], """kda.fwd: TORCH_KDA_SAVE_STATES must be 0 or 1, got 'yes'""")
 
+    def test_bad_records_value(self):
+        d = _meta_inputs(B=1, T=30, H=2)
+        with pytest.MonkeyPatch.context() as mp:
+            mp.delenv("TORCH_KDA_SAVE_STATES", raising=False)
+            mp.setenv("TORCH_KDA_SAVE_RECORDS", "2")
+            with self.assertRaises(RuntimeError) as e:
+                _saved(d)
+        self.assertExpectedInline(str(e.exception).splitlines()[0], """kda.fwd: TORCH_KDA_SAVE_RECORDS must be 0 or 1, got '2'""")
+
+    def test_records_without_states(self):
+        d = _meta_inputs(B=1, T=30, H=2)
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setenv("TORCH_KDA_SAVE_STATES", "0")
+            mp.setenv("TORCH_KDA_SAVE_RECORDS", "1")
+            with self.assertRaises(RuntimeError) as e:
+                _saved(d)
+        self.assertExpectedInline(str(e.exception).splitlines()[0], """kda.fwd: TORCH_KDA_SAVE_RECORDS=1 needs the states kept, but TORCH_KDA_SAVE_STATES=0 (the records are kept only with the states)""")
+
 
 class TestBackwardChecksCheckpoints(expecttest.TestCase):
     def setUp(self):
         self.d = make_inputs(B=1, T=40, H=2, K=128, V=128, state_dtype=torch.float32)
         self.grad_out = torch.randn_like(self.d["v"])
 
-    def _bwd(self, checkpoints):
+    def _bwd(self, checkpoints, records=None):
         d = self.d
         return torch.ops.kda.bwd(self.grad_out, None, *positional(d), lower_bound=-5.0,
-                                 initial_state=d["initial_state"], checkpoints=checkpoints)
+                                 initial_state=d["initial_state"], checkpoints=checkpoints, records=records)
 
     def test_right_shape_accepted_and_not_needed_on_cpu(self):
         # 40 tokens are 3 slots.
-        for ckpt in (torch.randn(3, 2, 128, 128).bfloat16(), torch.empty(0)):
-            for x, y in zip(self._bwd(ckpt), self._bwd(None)):
+        ckpt = torch.randn(3, 2, 128, 128).bfloat16()
+        for saved in ((ckpt, None), (torch.empty(0), None), (ckpt, torch.randn(3, 2, RECORD_FLOATS)),
+                      (ckpt, torch.empty(0)), (None, torch.empty(0))):
+            for x, y in zip(self._bwd(*saved), self._bwd(None)):
                 self.assertTrue(torch.equal(x, y))
+
+    def test_records_without_checkpoints_rejected(self):
+        with self.assertRaises(RuntimeError) as e:
+            self._bwd(None, torch.randn(3, 2, RECORD_FLOATS))
+        self.assertExpectedInline(str(e.exception).splitlines()[0], """kda.bwd: records were given without checkpoints: pass both, as kda._fwd_checkpointed returned them""")
+
+    def test_records_of_wrong_shape_rejected(self):
+        with self.assertRaises(RuntimeError) as e:
+            self._bwd(torch.randn(3, 2, 128, 128).bfloat16(), torch.randn(3, 2, 8832))
+        self.assertExpectedInline(str(e.exception).splitlines()[0], """kda.bwd: records must be what kda._fwd_checkpointed returned for the same inputs (contiguous float32 [3, 2, 6784] on q's device) or empty, got float32 [3, 2, 8832] on cpu""")
+
+    def test_records_of_wrong_dtype_rejected(self):
+        with self.assertRaises(RuntimeError) as e:
+            self._bwd(torch.randn(3, 2, 128, 128).bfloat16(), torch.randn(3, 2, RECORD_FLOATS).bfloat16())
+        self.assertExpectedInline(str(e.exception).splitlines()[0], """kda.bwd: records must be what kda._fwd_checkpointed returned for the same inputs (contiguous float32 [3, 2, 6784] on q's device) or empty, got bfloat16 [3, 2, 6784] on cpu""")
 
     def test_wrong_shape_rejected(self):
         with self.assertRaises(RuntimeError) as e:

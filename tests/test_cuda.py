@@ -484,13 +484,12 @@ def test_windows_write_every_element_and_allow_inplace_state(monkeypatch):
     assert rel(state.cpu(), ref_final) <= FP32_STATE_TOL
 
 
-@pytest.mark.parametrize("H", [16, 32])
-def test_automatic_windows_match_reference(H, monkeypatch):
-    """Few heads and 32768 tokens: a one-pass workspace of 1.1 to 2.2 GB, so the
-    call runs in windows by itself (test_automatic_windows_bound_memory); same
-    bits as one pass, and the reference's values."""
+@pytest.mark.parametrize("T,H", [(65536, 16), (32768, 32)])
+def test_automatic_windows_match_reference(T, H, monkeypatch):
+    """Few heads and many tokens: a one-pass workspace of 1.8 GB, so the call
+    runs in windows by itself (test_automatic_windows_bound_memory); same bits
+    as one pass, and the reference's values."""
     monkeypatch.delenv("TORCH_KDA_WINDOW_SLOTS", raising=False)
-    T = 32768
     d, g = cuda_inputs(B=1, T=T, H=H, state_dtype=torch.float32)
     e_out, e_state, out, final = errors(d, g)
     print(f"H={H} in windows: out rel {e_out:.2e}, state rel {e_state:.2e}")
@@ -501,9 +500,9 @@ def test_automatic_windows_match_reference(H, monkeypatch):
 
 def test_automatic_windows_bound_memory(monkeypatch):
     monkeypatch.delenv("TORCH_KDA_WINDOW_SLOTS", raising=False)
-    T, H = 32768, 16
+    T, H = 65536, 16
     d, g = cuda_inputs(B=1, T=T, H=H, state_dtype=torch.float32)
-    one_pass_workspace = (T // 16) * H * 35328
+    one_pass_workspace = (T // 16) * H * 27136
     peaks = {}
     for window in (None, 0):
         if window is not None:
@@ -516,7 +515,7 @@ def test_automatic_windows_bound_memory(monkeypatch):
         peaks[window] = torch.cuda.max_memory_allocated() - base
     print(f"peak: automatic {peaks[None] / 2**20:.0f} MiB, one pass {peaks[0] / 2**20:.0f} MiB")
     assert peaks[0] >= one_pass_workspace
-    assert peaks[None] < peaks[0] / 2  # one 2048-token window + carry + out, vs 1.1 GB + out
+    assert peaks[None] < peaks[0] / 2  # one 4096-token window + carry + out, vs 1.8 GB + out
 
 
 def test_window_setting_is_checked(monkeypatch):
@@ -948,7 +947,7 @@ def test_backward_window_setting_makes_windows(monkeypatch):
 
 def test_backward_windows_engage_and_bound_memory(monkeypatch):
     """Long few-head calls get windows without any setting: less memory than the
-    one-pass scratch (8.25 KB per token and head; H200: 1294 of its 2112 MiB),
+    one-pass scratch (7.75 KB per token and head: 1984 MiB here),
     the one-pass gradients."""
     monkeypatch.delenv("TORCH_KDA_WINDOW_SLOTS", raising=False)
     _, g = cuda_inputs(B=1, T=16384, H=16, state_dtype=torch.float32)
@@ -960,7 +959,7 @@ def test_backward_windows_engage_and_bound_memory(monkeypatch):
     got = torch.ops.kda.bwd(grad_out, None, *positional(g), **kw)
     torch.cuda.synchronize()
     peak = torch.cuda.max_memory_allocated() - base
-    one_pass_scratch = 16384 * 16 * 8448
+    one_pass_scratch = 16384 * 16 * 7936
     print(f"\nbackward peak {peak / 2**20:.0f} MiB (one-pass scratch alone {one_pass_scratch / 2**20:.0f} MiB)", end="")
     assert peak < one_pass_scratch * 3 / 4
     monkeypatch.setenv("TORCH_KDA_WINDOW_SLOTS", "0")
@@ -969,10 +968,13 @@ def test_backward_windows_engage_and_bound_memory(monkeypatch):
         assert torch.equal(x, y), name
 
 
-# Slots of a backward window of ~1 GiB of scratch (csrc/checkpoints.cpp; 35328
+# Slots of a backward window of ~1 GiB of scratch (csrc/checkpoints.cpp; 27136
 # + 2 * 32768 + 34304 bytes per slot and head), where one pass would hold too much.
+RECORD_FLOATS = 6784  # 27,136 bytes a record (csrc/cuda/params.h)
+
+
 def _window_floor(H):
-    return max((1 << 30) // (H * 135168), 16)
+    return max((1 << 30) // (H * 126976), 16)
 
 
 def _recurrence_launches(fn):
@@ -1002,59 +1004,71 @@ def _assert_checkpoints_are_prefix_states(g, ckpt):
 
 
 @pytest.mark.parametrize("window,T,H,windows", [
-    (None, 10000, 16, 2), (None, 4000, 96, 4), ("7", 4000, 96, 36), ("0", 300, 2, 1)])
+    (None, 10000, 16, 2), (None, 4000, 96, 3), ("7", 4000, 96, 36), ("0", 300, 2, 1)])
 def test_forward_checkpoints_serve_the_backward_bitwise(window, T, H, windows, monkeypatch):
-    """kda._fwd_checkpointed returns fwd's outputs bit for bit and the state at
+    """kda._fwd_checkpointed returns fwd's outputs bit for bit, the state at
     every chunk slot's start in bf16 (bitwise a prefix forward's final state,
-    rounded). kda.bwd given them runs no K2 (against one pass per window and the
-    checkpoint pass without them: K1 once per window, against twice but once)
-    and gives the gradients it gives without them, bit for bit, also when called
-    again: the checkpoints are left as they were. TORCH_KDA_WINDOW_SLOTS moves
-    the windows (7 slots: 36 of them) but not the checkpoints."""
+    rounded) and K1's records, in one pass unless windows are forced. kda.bwd
+    given the states runs no K2 (against one pass per window and the checkpoint
+    pass without them: K1 once per window, against twice but once), given the
+    records too no K1 for the records either, and gives the gradients it gives
+    without them, bit for bit, also when called again: the checkpoints and
+    records are left as they were. TORCH_KDA_WINDOW_SLOTS moves the windows (7
+    slots: 36 of them) but not the checkpoints."""
     if window is None:
         monkeypatch.delenv("TORCH_KDA_WINDOW_SLOTS", raising=False)
     else:
         monkeypatch.setenv("TORCH_KDA_WINDOW_SLOTS", window)
     _, g = cuda_inputs(B=1, T=T, H=H, state_dtype=torch.float32)
     init = g["initial_state"]
-    out, final, ckpt = torch.ops.kda._fwd_checkpointed(*positional(g), None, -5.0, init, True, None)
+    (out, final, ckpt, records), k1_fwd, _ = _recurrence_launches(
+        lambda: torch.ops.kda._fwd_checkpointed(*positional(g), None, -5.0, init, True, None))
+    assert k1_fwd == (36 if window == "7" else 1)
     want_out, want_final = torch.ops.kda.fwd(*positional(g), None, -5.0, init, True, None)
     assert torch.equal(out, want_out) and torch.equal(final, want_final)
     assert ckpt.shape == (math.ceil(T / 16), H, D, D) and ckpt.dtype == torch.bfloat16
+    assert records.shape == (math.ceil(T / 16), H, RECORD_FLOATS) and records.dtype == torch.float32
     _assert_checkpoints_are_prefix_states(g, ckpt)
 
     grad_out = torch.randn(*g["v"].shape, device=DEV).to(torch.bfloat16)
     gf = torch.randn_like(init)
     kw = dict(lower_bound=-5.0, initial_state=init)
-    saved = ckpt.clone()
+    saved, saved_records = ckpt.clone(), records.clone()
     want, k1_without, k2_without = _recurrence_launches(lambda: torch.ops.kda.bwd(grad_out, gf, *positional(g), **kw))
     got, k1_with, k2_with = _recurrence_launches(
         lambda: torch.ops.kda.bwd(grad_out, gf, *positional(g), checkpoints=ckpt, **kw))
-    again = torch.ops.kda.bwd(grad_out, gf, *positional(g), checkpoints=ckpt, **kw)
+    both, k1_both, k2_both = _recurrence_launches(
+        lambda: torch.ops.kda.bwd(grad_out, gf, *positional(g), checkpoints=ckpt, records=records, **kw))
+    again = torch.ops.kda.bwd(grad_out, gf, *positional(g), checkpoints=ckpt, records=records, **kw)
     assert (k1_with, k2_with) == (windows, 0)
+    assert (k1_both, k2_both) == (0, 0)
     assert k1_without == k2_without == 2 * windows - 1
-    assert torch.equal(ckpt, saved)
-    for name, x, y, z in zip(GRAD_NAMES, got, want, again):
-        assert torch.equal(x, y) and torch.equal(z, y), name
+    assert torch.equal(ckpt, saved) and torch.equal(records, saved_records)
+    for name, x, y, z, w in zip(GRAD_NAMES, got, want, again, both):
+        assert torch.equal(x, y) and torch.equal(z, y) and torch.equal(w, y), name
 
 
 @pytest.mark.parametrize("window", ["0", "5"])
 def test_forward_checkpoints_serve_a_varlen_backward_bitwise(window, monkeypatch):
     """A varlen batch (an empty sequence, partial chunks): kda._fwd_checkpointed's
-    checkpoints (min(T, ceil(T / 16) + N) slots, the last N zeroed before the
-    forward, so that the output holds no uninitialised memory: NaN-filled
-    allocations here) give kda.bwd the gradients it gives without them, bit for
-    bit, in one pass and in windows of 5 slots, with no K2 launch."""
+    checkpoints and records (min(T, ceil(T / 16) + N) slots, the last N zeroed
+    before the forward, so that the outputs hold no uninitialised memory:
+    NaN-filled allocations here) give kda.bwd the gradients it gives without
+    them, bit for bit, in one pass and in windows of 5 slots, with no K2 launch
+    (the states alone) and no K1 for the records either (both)."""
     from conftest import nan_filled_empty
 
     monkeypatch.setenv("TORCH_KDA_WINDOW_SLOTS", window)
     _, g = cuda_inputs(seqlens=[37, 0, 100, 16], H=3, state_dtype=torch.float32)
     init = g["initial_state"]
     with nan_filled_empty():
-        out, final, ckpt = torch.ops.kda._fwd_checkpointed(*positional(g), None, -5.0, init, True, g["cu_seqlens"])
+        out, final, ckpt, records = torch.ops.kda._fwd_checkpointed(*positional(g), None, -5.0, init, True,
+                                                                    g["cu_seqlens"])
     assert ckpt.shape == (min(153, math.ceil(153 / 16) + 4), 3, D, D)  # 14 slots, 3 + 7 + 1 chunks
-    assert not torch.isnan(ckpt.float()).any()
+    assert records.shape == (14, 3, RECORD_FLOATS)
+    assert not torch.isnan(ckpt.float()).any() and not torch.isnan(records).any()
     assert torch.equal(ckpt[11:], torch.zeros_like(ckpt[11:]))
+    assert torch.equal(records[11:], torch.zeros_like(records[11:]))
     want_out, want_final = torch.ops.kda.fwd(*positional(g), None, -5.0, init, True, g["cu_seqlens"])
     assert torch.equal(out, want_out) and torch.equal(final, want_final)
     grad_out = torch.randn(*g["v"].shape, device=DEV).to(torch.bfloat16)
@@ -1062,32 +1076,43 @@ def test_forward_checkpoints_serve_a_varlen_backward_bitwise(window, monkeypatch
     kw = dict(lower_bound=-5.0, initial_state=init, cu_seqlens=g["cu_seqlens"])
     want = torch.ops.kda.bwd(grad_out, gf, *positional(g), **kw)
     got, _, k2 = _recurrence_launches(lambda: torch.ops.kda.bwd(grad_out, gf, *positional(g), checkpoints=ckpt, **kw))
-    assert k2 == 0
-    for name, x, y in zip(GRAD_NAMES, got, want):
-        assert torch.equal(x, y), name
+    both, k1_both, k2_both = _recurrence_launches(
+        lambda: torch.ops.kda.bwd(grad_out, gf, *positional(g), checkpoints=ckpt, records=records, **kw))
+    assert k2 == 0 and (k1_both, k2_both) == (0, 0)
+    for name, x, y, z in zip(GRAD_NAMES, got, want, both):
+        assert torch.equal(x, y) and torch.equal(z, y), name
 
 
 def test_save_states_off_keeps_nothing(monkeypatch):
-    """TORCH_KDA_SAVE_STATES=0: the forward keeps no states (an empty
-    checkpoints output) and torch_kda.kda's backward recomputes them (K2 runs
-    there), with the same gradients bit for bit."""
+    """TORCH_KDA_SAVE_STATES=0: the forward keeps no states and no records
+    (empty outputs) and torch_kda.kda's backward recomputes them (K2 and K1 run
+    there); TORCH_KDA_SAVE_RECORDS=0 keeps the states alone (K1 runs there);
+    the same gradients bit for bit as with both kept (neither runs)."""
     _, g = cuda_inputs(B=1, T=300, H=2, state_dtype=torch.float32)
     names = ("q", "k", "v", "g", "beta", "A_log", "dt_bias")
 
-    def grads_and_k2(setting):
-        monkeypatch.setenv("TORCH_KDA_SAVE_STATES", setting)
+    def grads_and_launches(states, records):
+        monkeypatch.setenv("TORCH_KDA_SAVE_STATES", states)
+        monkeypatch.setenv("TORCH_KDA_SAVE_RECORDS", records)
         leaves = {n: g[n].detach().clone().requires_grad_() for n in names}
         out, _ = torch_kda.kda(*(leaves[n] for n in names), lower_bound=-5.0, initial_state=g["initial_state"])
-        _, _, k2 = _recurrence_launches(lambda: out.backward(torch.ones_like(out)))
-        return [leaves[n].grad for n in names], k2
+        _, k1, k2 = _recurrence_launches(lambda: out.backward(torch.ones_like(out)))
+        return [leaves[n].grad for n in names], (k1, k2)
 
     monkeypatch.setenv("TORCH_KDA_SAVE_STATES", "0")
-    assert torch.ops.kda._fwd_checkpointed(*positional(g), None, -5.0, None, False, None)[2].shape == (0, 2, D, D)
-    off, k2_off = grads_and_k2("0")
-    on, k2_on = grads_and_k2("1")
-    assert (k2_off, k2_on) == (1, 0)
-    for name, x, y in zip(names, off, on):
-        assert torch.equal(x, y), name
+    monkeypatch.delenv("TORCH_KDA_SAVE_RECORDS", raising=False)
+    _, _, ckpt, records = torch.ops.kda._fwd_checkpointed(*positional(g), None, -5.0, None, False, None)
+    assert ckpt.shape == (0, 2, D, D) and records.shape == (0, 2, RECORD_FLOATS)
+    monkeypatch.setenv("TORCH_KDA_SAVE_STATES", "1")
+    monkeypatch.setenv("TORCH_KDA_SAVE_RECORDS", "0")
+    _, _, ckpt, records = torch.ops.kda._fwd_checkpointed(*positional(g), None, -5.0, None, False, None)
+    assert ckpt.shape == (19, 2, D, D) and records.shape == (0, 2, RECORD_FLOATS)
+    off, launches_off = grads_and_launches("0", "")
+    states, launches_states = grads_and_launches("1", "0")
+    on, launches_on = grads_and_launches("1", "1")
+    assert (launches_off, launches_states, launches_on) == ((1, 1), (1, 0), (0, 0))
+    for name, x, y, z in zip(names, off, states, on):
+        assert torch.equal(x, z) and torch.equal(y, z), name
 
 
 @pytest.mark.parametrize("shape", ["8x1", "4x1", "4x1w", "2x1", "2x2", "4x4"])
@@ -1102,7 +1127,7 @@ def test_backward_and_checkpoints_in_every_block_shape(shape, monkeypatch):
     got, ref = cuda_and_reference_grads(d, g)
     check_grads(shape, got, ref)
     _, g = cuda_inputs(B=1, T=4000, H=96, state_dtype=torch.float32)
-    _, _, ckpt = torch.ops.kda._fwd_checkpointed(*positional(g), None, -5.0, g["initial_state"], False, None)
+    _, _, ckpt, _ = torch.ops.kda._fwd_checkpointed(*positional(g), None, -5.0, g["initial_state"], False, None)
     _assert_checkpoints_are_prefix_states(g, ckpt)
 
 
@@ -1152,14 +1177,15 @@ def test_forced_ds_block_shape_is_checked(monkeypatch):
 
 def test_autograd_uses_the_forward_checkpoints(monkeypatch):
     """torch_kda.kda with a gradient wanted on CUDA keeps the chunk-start states
-    and its backward runs no K2 (K1 once per window): the gradients of kda.bwd
-    without them, bit for bit, again on a second backward through the same
-    graph, and with a gradient into the final state alone (out's then zero)."""
+    and the records, and its backward (in 3 windows) runs no K2 and no K1 for
+    the records: the gradients of kda.bwd without them, bit for bit, again on a
+    second backward through the same graph, and with a gradient into the final
+    state alone (out's then zero)."""
     monkeypatch.delenv("TORCH_KDA_WINDOW_SLOTS", raising=False)
     monkeypatch.delenv("TORCH_KDA_SAVE_STATES", raising=False)
+    monkeypatch.delenv("TORCH_KDA_SAVE_RECORDS", raising=False)
     _, g = cuda_inputs(B=1, T=4000, H=96, state_dtype=torch.float32)
-    windows = math.ceil(250 / _window_floor(96))
-    assert windows == 4
+    assert math.ceil(250 / _window_floor(96)) == 3
     names = ("q", "k", "v", "g", "beta", "A_log", "dt_bias")
     leaves = {n: g[n].detach().clone().requires_grad_() for n in names}
     init = g["initial_state"].detach().clone().requires_grad_()
@@ -1173,7 +1199,7 @@ def test_autograd_uses_the_forward_checkpoints(monkeypatch):
         for t in (*leaves.values(), init):
             t.grad = None
         _, k1, k2 = _recurrence_launches(lambda: torch.autograd.backward(outputs, grads, retain_graph=True))
-        assert (k1, k2) == (windows, 0), len(grads)
+        assert (k1, k2) == (0, 0), len(grads)
         for name, t, y in zip(GRAD_NAMES, (*leaves.values(), init), want):
             assert torch.equal(t.grad, y), (len(grads), name)
 
@@ -1185,13 +1211,13 @@ def test_opcheck_cuda_fwd_checkpointed():
         args = [t.detach().requires_grad_() for t in positional(g)]
         torch.library.opcheck(torch.ops.kda._fwd_checkpointed.default,
                               (*args, None, -5.0, g["initial_state"], True, g["cu_seqlens"]))
-        out, _, ckpt = torch.ops.kda._fwd_checkpointed(*positional(g), None, -5.0, g["initial_state"], True,
-                                                       g["cu_seqlens"])
-        assert ckpt.shape == (slots, 2, D, D)
+        out, _, ckpt, records = torch.ops.kda._fwd_checkpointed(*positional(g), None, -5.0, g["initial_state"],
+                                                                True, g["cu_seqlens"])
+        assert ckpt.shape == (slots, 2, D, D) and records.shape == (slots, 2, RECORD_FLOATS)
         torch.library.opcheck(
             torch.ops.kda.bwd.default, (torch.randn_like(out), None, *positional(g)),
             {"lower_bound": -5.0, "initial_state": g["initial_state"], "cu_seqlens": g["cu_seqlens"],
-             "checkpoints": ckpt},
+             "checkpoints": ckpt, "records": records},
         )
 
 

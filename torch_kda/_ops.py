@@ -76,9 +76,10 @@ def kda(
         and torch.is_grad_enabled()
         and any(isinstance(t, torch.Tensor) and t.requires_grad for t in differentiable)
     ):
-        # Keeps every chunk-start state (bf16, 2 KiB per token and head), so
-        # that the CUDA backward need not recompute them.
-        out, final_state, _ = torch.ops.kda._fwd_checkpointed(*args)
+        # Keeps every chunk-start state (bf16, 2 KiB per token and head) and
+        # K1's records (1.66 KiB per token and head), so that the CUDA
+        # backward need not recompute them.
+        out, final_state, _, _ = torch.ops.kda._fwd_checkpointed(*args)
     else:
         out, final_state = torch.ops.kda.fwd(*args)
     return out, (final_state if output_final_state else None)
@@ -128,28 +129,28 @@ def cuda_built():
     return torch._C._dispatch_has_kernel_for_dispatch_key("kda::fwd", "CUDA")
 
 
-def _save(ctx, inputs, checkpoints):
+def _save(ctx, inputs, checkpoints, records):
     (q, k, v, g, beta, A_log, dt_bias, scale, lower_bound, initial_state, _output_final_state, cu_seqlens) = inputs
-    ctx.save_for_backward(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, checkpoints)
+    ctx.save_for_backward(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, checkpoints, records)
     ctx.scale = scale
     ctx.lower_bound = lower_bound
     ctx.has_initial_state = initial_state is not None
 
 
 def _setup_context(ctx, inputs, output):
-    _save(ctx, inputs, None)
+    _save(ctx, inputs, None, None)
 
 
 def _setup_context_checkpointed(ctx, inputs, output):
-    checkpoints = output[2]
-    ctx.mark_non_differentiable(checkpoints)
-    # No zero-filled gradient for the checkpoints (2 KiB per token and head);
-    # the backward fills in out's where it is missing.
+    checkpoints, records = output[2], output[3]
+    ctx.mark_non_differentiable(checkpoints, records)
+    # No zero-filled gradients for the checkpoints and records (3.7 KiB per
+    # token and head); the backward fills in out's where it is missing.
     ctx.set_materialize_grads(False)
-    _save(ctx, inputs, checkpoints)
+    _save(ctx, inputs, checkpoints, records)
 
 
-def _backward_checkpointed(ctx, grad_out, grad_final_state, _grad_checkpoints):
+def _backward_checkpointed(ctx, grad_out, grad_final_state, _grad_checkpoints, _grad_records):
     if grad_out is None:
         if grad_final_state is None:
             return (None,) * 12
@@ -159,7 +160,7 @@ def _backward_checkpointed(ctx, grad_out, grad_final_state, _grad_checkpoints):
 
 
 def _backward(ctx, grad_out, grad_final_state):
-    q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, checkpoints = ctx.saved_tensors
+    q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, checkpoints, records = ctx.saved_tensors
     if grad_final_state is not None and grad_final_state.numel() == 0:
         # final_state was not asked for: the op returned an empty placeholder.
         grad_final_state = None
@@ -178,6 +179,7 @@ def _backward(ctx, grad_out, grad_final_state):
         initial_state,
         cu_seqlens,
         checkpoints,
+        records,
     )
     if not ctx.has_initial_state:
         dinitial_state = None

@@ -84,14 +84,12 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> bwd(
     const Tensor& grad_out, const optional<Tensor>& grad_final_state, const Tensor& q, const Tensor& k,
     const Tensor& v, const Tensor& g, const Tensor& beta, const Tensor& A_log, const Tensor& dt_bias,
     optional<double> scale, optional<double> lower_bound, const optional<Tensor>& initial_state,
-    const optional<Tensor>& cu_seqlens, const optional<Tensor>& checkpoints) {
+    const optional<Tensor>& cu_seqlens, const optional<Tensor>& checkpoints, const optional<Tensor>& records) {
   const char* op = "kda.bwd";
   Problem p = check_forward_args(op, q, k, v, g, beta, A_log, dt_bias, scale, lower_bound, initial_state, cu_seqlens);
   check_backward_grads(op, p, q, grad_out, grad_final_state);
   // Checked as on CUDA, then not needed: this backward keeps every state it uses.
-  if (checkpoints.has_value()) {
-    check_checkpoints(op, p, cu_seqlens.has_value(), q, *checkpoints);
-  }
+  check_saved(op, p, cu_seqlens.has_value(), q, checkpoints, records);
   BackwardOutputs o = allocate_backward_outputs(p, q, k, v, g, beta, A_log, dt_bias, initial_state);
 
   std::vector<int64_t> offsets = sequence_offsets(op, p, cu_seqlens);

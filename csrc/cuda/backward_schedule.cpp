@@ -36,11 +36,12 @@ constexpr int64_t kWindowScratchSeveralSequences = int64_t{8} << 30;
 
 }  // namespace
 
-int64_t backward_window_slots(const FwdParams& p, int64_t device_memory, bool saved_states) {
+int64_t backward_window_slots(const FwdParams& p, int64_t device_memory, bool saved_states, bool saved_records) {
   if (const char* env = std::getenv("TORCH_KDA_WINDOW_SLOTS"); env != nullptr && *env != '\0') {
     return window_slots(p, "kda.bwd");  // the forward's reading of it (checks the value)
   }
-  const int64_t per_slot = p.H * (kBwdSlotScratchBytes - (saved_states ? kBwdStateBytes : 0));
+  const int64_t per_slot =
+      p.H * (kBwdSlotScratchBytes - (saved_states ? kBwdStateBytes : 0) - (saved_records ? kWsChunkBytes : 0));
   if (saved_states && p.N > 1) {
     const int64_t limit = std::min(kWindowScratchSeveralSequences, device_memory / 4);
     const int64_t windows = std::max<int64_t>(1, (p.num_slots * per_slot + limit - 1) / limit);
@@ -67,7 +68,7 @@ int64_t backward_window_slots(const FwdParams& p, int64_t device_memory, bool sa
 }
 
 void run_backward(const BackwardCall& call, const at::Tensor& like, int64_t window, RecurrenceBlock block,
-                  DsBlock ds_block, const void* saved_states) {
+                  DsBlock ds_block, const void* saved_states, const float* saved_records) {
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(like.device().index()).stream();
   const auto f32 = like.options().dtype(at::kFloat);
   FwdParams p = call.fwd;
@@ -77,15 +78,17 @@ void run_backward(const BackwardCall& call, const at::Tensor& like, int64_t wind
   }
   const int64_t windows = S > 0 ? (S + window - 1) / window : 1;
   const bool recur = saved_states == nullptr;  // K2's passes make the chunk-start states
+  // The records' passes would need K1 of the checkpoint pass's records too.
+  TORCH_CHECK(saved_records == nullptr || !recur, "kda.bwd: records are used only with the chunk-start states");
   // K2's passes here move only the states: no output, no final state.
-  at::Tensor workspace = at::empty({window, H, kWsChunkFloats}, f32);
+  at::Tensor workspace = saved_records == nullptr ? at::empty({window, H, kWsChunkFloats}, f32) : at::Tensor();
   const auto bf16 = like.options().dtype(at::kBFloat16);
   at::Tensor states = recur ? at::empty({window, H, D, D}, bf16) : at::Tensor();
   at::Tensor d_states = at::empty({window, H, D, D}, bf16);
   at::Tensor d_record = at::empty({window, H, kDRecFloats}, f32);
   p.out = nullptr;
   p.final_state = nullptr;
-  p.workspace = workspace.data_ptr<float>();
+  p.workspace = workspace.defined() ? workspace.data_ptr<float>() : nullptr;
 
   at::Tensor carry, d_carry, checkpoints;
   if (windows > 1) {
@@ -117,7 +120,13 @@ void run_backward(const BackwardCall& call, const at::Tensor& like, int64_t wind
   for (int64_t w = windows - 1; w >= 0; --w) {
     p.slot_begin = w * window;
     p.slot_end = std::min(S, p.slot_begin + window);
-    launch_prepare(p, stream);
+    if (saved_records != nullptr) {
+      // The kernels index the records from the window's first slot; only read
+      // here (no K1 for them runs).
+      p.workspace = const_cast<float*>(saved_records) + p.slot_begin * H * kWsChunkFloats;
+    } else {
+      launch_prepare(p, stream);
+    }
     if (recur) {
       // K2 reads the state of a sequence that runs on from an earlier window
       // from the checkpoint (and writes it back there at the end: not read again).

@@ -1,20 +1,22 @@
 // How one backward call's kernels are enqueued, and the memory between them.
 //
 // Per chunk slot and head the backward's kernels pass each other the record
-// (35,328 bytes), the state at the chunk's start and dS at its end (32,768
+// (27,136 bytes), the state at the chunk's start and dS at its end (32,768
 // bytes each, bf16: they reach only the record gradients' products) and the
-// record's gradients (34,304 bytes): 8.25 KB per (token, head), 2.06 GiB for one
-// pass at 8192 tokens x 32 heads. The chunk-start states come from the forward
-// (kda._fwd_checkpointed keeps them, checkpoints.h) or else from K2's passes
-// here. Where one pass would hold too much (backward_schedule.cpp), the slots
-// are cut into windows, run from the last to the first: K1 (records), K2 (the
-// chunk-start states, without the forward's: from every sequence's state at
-// the window's start, a checkpoint that a first forward pass of K1 and K2
-// without output makes), the dS recurrence from the dS that the later window
-// left in a carry, the record gradients, and K1's backward, which writes the
-// window's tokens of the gradients. The carries are fp32 and every kernel
-// computes what it computes in one pass, so the gradients are bitwise those of
-// one pass, with or without the forward's states.
+// record's gradients (34,304 bytes): 7.75 KB per (token, head), 1.94 GiB for one
+// pass at 8192 tokens x 32 heads. The chunk-start states and the records come
+// from the forward (kda._fwd_checkpointed keeps them, checkpoints.h) or else
+// from K2's and K1's passes here. Where one pass would hold too much
+// (backward_schedule.cpp), the slots are cut into windows, run from the last to
+// the first: K1 (the records, without the forward's), K2 (the chunk-start
+// states, without the forward's: from every sequence's state at the window's
+// start, a checkpoint that a first forward pass of K1 and K2 without output
+// makes), the dS recurrence from the dS that the later window left in a carry,
+// the record gradients, and K1's backward, which writes the window's tokens of
+// the gradients. The carries are fp32 and every kernel computes what it
+// computes in one pass, so the gradients are bitwise those of one pass, with or
+// without the forward's states and records (the forward's K1 is the backward's:
+// the same records, bit for bit).
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -38,17 +40,21 @@ struct BackwardCall {
 };
 
 // The chunk slots per window for this call (device_memory: the device's total,
-// in bytes; saved_states: the forward's chunk-start states are given):
-// params.num_slots for one pass. Reads TORCH_KDA_WINDOW_SLOTS (as the forward
-// does; raises on a bad value).
-int64_t backward_window_slots(const FwdParams& params, int64_t device_memory, bool saved_states);
+// in bytes; saved_states, saved_records: the forward's chunk-start states, and
+// its records, are given): params.num_slots for one pass. Reads
+// TORCH_KDA_WINDOW_SLOTS (as the forward does; raises on a bad value).
+int64_t backward_window_slots(const FwdParams& params, int64_t device_memory, bool saved_states,
+                              bool saved_records = false);
 
 // Allocates the scratch (`like`: a tensor on the device, for the options and
 // the stream) and enqueues every kernel of the backward on the
 // current stream of its device, in windows of `window` slots.
 // saved_states: null, or the state at the start of every chunk slot, bf16
 // [num_slots, H, 128, 128] (kda._fwd_checkpointed's): K2 then does not run.
+// saved_records: null, or (only with saved_states) the record of every chunk
+// slot, with the lo planes, fp32 [num_slots, H, kWsChunkFloats]
+// (kda._fwd_checkpointed's): K1 then runs only for its backward.
 void run_backward(const BackwardCall& call, const at::Tensor& like, int64_t window, RecurrenceBlock block,
-                  DsBlock ds_block, const void* saved_states = nullptr);
+                  DsBlock ds_block, const void* saved_states = nullptr, const float* saved_records = nullptr);
 
 }  // namespace kda::cuda

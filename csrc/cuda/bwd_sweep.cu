@@ -153,7 +153,7 @@ __global__ void __launch_bounds__(kWarps * 32) ds_recurrence_kernel(const SweepB
   using St = DsStageOf<kWarps, kSplit, kDoutFp32>;
   constexpr int kSt = Cfg::kStages, kNt = Cfg::kNt;
   static_assert(offsetof(St, aqk_hi) == kWsAqk && offsetof(St, qs_lo) == kWsQsLo && offsetof(St, aqk_lo) == kWsAqkLo &&
-                    offsetof(St, gl) == kWsU0,
+                    offsetof(St, gl) == kWsGl,
                 "one verbatim copy of the record's bf16 part");
   const FwdParams& p = bp.fwd;
   extern __shared__ __align__(16) unsigned char smem_raw[];
@@ -193,7 +193,7 @@ __global__ void __launch_bounds__(kWarps * 32) ds_recurrence_kernel(const SweepB
     const int64_t slot = hi - 1 - c;
     const unsigned char* rec = records + ((slot - p.slot_begin) * H + h) * kWsChunkBytes;
     // Fully unrolled: every thread's pieces at fixed offsets from its first.
-    constexpr int kPieces = kWsU0 / 16, kThreads = Cfg::kThreads;
+    constexpr int kPieces = kWsGl / 16, kThreads = Cfg::kThreads;
     const uint32_t mat = smem_u32(&st.mat[0][0]) + tid * 16;
     const unsigned char* rec_t = rec + tid * 16;
 #pragma unroll

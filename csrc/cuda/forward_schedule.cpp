@@ -27,7 +27,7 @@ constexpr int64_t kTargetWindows = 16;
 
 // TORCH_KDA_WINDOW_SLOTS=n forces windows of n slots on every call (tests use
 // it to put window edges inside small problems); 0 forces one pass.
-int64_t window_slots(const FwdParams& p, const char* op) {
+int64_t window_slots(const FwdParams& p, const char* op, bool kept_records) {
   if (const char* env = std::getenv("TORCH_KDA_WINDOW_SLOTS"); env != nullptr && *env != '\0') {
     char* end = nullptr;
     errno = 0;
@@ -36,21 +36,24 @@ int64_t window_slots(const FwdParams& p, const char* op) {
                 op, ": TORCH_KDA_WINDOW_SLOTS must be a non-negative integer, got '", env, "'");
     return n == 0 ? p.num_slots : std::min<int64_t>(n, p.num_slots);
   }
-  if (recurrence_warps_per_sm(p) > 2 || p.num_slots * p.H * kWsChunkBytes <= kOnePassWorkspaceLimit) {
+  if (kept_records || recurrence_warps_per_sm(p) > 2 || p.num_slots * p.H * kWsChunkBytes <= kOnePassWorkspaceLimit) {
     return p.num_slots;
   }
   const int64_t w = std::clamp((p.num_slots + kTargetWindows - 1) / kTargetWindows, kMinWindowSlots, kMaxWindowSlots);
   return 2 * w <= p.num_slots ? w : p.num_slots;
 }
 
-void run_forward(FwdParams p, const at::Tensor& like, int64_t window, RecurrenceBlock block) {
+void run_forward(FwdParams p, const at::Tensor& like, int64_t window, RecurrenceBlock block, float* records) {
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(like.device().index()).stream();
   const auto options = like.options().dtype(at::kFloat);
   if (window <= 0 || window > p.num_slots) {
     window = p.num_slots;
   }
-  at::Tensor workspace = at::empty({window, p.H, kWsChunkFloats}, options);
-  p.workspace = workspace.data_ptr<float>();
+  at::Tensor workspace;
+  if (records == nullptr) {
+    workspace = at::empty({window, p.H, kWsChunkFloats}, options);
+    p.workspace = workspace.data_ptr<float>();
+  }
   at::Tensor carry;
   if (window < p.num_slots) {
     carry = at::empty({p.N, p.H, kHeadDim, kHeadDim}, options);
@@ -66,6 +69,9 @@ void run_forward(FwdParams p, const at::Tensor& like, int64_t window, Recurrence
     p.slot_end = std::min(p.num_slots, begin + window);
     if (chunk_states != nullptr) {
       p.chunk_states = chunk_states + begin * p.H * kBwdStateBytes;
+    }
+    if (records != nullptr) {  // K1 and K2 index the records from the window's first slot
+      p.workspace = records + begin * p.H * kWsChunkFloats;
     }
     launch_prepare(p, stream);
     launch_recurrence(p, stream, block);

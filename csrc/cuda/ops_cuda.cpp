@@ -178,7 +178,8 @@ CallInputs call_inputs(const Problem& p, const Tensor& q, const Tensor& k, const
 void forward_into(const char* op, const Problem& p, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g,
                   const Tensor& beta, const Tensor& A_log, const Tensor& dt_bias,
                   const optional<Tensor>& initial_state, const optional<Tensor>& cu_seqlens, const Tensor& out,
-                  const optional<Tensor>& final_state, const Tensor& chunk_states = Tensor()) {
+                  const optional<Tensor>& final_state, const Tensor& chunk_states = Tensor(),
+                  const Tensor& records = Tensor()) {
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(q.device().index()).stream();
   Boundaries bounds = sequence_boundaries(op, p, q, cu_seqlens, stream);
   CallInputs in = call_inputs(p, q, k, v, g, beta, A_log, dt_bias, bounds);
@@ -219,11 +220,19 @@ void forward_into(const char* op, const Problem& p, const Tensor& q, const Tenso
   if (chunk_states.defined() && chunk_states.numel() > 0) {
     params.chunk_states = chunk_states.data_ptr();
   }
+  // Every chunk slot's record, kept for the backward: K1 writes them with the
+  // lo planes the backward reads (K2 reads the same planes as from its own
+  // workspace), all of them in this buffer.
+  float* kept_records = nullptr;
+  if (records.defined() && records.numel() > 0) {
+    kept_records = records.data_ptr<float>();
+    params.lo_for_backward = true;
+  }
 
   // Both settings are read before K1 and K2 are enqueued, so a bad one leaves
   // no kernel behind that writes the caller's tensors.
   const RecurrenceBlock block = forced_recurrence_block(op);
-  int64_t window = window_slots(params, op);
+  int64_t window = window_slots(params, op, kept_records != nullptr);
   // Windows (forward_schedule.h) write outputs before they read every input:
   // only when no output shares memory with an input.
   if (window < params.num_slots) {
@@ -235,7 +244,7 @@ void forward_into(const char* op, const Problem& p, const Tensor& q, const Tenso
       }
     }
   }
-  run_forward(params, q, window, block);
+  run_forward(params, q, window, block, kept_records);
 
   if (!out_c.is_same(out)) {
     out.copy_(out_c);
@@ -259,7 +268,7 @@ std::tuple<Tensor, Tensor> fwd(const Tensor& q, const Tensor& k, const Tensor& v
 
 // kda::_fwd_checkpointed (not API): fwd that also keeps every chunk-start state
 // (checkpoints.h), for autograd to hand to bwd.
-std::tuple<Tensor, Tensor, Tensor> fwd_checkpointed(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g,
+std::tuple<Tensor, Tensor, Tensor, Tensor> fwd_checkpointed(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g,
                                                     const Tensor& beta, const Tensor& A_log, const Tensor& dt_bias,
                                                     optional<double> scale, optional<double> lower_bound,
                                                     const optional<Tensor>& initial_state, bool output_final_state,
@@ -269,17 +278,23 @@ std::tuple<Tensor, Tensor, Tensor> fwd_checkpointed(const Tensor& q, const Tenso
   Problem p = check_all(op, q, k, v, g, beta, A_log, dt_bias, scale, lower_bound, initial_state, cu_seqlens);
   c10::cuda::CUDAGuard guard(q.device());
   ForwardOutputs o = allocate_forward_outputs(p, q, output_final_state);
-  Tensor checkpoints = allocate_checkpoints(p, q, cu_seqlens.has_value(), save_states_enabled(op));
-  if (cu_seqlens.has_value() && checkpoints.numel() > 0) {
+  const bool states = save_states_enabled(op);
+  Tensor checkpoints = allocate_checkpoints(p, q, cu_seqlens.has_value(), states);
+  Tensor records = allocate_records(p, q, cu_seqlens.has_value(), save_records_enabled(op, states));
+  if (cu_seqlens.has_value()) {
     // A varlen batch's chunks fill all but at most N of its slots (their count
-    // is an upper bound from the shapes), and K2 writes only those: the last N
-    // are zeroed first, so that the output holds no uninitialised memory.
-    const int64_t tail = std::min<int64_t>(concrete(p.N), checkpoints.size(0));
-    checkpoints.narrow(0, checkpoints.size(0) - tail, tail).zero_();
+    // is an upper bound from the shapes), and K1 and K2 write only those: the
+    // last N are zeroed first, so that the outputs hold no uninitialised memory.
+    for (Tensor* t : {&checkpoints, &records}) {
+      const int64_t tail = std::min<int64_t>(concrete(p.N), t->size(0));
+      if (tail > 0) {
+        t->narrow(0, t->size(0) - tail, tail).zero_();
+      }
+    }
   }
   forward_into(op, p, q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, o.out,
-               output_final_state ? optional<Tensor>(o.final_state) : std::nullopt, checkpoints);
-  return {o.out, o.final_state, checkpoints};
+               output_final_state ? optional<Tensor>(o.final_state) : std::nullopt, checkpoints, records);
+  return {o.out, o.final_state, checkpoints, records};
 }
 
 void fwd_inplace(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g, const Tensor& beta,
@@ -293,16 +308,17 @@ void fwd_inplace(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor
   forward_into("kda.fwd_", p, q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, out, final_state);
 }
 
-// kda.bwd with the backward kernels (backward_schedule.h: K1, K2 storing the
-// chunk-start states unless the forward kept them, the dS recurrence, the record gradients, then K1's
-// backward with the chain rule through the activations, which writes the
-// gradients, in windows of slots where one pass would hold too much); only
-// dA_log's and dt_bias's per-chunk parts are summed here.
+// kda.bwd with the backward kernels (backward_schedule.h: K1 for the records
+// and K2 storing the chunk-start states unless the forward kept them, the dS
+// recurrence, the record gradients, then K1's backward with the chain rule
+// through the activations, which writes the gradients, in windows of slots
+// where one pass would hold too much); only dA_log's and dt_bias's per-chunk
+// parts are summed here.
 BackwardTuple backward_by_kernels(const Problem& p, const Tensor& grad_out, const optional<Tensor>& grad_final_state,
                                   const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g,
                                   const Tensor& beta, const Tensor& A_log, const Tensor& dt_bias,
                                   const optional<Tensor>& initial_state, const optional<Tensor>& cu_seqlens,
-                                  const Tensor& checkpoints) {
+                                  const Tensor& checkpoints, const Tensor& records) {
   const char* op = "kda.bwd";
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(q.device().index()).stream();
   const int64_t H = concrete(p.H), N = concrete(p.N);
@@ -311,10 +327,13 @@ BackwardTuple backward_by_kernels(const Problem& p, const Tensor& grad_out, cons
   const DsBlock ds_block = forced_ds_block(op);
   Boundaries bounds = sequence_boundaries(op, p, q, cu_seqlens, stream);
   CallInputs in = call_inputs(p, q, k, v, g, beta, A_log, dt_bias, bounds);
-  // The forward's chunk-start states (checked by bwd) spare the recurrence's passes.
+  // The forward's chunk-start states (checked by bwd) spare the recurrence's
+  // passes, and its records (given only with the states) K1's.
   const bool saved = checkpoints.defined() && checkpoints.numel() > 0;
+  const bool saved_records = records.defined() && records.numel() > 0;
   const int64_t window = backward_window_slots(
-      in.params, static_cast<int64_t>(at::cuda::getDeviceProperties(q.device().index())->totalGlobalMem), saved);
+      in.params, static_cast<int64_t>(at::cuda::getDeviceProperties(q.device().index())->totalGlobalMem), saved,
+      saved_records);
   Tensor init = staged16(initial_state.value_or(Tensor()));
   const auto f32 = q.options().dtype(at::kFloat);
   Tensor go = sweep_grad_out(grad_out);
@@ -355,7 +374,8 @@ BackwardTuple backward_by_kernels(const Problem& p, const Tensor& grad_out, cons
   call.grads.dbeta = o.dbeta.data_ptr();
   call.grads.ddt_bias_part = ddt_part.data_ptr<float>();
   call.grads.dA_log_part = dA_part.data_ptr<float>();
-  run_backward(call, in.v, window, block, ds_block, saved ? checkpoints.data_ptr() : nullptr);
+  run_backward(call, in.v, window, block, ds_block, saved ? checkpoints.data_ptr() : nullptr,
+               saved_records ? records.data_ptr<float>() : nullptr);
 
   o.ddt_bias.copy_(ddt_part.sum(0));
   o.dA_log.copy_(dA_part.sum(0));
@@ -369,16 +389,13 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> bwd(
     const Tensor& grad_out, const optional<Tensor>& grad_final_state, const Tensor& q, const Tensor& k,
     const Tensor& v, const Tensor& g, const Tensor& beta, const Tensor& A_log, const Tensor& dt_bias,
     optional<double> scale, optional<double> lower_bound, const optional<Tensor>& initial_state,
-    const optional<Tensor>& cu_seqlens, const optional<Tensor>& checkpoints) {
+    const optional<Tensor>& cu_seqlens, const optional<Tensor>& checkpoints, const optional<Tensor>& records) {
   Problem p = check_all("kda.bwd", q, k, v, g, beta, A_log, dt_bias, scale, lower_bound, initial_state, cu_seqlens);
   check_backward_grads("kda.bwd", p, q, grad_out, grad_final_state);
-  const Tensor ckpt = checkpoints.value_or(Tensor());
-  if (ckpt.defined()) {
-    check_checkpoints("kda.bwd", p, cu_seqlens.has_value(), q, ckpt);
-  }
+  check_saved("kda.bwd", p, cu_seqlens.has_value(), q, checkpoints, records);
   c10::cuda::CUDAGuard guard(q.device());
   return backward_by_kernels(p, grad_out, grad_final_state, q, k, v, g, beta, A_log, dt_bias, initial_state,
-                             cu_seqlens, ckpt);
+                             cu_seqlens, checkpoints.value_or(Tensor()), records.value_or(Tensor()));
 }
 
 // An intermediate that a private test op takes in (what the backward's kernels

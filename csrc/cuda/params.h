@@ -26,7 +26,6 @@ constexpr int kChunk = 16;     // tokens per chunk
 //   Kd  [16][128] hi, lo  exp(G_last - G) * k^         (writes the next state)
 //   Aqk [16][16]  hi      scale * (q^_i . k^_j exp(G_i - G_j)), j <= i
 //   Qs, Aqk lo            written only for the backward (FwdParams::lo_for_backward)
-//   (8 KB)                unused (U0 = (I + A_kk)^-1 diag(beta) v, fp32, once)
 //   gl  [128]     fp32    exp(G_last)
 //   M   [16][16]  hi, lo  (I + A_kk)^-1 diag(beta)      (U0 = M v)
 // The recurrence and the backward's record gradients form U0 = M v themselves,
@@ -34,8 +33,7 @@ constexpr int kChunk = 16;     // tokens per chunk
 // 8 KB, and K1 then neither reads v nor writes U0 (in the forward 35 instead of
 // 46 KB of K1 traffic per chunk and head; for the backward's records, which wrote
 // U0 until the fifteenth session, K1 -20 % and the record gradients -6 % at 8192
-// x 96 heads, H200). The unused bytes keep the other planes' offsets, which the
-// kernels' staging relies on.
+// x 96 heads, H200). 27,136 bytes a record.
 // Qs and Aqk reach only the output, which is rounded to bf16: the forward's
 // recurrence multiplies by their hi planes alone (out 1.66e-3 -> ~2.3e-3 of
 // float64 where the state dominates it; the state's products keep bf16x3;
@@ -52,12 +50,12 @@ constexpr int kWsKd = kWsW + 2 * kPlaneBytes;
 constexpr int kWsAqk = kWsKd + 2 * kPlaneBytes;
 constexpr int kWsQsLo = kWsAqk + kAqkPlaneBytes;
 constexpr int kWsAqkLo = kWsQsLo + kPlaneBytes;
-constexpr int kWsU0 = kWsAqkLo + kAqkPlaneBytes;
-constexpr int kWsGl = kWsU0 + kChunk * kHeadDim * 4;
+constexpr int kWsGl = kWsAqkLo + kAqkPlaneBytes;
 constexpr int kWsM = kWsGl + kHeadDim * 4;  // hi plane, then lo plane, [i][j] row-major
 constexpr int kWsChunkBytes = kWsM + 2 * kAqkPlaneBytes;
 constexpr int kWsChunkFloats = kWsChunkBytes / 4;  // the host allocates fp32 elements
 static_assert(kWsChunkBytes % 16 == 0, "records stay 16-byte aligned");
+static_assert(kWsChunkBytes == 27136, "the record's size, as the docs and tests give it");
 
 struct FwdParams {
   int64_t H = 0;  // heads
