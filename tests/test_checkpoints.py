@@ -80,32 +80,28 @@ def test_save_records_setting(states, monkeypatch):
     assert ckpt.shape == (19, 2, 128, 128) and records.shape == (19, 2, RECORD_FLOATS)
 
 
-class TestSaveStatesSettingIsChecked(expecttest.TestCase):
-    def test_bad_value(self):
+class TestSaveSettingsAreChecked(expecttest.TestCase):
+    def _error(self, **env):
+        """The first line of the error the forward raises with these settings (None: unset)."""
         d = _meta_inputs(B=1, T=30, H=2)
         with pytest.MonkeyPatch.context() as mp:
-            mp.setenv("TORCH_KDA_SAVE_STATES", "yes")
+            for name, value in env.items():
+                if value is None:
+                    mp.delenv(name, raising=False)
+                else:
+                    mp.setenv(name, value)
             with self.assertRaises(RuntimeError) as e:
-                _checkpoints(d)
-        self.assertExpectedInline(str(e.exception).splitlines()[0], """kda.fwd: TORCH_KDA_SAVE_STATES must be 0 or 1, got 'yes'""")
+                _saved(d)
+        return str(e.exception).splitlines()[0]
+
+    def test_bad_value(self):
+        self.assertExpectedInline(self._error(TORCH_KDA_SAVE_STATES="yes", TORCH_KDA_SAVE_RECORDS=None), """kda.fwd: TORCH_KDA_SAVE_STATES must be 0 or 1, got 'yes'""")
 
     def test_bad_records_value(self):
-        d = _meta_inputs(B=1, T=30, H=2)
-        with pytest.MonkeyPatch.context() as mp:
-            mp.delenv("TORCH_KDA_SAVE_STATES", raising=False)
-            mp.setenv("TORCH_KDA_SAVE_RECORDS", "2")
-            with self.assertRaises(RuntimeError) as e:
-                _saved(d)
-        self.assertExpectedInline(str(e.exception).splitlines()[0], """kda.fwd: TORCH_KDA_SAVE_RECORDS must be 0 or 1, got '2'""")
+        self.assertExpectedInline(self._error(TORCH_KDA_SAVE_STATES=None, TORCH_KDA_SAVE_RECORDS="2"), """kda.fwd: TORCH_KDA_SAVE_RECORDS must be 0 or 1, got '2'""")
 
     def test_records_without_states(self):
-        d = _meta_inputs(B=1, T=30, H=2)
-        with pytest.MonkeyPatch.context() as mp:
-            mp.setenv("TORCH_KDA_SAVE_STATES", "0")
-            mp.setenv("TORCH_KDA_SAVE_RECORDS", "1")
-            with self.assertRaises(RuntimeError) as e:
-                _saved(d)
-        self.assertExpectedInline(str(e.exception).splitlines()[0], """kda.fwd: TORCH_KDA_SAVE_RECORDS=1 needs the states kept, but TORCH_KDA_SAVE_STATES=0 (the records are kept only with the states)""")
+        self.assertExpectedInline(self._error(TORCH_KDA_SAVE_STATES="0", TORCH_KDA_SAVE_RECORDS="1"), """kda.fwd: TORCH_KDA_SAVE_RECORDS=1 needs the states kept, but TORCH_KDA_SAVE_STATES=0 (the records are kept only with the states)""")
 
 
 class TestBackwardChecksCheckpoints(expecttest.TestCase):
