@@ -473,16 +473,24 @@ __device__ __forceinline__ void recurrence_body(const FwdParams& p) {
       // The row group's warps add their partial sums: every warp needs all of
       // S W^T (for U), the warps that write out need their n-tile of S Qs^T (four
       // split warps: their quarter). A lane's four values of an n-tile travel as
-      // one 16-byte vector (lanes 16 bytes apart: no bank conflicts; the quarters'
-      // 8-byte reads at that stride are 2-way conflicts, 4 wavefronts a load
-      // where 2 would do, per ncu), a warp's own part stays in its registers,
-      // and the parts are added in warp order (deterministic).
+      // one 16-byte vector (lanes 16 bytes apart: no bank conflicts; for the four
+      // split warps' quarters S Qs^T as two planes of 8-byte halves, below), a
+      // warp's own part stays in its registers, and the parts are added in warp
+      // order (deterministic).
       float4* mine = reinterpret_cast<float4*>(red) + warp * (Cfg::kRedFloats / 4);
 #pragma unroll
       for (int nt = 0; nt < 2; ++nt) {
         mine[(0 * 2 + nt) * 32 + lane] = make_float4(sw[nt][0], sw[nt][1], sw[nt][2], sw[nt][3]);
         if constexpr (kOut) {
-          mine[(1 * 2 + nt) * 32 + lane] = make_float4(so[nt][0], so[nt][1], so[nt][2], so[nt][3]);
+          if constexpr (kSplit == 4) {
+            // As two planes of float2s (the quarters' halves), which the quarters
+            // read 8 contiguous bytes a lane: without bank conflicts.
+            float2* mine2 = reinterpret_cast<float2*>(mine) + (1 * 2 + nt) * 64 + lane;
+            mine2[0] = make_float2(so[nt][0], so[nt][1]);
+            mine2[32] = make_float2(so[nt][2], so[nt][3]);
+          } else {
+            mine[(1 * 2 + nt) * 32 + lane] = make_float4(so[nt][0], so[nt][1], so[nt][2], so[nt][3]);
+          }
         }
       }
       __syncthreads();
@@ -517,7 +525,7 @@ __device__ __forceinline__ void recurrence_body(const FwdParams& p) {
         const float2* red2 = reinterpret_cast<const float2*>(group_red);
         auto quarter = [&](int w) {
           return w == ks ? make_float2(so[nto][2 * r], so[nto][2 * r + 1])
-                         : red2[(w * (Cfg::kRedFloats / 4) + (1 * 2 + nto) * 32 + lane) * 2 + r];
+                         : red2[w * (Cfg::kRedFloats / 2) + (1 * 2 + nto) * 64 + r * 32 + lane];
         };
         float2 q = quarter(0);
 #pragma unroll
