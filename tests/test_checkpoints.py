@@ -54,30 +54,19 @@ def test_window_setting_does_not_change_the_checkpoints(setting, monkeypatch):
     assert ckpt.shape == (250, 96, 128, 128) and records.shape == (250, 96, RECORD_FLOATS)
 
 
-def test_save_states_setting(monkeypatch):
-    d = _meta_inputs(B=1, T=300, H=2)
-    monkeypatch.delenv("TORCH_KDA_SAVE_RECORDS", raising=False)
-    monkeypatch.setenv("TORCH_KDA_SAVE_STATES", "0")
-    ckpt, records = _saved(d)
-    assert ckpt.shape == (0, 2, 128, 128) and records.shape == (0, 2, RECORD_FLOATS)
-    monkeypatch.setenv("TORCH_KDA_SAVE_STATES", "1")
-    ckpt, records = _saved(d)
-    assert ckpt.shape == (19, 2, 128, 128) and records.shape == (19, 2, RECORD_FLOATS)
-
-
-@pytest.mark.parametrize("states", [None, "1"])
-def test_save_records_setting(states, monkeypatch):
-    d = _meta_inputs(B=1, T=300, H=2)
-    if states is None:
-        monkeypatch.delenv("TORCH_KDA_SAVE_STATES", raising=False)
-    else:
-        monkeypatch.setenv("TORCH_KDA_SAVE_STATES", states)
-    monkeypatch.setenv("TORCH_KDA_SAVE_RECORDS", "0")
-    ckpt, records = _saved(d)
-    assert ckpt.shape == (19, 2, 128, 128) and records.shape == (0, 2, RECORD_FLOATS)
-    monkeypatch.setenv("TORCH_KDA_SAVE_RECORDS", "1")
-    ckpt, records = _saved(d)
-    assert ckpt.shape == (19, 2, 128, 128) and records.shape == (19, 2, RECORD_FLOATS)
+# (TORCH_KDA_SAVE_STATES, TORCH_KDA_SAVE_RECORDS; None: unset) -> the slots of the
+# checkpoints and of the records that the forward keeps (300 tokens: 19 slots).
+@pytest.mark.parametrize("states,records,kept", [
+    (None, None, (19, 19)), ("1", None, (19, 19)), ("0", None, (0, 0)), ("0", "0", (0, 0)),
+    (None, "0", (19, 0)), ("1", "0", (19, 0)), (None, "1", (19, 19)), ("1", "1", (19, 19))])
+def test_save_settings(states, records, kept, monkeypatch):
+    for name, value in (("TORCH_KDA_SAVE_STATES", states), ("TORCH_KDA_SAVE_RECORDS", records)):
+        if value is None:
+            monkeypatch.delenv(name, raising=False)
+        else:
+            monkeypatch.setenv(name, value)
+    ckpt, rec = _saved(_meta_inputs(B=1, T=300, H=2))
+    assert ckpt.shape == (kept[0], 2, 128, 128) and rec.shape == (kept[1], 2, RECORD_FLOATS)
 
 
 class TestSaveSettingsAreChecked(expecttest.TestCase):
