@@ -4,6 +4,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <string>
+#include <vector>
 
 #include <ATen/ops/empty.h>
 
@@ -53,40 +54,26 @@ bool save_records_enabled(const char* op, bool states) {
   return true;
 }
 
-at::Tensor allocate_checkpoints(const Problem& p, const at::Tensor& q, bool varlen, bool save) {
-  const c10::SymInt slots = save ? saved_slots(p, varlen) : c10::SymInt(0);
-  return at::empty_symint({slots, p.H, cuda::kHeadDim, cuda::kHeadDim}, q.options().dtype(at::kBFloat16));
-}
-
-at::Tensor allocate_records(const Problem& p, const at::Tensor& q, bool varlen, bool save) {
-  const c10::SymInt slots = save ? saved_slots(p, varlen) : c10::SymInt(0);
-  return at::empty_symint({slots, p.H, cuda::kWsChunkFloats}, q.options().dtype(at::kFloat));
-}
-
 namespace {
 
-void check_checkpoints(const char* op, const Problem& p, bool varlen, const at::Tensor& q,
-                       const at::Tensor& checkpoints) {
-  const c10::SymInt slots = saved_slots(p, varlen);
-  const c10::SymInt D = cuda::kHeadDim;
-  const bool ok = checkpoints.device() == q.device() && checkpoints.scalar_type() == at::kBFloat16 &&
-                  checkpoints.dim() == 4 && checkpoints.sym_size(0) == slots && checkpoints.sym_size(1) == p.H &&
-                  checkpoints.sym_size(2) == D && checkpoints.sym_size(3) == D && checkpoints.is_contiguous();
-  TORCH_CHECK(ok, op, ": checkpoints must be what kda._fwd_checkpointed returned for the same inputs (contiguous "
-              "bfloat16 [", sym_str(slots), ", ", sym_str(p.H), ", 128, 128] on q's device) or empty, got ",
-              dtype_name(checkpoints.scalar_type()), " ", shape_str(checkpoints.sym_sizes()), " on ",
-              checkpoints.device().str());
+// The shapes of the two outputs for `slots` chunk slots: what the forward
+// allocates is what the backward accepts.
+std::vector<c10::SymInt> checkpoints_shape(const Problem& p, const c10::SymInt& slots) {
+  return {slots, p.H, cuda::kHeadDim, cuda::kHeadDim};
 }
 
-void check_records(const char* op, const Problem& p, bool varlen, const at::Tensor& q, const at::Tensor& records) {
-  const c10::SymInt slots = saved_slots(p, varlen);
-  const bool ok = records.device() == q.device() && records.scalar_type() == at::kFloat && records.dim() == 3 &&
-                  records.sym_size(0) == slots && records.sym_size(1) == p.H &&
-                  records.sym_size(2) == cuda::kWsChunkFloats && records.is_contiguous();
-  TORCH_CHECK(ok, op, ": records must be what kda._fwd_checkpointed returned for the same inputs (contiguous "
-              "float32 [", sym_str(slots), ", ", sym_str(p.H), ", ", std::to_string(cuda::kWsChunkFloats),
-              "] on q's device) or empty, got ", dtype_name(records.scalar_type()), " ",
-              shape_str(records.sym_sizes()), " on ", records.device().str());
+std::vector<c10::SymInt> records_shape(const Problem& p, const c10::SymInt& slots) {
+  return {slots, p.H, cuda::kWsChunkFloats};
+}
+
+// `name` as the forward returned it for these shapes: contiguous, of this
+// dtype and shape, on q's device.
+void check_kept(const char* op, const char* name, const at::Tensor& t, const at::Tensor& q, at::ScalarType dtype,
+                c10::SymIntArrayRef shape) {
+  const bool ok = t.device() == q.device() && t.scalar_type() == dtype && t.sym_sizes() == shape && t.is_contiguous();
+  TORCH_CHECK(ok, op, ": ", name, " must be what kda._fwd_checkpointed returned for the same inputs (contiguous ",
+              dtype_name(dtype), " ", shape_str(shape), " on q's device) or empty, got ", dtype_name(t.scalar_type()),
+              " ", shape_str(t.sym_sizes()), " on ", t.device().str());
 }
 
 bool given(const std::optional<at::Tensor>& t) {
@@ -95,13 +82,24 @@ bool given(const std::optional<at::Tensor>& t) {
 
 }  // namespace
 
+at::Tensor allocate_checkpoints(const Problem& p, const at::Tensor& q, bool varlen, bool save) {
+  return at::empty_symint(checkpoints_shape(p, save ? saved_slots(p, varlen) : c10::SymInt(0)),
+                          q.options().dtype(at::kBFloat16));
+}
+
+at::Tensor allocate_records(const Problem& p, const at::Tensor& q, bool varlen, bool save) {
+  return at::empty_symint(records_shape(p, save ? saved_slots(p, varlen) : c10::SymInt(0)),
+                          q.options().dtype(at::kFloat));
+}
+
 void check_saved(const char* op, const Problem& p, bool varlen, const at::Tensor& q,
                  const std::optional<at::Tensor>& checkpoints, const std::optional<at::Tensor>& records) {
+  const c10::SymInt slots = saved_slots(p, varlen);
   if (given(checkpoints)) {
-    check_checkpoints(op, p, varlen, q, *checkpoints);
+    check_kept(op, "checkpoints", *checkpoints, q, at::kBFloat16, checkpoints_shape(p, slots));
   }
   if (given(records)) {
-    check_records(op, p, varlen, q, *records);
+    check_kept(op, "records", *records, q, at::kFloat, records_shape(p, slots));
     TORCH_CHECK(given(checkpoints), op,
                 ": records were given without checkpoints: pass both, as kda._fwd_checkpointed returned them");
   }
