@@ -13,15 +13,17 @@ namespace {
 // Windows bound the workspace where it grows large. They were first run with
 // K1 of the next window on a side stream beside K2, to hide K1's time, but that
 // hid none (H200, 65536 x 16 heads: K2 +42 %, K1 +81 % side by side; both
-// kernels issue-bound, benchmarks/RESULTS.md), so they run in order. Windows of
-// 2048 to 8192 tokens keep the per-window costs (two launches, K2 reloading its
-// state and refilling its staging) small against the work. Only where K2 runs
-// at most two warps per SM: with more (sequence, head) pairs the carry grows
-// with them and the one-pass workspace of a batch that fits in memory is fine.
-constexpr int64_t kOnePassWorkspaceLimit = int64_t{1} << 30;
-constexpr int64_t kMinWindowSlots = 128;
-constexpr int64_t kMaxWindowSlots = 512;
-constexpr int64_t kTargetWindows = 16;
+// kernels issue-bound, benchmarks/RESULTS.md), so they run in order. Each
+// window costs ~13 us beyond its share of the work (K1's last wave, K2's state
+// reload and its first stages from memory, two launches): sixteen windows of
+// 4096 tokens took the forward from 3.04-3.14 ms in one pass to 3.26 at 65536 x
+// 16 heads, and from 2.37-2.45 to 2.62-2.67 at 32768 x 32, where two windows of
+// the 1 GiB budget took 3.09-3.16 and 2.42-2.46 (H200, seventeenth session). So
+// the call runs in as few equal windows as keep each one's workspace within the
+// budget. Only where K2 runs at most two warps per SM: with more (sequence,
+// head) pairs the carry grows with them and the one-pass workspace of a batch
+// that fits in memory is fine.
+constexpr int64_t kWorkspaceLimit = int64_t{1} << 30;
 
 }  // namespace
 
@@ -36,11 +38,13 @@ int64_t window_slots(const FwdParams& p, const char* op, bool kept_records) {
                 op, ": TORCH_KDA_WINDOW_SLOTS must be a non-negative integer, got '", env, "'");
     return n == 0 ? p.num_slots : std::min<int64_t>(n, p.num_slots);
   }
-  if (kept_records || recurrence_warps_per_sm(p) > 2 || p.num_slots * p.H * kWsChunkBytes <= kOnePassWorkspaceLimit) {
+  const int64_t slot_bytes = std::max<int64_t>(p.H, 1) * kWsChunkBytes;
+  if (kept_records || recurrence_warps_per_sm(p) > 2 || p.num_slots * slot_bytes <= kWorkspaceLimit) {
     return p.num_slots;
   }
-  const int64_t w = std::clamp((p.num_slots + kTargetWindows - 1) / kTargetWindows, kMinWindowSlots, kMaxWindowSlots);
-  return 2 * w <= p.num_slots ? w : p.num_slots;
+  const int64_t per_window = std::max<int64_t>(kWorkspaceLimit / slot_bytes, 1);
+  const int64_t windows = (p.num_slots + per_window - 1) / per_window;
+  return (p.num_slots + windows - 1) / windows;
 }
 
 void run_forward(FwdParams p, const at::Tensor& like, int64_t window, RecurrenceBlock block, float* records) {

@@ -3,8 +3,8 @@
 // In one pass, K1 fills a record for every chunk slot of the call (27,136 bytes
 // per chunk and head), then K2 walks them. When that workspace would pass
 // 1 GiB and K2 runs few (sequence, head) pairs (at most two of its warps per
-// SM), the slots are cut into windows instead, run one after the other on the
-// caller's stream: K1 fills one window's records, K2 advances every state
+// SM), the slots are cut into as few equal windows as keep each one's
+// workspace within 1 GiB, run one after the other on the caller's stream: K1 fills one window's records, K2 advances every state
 // through them, and the states wait between windows in an fp32 carry, so the
 // results are bitwise those of one pass. When the records are kept for the
 // backward (kda._fwd_checkpointed), they are all in the caller's buffer
