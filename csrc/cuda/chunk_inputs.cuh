@@ -62,14 +62,20 @@ __device__ __forceinline__ bool place_chunk(const FwdParams& p, ChunkPlace& c) {
 // out[r / 16][r % 16] = post(sum of f over the row's 16-byte pieces). Four
 // threads per row (lanes 8 apart), each every fourth piece, then two shuffles;
 // far fewer instructions than a warp reduction per row. The eight lanes of a
-// quarter warp read eight rows, 4 banks apart (kPad = 128 + 4): no bank
-// conflicts. Exactly 128 threads, all of them calling it; no barrier inside.
+// quarter warp read eight rows: 4 banks apart at kPad = 128 + 4, so each lane
+// its row's piece `part`; 8 banks apart at kPad = 128 + 8, where rows r and
+// r + 4 share banks, so rows 4-7 of a quarter take the neighbouring piece
+// (part ^ 1): no bank conflicts either way, and a row's four partial sums meet
+// in the same pairs (the sum is the same bits). Exactly 128 threads, all of
+// them calling it; no barrier inside.
 template <int kPad, typename F, typename Post>
 __device__ __forceinline__ void reduce_rows32(const float (*X)[kPad], const float (*Y)[kPad], F f, Post post,
                                               float (*out)[kChunk]) {
   constexpr int C = kChunk, D = kHeadDim;
+  static_assert(kPad % 32 == 4 || kPad % 32 == 8, "the rows' bank offsets assumed below");
   const int d = threadIdx.x;
-  const int row = (d / 32) * 8 + d % 8, part = (d % 32) / 8;
+  const int row = (d / 32) * 8 + d % 8;
+  const int part = kPad % 32 == 4 ? (d % 32) / 8 : ((d % 32) / 8) ^ ((d % 8) / 4);
   const float* src = row < C ? &X[row][0] : &Y[row - C][0];
   float s = 0.f;
 #pragma unroll

@@ -18,9 +18,12 @@ constexpr int D = kHeadDim;
 constexpr int kThreads = D;
 static_assert(kThreads == 128 && D == 4 * 32 && C == 16,
               "the 16x16 products: four warps of 32 key channels, each warp one of their four fragments");
-// Row stride of the shared tiles: 16-byte aligned rows, and the 8 rows that a
-// quarter warp reads with 16-byte loads fall in distinct banks.
-constexpr int kPad = D + 4;
+// Row stride of the shared tiles: 16-byte aligned rows, 8 banks apart, so that
+// the 16x16 products' 8-byte fragment loads (a half warp: rows g = 0-3 or 4-7 x
+// 8 bytes at 2t) fall in distinct banks; at D + 4 rows g and g + 1 shared
+// banks, 48 of a warp's ~400 shared-memory wavefronts (ncu, eleventh session).
+// reduce_rows32 reads the rows conflict-free at either pitch.
+constexpr int kPad = D + 8;
 // sA's rows 16-byte aligned: the substitution reads them four entries a load.
 constexpr int kAPitch = C + 4;
 
