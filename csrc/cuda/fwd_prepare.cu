@@ -45,7 +45,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm) prepare_kernel(cons
   __shared__ __align__(16) float sKe[C][kPad];  // k^ exp(G)
   __shared__ __align__(16) float sKi[C][kPad];  // k^ exp(-G)
   __shared__ __align__(16) float sA[C][kAPitch];  // A_kk, strictly lower
-  __shared__ float sInvNorm[2][C];  // 1 / ||q_i||, 1 / ||k_i|| (with the epsilon)
+  __shared__ __align__(16) float sInvNorm[2][C];  // 1 / ||q_i||, 1 / ||k_i|| (with the epsilon)
   __shared__ float4 sRed[4][4][32];  // the 16x16 products' partial sums: [warp][fragment][lane]
   __shared__ float sBeta[C];
 
@@ -61,11 +61,20 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm) prepare_kernel(cons
 
   unsigned char* ws = reinterpret_cast<unsigned char*>(p.workspace) + ((c.slot - p.slot_begin) * H + h) * kWsChunkBytes;
   const float e_last = fast_exp2(G2[C - 1]);
-  // Column d of every tile is this thread's alone until the next barrier.
+  // Column d of every tile is this thread's alone until the next barrier. The
+  // inverse norms four rows a load, ahead of each four rows' record stores:
+  // every thread reads the same entries, so a load costs per instruction, and
+  // ptxas does not move loads across the stores (through a generic pointer),
+  // so as scalars they were 32 loads a thread.
+  float4 inv_q, inv_k;
 #pragma unroll
   for (int i = 0; i < C; ++i) {
-    const float qn = sQe[i][d] * sInvNorm[0][i];
-    const float kn = sKe[i][d] * sInvNorm[1][i];
+    if (i % 4 == 0) {
+      inv_q = *reinterpret_cast<const float4*>(&sInvNorm[0][i]);
+      inv_k = *reinterpret_cast<const float4*>(&sInvNorm[1][i]);
+    }
+    const float qn = sQe[i][d] * (&inv_q.x)[i % 4];
+    const float kn = sKe[i][d] * (&inv_k.x)[i % 4];
     // |G| <= 16 * 5 = 80 here: exp(G) >= e^-80 is a normal float and its
     // reciprocal exp(-G) <= e^80 stays finite.
     const float e = fast_exp2(G2[i]);
