@@ -515,7 +515,7 @@ def test_automatic_windows_bound_memory(monkeypatch):
         peaks[window] = torch.cuda.max_memory_allocated() - base
     print(f"peak: automatic {peaks[None] / 2**20:.0f} MiB, one pass {peaks[0] / 2**20:.0f} MiB")
     assert peaks[0] >= one_pass_workspace
-    # Two windows of 2048 slots (0.89 GB each, the most within 1 GiB) and the
+    # Two equal windows of 2048 slots (0.89 GB each; one window of all 4096 is over 1 GiB) and the
     # fp32 carry, where one pass holds 1.78 GB; the rest (out) is the same.
     carry = H * D * D * 4
     assert peaks[None] <= peaks[0] - one_pass_workspace + 2**30 + carry

@@ -18,7 +18,7 @@ namespace {
 // reload and its first stages from memory, two launches): sixteen windows of
 // 4096 tokens took the forward from 3.04-3.14 ms in one pass to 3.26 at 65536 x
 // 16 heads, and from 2.37-2.45 to 2.62-2.67 at 32768 x 32, where two windows of
-// the 1 GiB budget took 3.09-3.16 and 2.42-2.46 (H200, seventeenth session). So
+// the 1 GiB budget took 3.09-3.13 and 2.44-2.46 (H200, seventeenth session). So
 // the call runs in as few equal windows as keep each one's workspace within the
 // budget. Only where K2 runs at most two warps per SM: with more (sequence,
 // head) pairs the carry grows with them and the one-pass workspace of a batch
