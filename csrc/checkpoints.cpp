@@ -82,14 +82,12 @@ bool given(const std::optional<at::Tensor>& t) {
 
 }  // namespace
 
-at::Tensor allocate_checkpoints(const Problem& p, const at::Tensor& q, bool varlen, bool save) {
-  return at::empty_symint(checkpoints_shape(p, save ? saved_slots(p, varlen) : c10::SymInt(0)),
-                          q.options().dtype(at::kBFloat16));
-}
-
-at::Tensor allocate_records(const Problem& p, const at::Tensor& q, bool varlen, bool save) {
-  return at::empty_symint(records_shape(p, save ? saved_slots(p, varlen) : c10::SymInt(0)),
-                          q.options().dtype(at::kFloat));
+SavedForBackward allocate_saved(const char* op, const Problem& p, const at::Tensor& q, bool varlen) {
+  const bool states = save_states_enabled(op);
+  const bool records = save_records_enabled(op, states);
+  const c10::SymInt slots = states ? saved_slots(p, varlen) : c10::SymInt(0);  // records only with states
+  return {at::empty_symint(checkpoints_shape(p, slots), q.options().dtype(at::kBFloat16)),
+          at::empty_symint(records_shape(p, records ? slots : c10::SymInt(0)), q.options().dtype(at::kFloat))};
 }
 
 void check_saved(const char* op, const Problem& p, bool varlen, const at::Tensor& q,

@@ -33,21 +33,25 @@ bool save_states_enabled(const char* op);
 // other value.
 bool save_records_enabled(const char* op, bool states);
 
-// The checkpoints output: bf16 [slots, H, 128, 128] on q's device, slot s the
-// state at the start of chunk slot s (as the CUDA kernels number the slots:
-// B * ceil(T / 16) for fixed length, min(T, ceil(T / 16) + N) with cu_seqlens;
-// the slots past a varlen batch's chunks are not written), or [0, H, 128, 128]
-// when the states are not saved. A function of the shapes alone.
-at::Tensor allocate_checkpoints(const Problem& p, const at::Tensor& q, bool varlen, bool save);
-
-// The records output: fp32 [slots, H, 6784] (a record's bytes as fp32
-// elements) on q's device, the slots as for the checkpoints (those past a
-// varlen batch's chunks zero), or [0, H, 6784] when the records are not kept.
-at::Tensor allocate_records(const Problem& p, const at::Tensor& q, bool varlen, bool save);
+// kda._fwd_checkpointed's two extra outputs, as the two settings above ask
+// (read here, raising with `op` on a bad value); functions of the shapes alone.
+//   checkpoints: bf16 [slots, H, 128, 128] on q's device, slot s the state at
+//     the start of chunk slot s (as the CUDA kernels number the slots: B *
+//     ceil(T / 16) for fixed length, min(T, ceil(T / 16) + N) with cu_seqlens;
+//     the slots past a varlen batch's chunks are not written), or [0, H, 128,
+//     128] when the states are not saved.
+//   records: fp32 [slots, H, 6784] (a record's bytes as fp32 elements) on q's
+//     device, the slots as for the checkpoints, or [0, H, 6784] when the
+//     records are not kept.
+struct SavedForBackward {
+  at::Tensor checkpoints;
+  at::Tensor records;
+};
+SavedForBackward allocate_saved(const char* op, const Problem& p, const at::Tensor& q, bool varlen);
 
 // What a backward call was given of these: each absent, empty, or what
-// allocate_checkpoints / allocate_records give for the same shapes,
-// contiguous; records only with checkpoints.
+// allocate_saved gives for the same shapes, contiguous; records only with
+// checkpoints.
 void check_saved(const char* op, const Problem& p, bool varlen, const at::Tensor& q,
                  const std::optional<at::Tensor>& checkpoints, const std::optional<at::Tensor>& records);
 

@@ -31,10 +31,8 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> fwd_checkpointed(const Tensor& q, con
   Problem p = check_forward_args("kda.fwd", q, k, v, g, beta, A_log, dt_bias, scale, lower_bound, initial_state,
                                  cu_seqlens);
   ForwardOutputs o = allocate_forward_outputs(p, q, output_final_state);
-  const bool states = save_states_enabled("kda.fwd");
-  Tensor checkpoints = allocate_checkpoints(p, q, cu_seqlens.has_value(), states);
-  Tensor records = allocate_records(p, q, cu_seqlens.has_value(), save_records_enabled("kda.fwd", states));
-  return {o.out, o.final_state, checkpoints, records};
+  SavedForBackward saved = allocate_saved("kda.fwd", p, q, cu_seqlens.has_value());
+  return {o.out, o.final_state, saved.checkpoints, saved.records};
 }
 
 void fwd_inplace(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g, const Tensor& beta,

@@ -78,8 +78,9 @@ void run_backward(const BackwardCall& call, const at::Tensor& like, int64_t wind
   }
   const int64_t windows = S > 0 ? (S + window - 1) / window : 1;
   const bool recur = saved_states == nullptr;  // K2's passes make the chunk-start states
-  // The records' passes would need K1 of the checkpoint pass's records too.
-  TORCH_CHECK(saved_records == nullptr || !recur, "kda.bwd: records are used only with the chunk-start states");
+  // The records' passes would need K1 of the checkpoint pass's records too;
+  // check_saved has rejected records without the states.
+  TORCH_INTERNAL_ASSERT(saved_records == nullptr || !recur, "kda.bwd: records are used only with the chunk-start states");
   // K2's passes here move only the states: no output, no final state.
   at::Tensor workspace = saved_records == nullptr ? at::empty({window, H, kWsChunkFloats}, f32) : at::Tensor();
   const auto bf16 = like.options().dtype(at::kBFloat16);

@@ -278,9 +278,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> fwd_checkpointed(const Tensor& q, con
   Problem p = check_all(op, q, k, v, g, beta, A_log, dt_bias, scale, lower_bound, initial_state, cu_seqlens);
   c10::cuda::CUDAGuard guard(q.device());
   ForwardOutputs o = allocate_forward_outputs(p, q, output_final_state);
-  const bool states = save_states_enabled(op);
-  Tensor checkpoints = allocate_checkpoints(p, q, cu_seqlens.has_value(), states);
-  Tensor records = allocate_records(p, q, cu_seqlens.has_value(), save_records_enabled(op, states));
+  auto [checkpoints, records] = allocate_saved(op, p, q, cu_seqlens.has_value());
   if (cu_seqlens.has_value()) {
     // A varlen batch's chunks fill all but at most N of its slots (their count
     // is an upper bound from the shapes), and K1 and K2 write only those: the
