@@ -78,7 +78,14 @@ def graphed(fn, label):
         torch.cuda.synchronize()
         print(f"    ({label}: not capturable, timed eagerly: {type(exc).__name__}: {str(exc)[:80]})")
         return fn, False
-    return graph.replay, True
+    # The replay keeps fn alive: fn's closure is the last owner of buffers that the
+    # graph writes outside its private pool (torch_kda's out and final_state). The
+    # bare graph.replay let them be freed, and with fla's graph captured next the
+    # replays faulted (illegal memory access at 8192 x 32 heads; tests/test_bench_graphs.py).
+    def replay(graph=graph, fn=fn):
+        graph.replay()
+
+    return replay, True
 
 
 def copy_bandwidth():
