@@ -79,9 +79,10 @@ def graphed(fn, label):
         print(f"    ({label}: not capturable, timed eagerly: {type(exc).__name__}: {str(exc)[:80]})")
         return fn, False
     # The replay keeps fn alive: fn's closure is the last owner of buffers that the
-    # graph writes outside its private pool (torch_kda's out and final_state). The
-    # bare graph.replay let them be freed, and with fla's graph captured next the
-    # replays faulted (illegal memory access at 8192 x 32 heads; tests/test_bench_graphs.py).
+    # graph uses outside its private pool (torch_kda's out and final_state, fla's fp32
+    # initial state). The bare graph.replay let them be freed, and with fla's graph
+    # captured next our replays faulted (illegal memory access at 8192 x 32 heads;
+    # tests/test_bench_graphs.py).
     def replay(graph=graph, fn=fn):
         graph.replay()
 
