@@ -39,6 +39,7 @@ def _fake_cuda(monkeypatch, capturing):
     monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
     monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
     monkeypatch.setattr(torch.cuda, "CUDAGraph", _Graph)
+    monkeypatch.setattr(_Graph, "captured", None)  # no capture carried over from another test
 
     @contextlib.contextmanager
     def graph(g):
