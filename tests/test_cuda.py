@@ -124,6 +124,23 @@ def test_hard_case_long_sequence():
     assert e_state <= 2e-2
 
 
+def test_bf16_state_takes_bf16_products_over_long_sequences():
+    """With a bf16 state the recurrence multiplies by the state, U and the record's
+    planes in bf16 alone (FwdParams::bf16_products), where an fp32 state keeps bf16x3:
+    over 4,096 chunks, each feeding its products back into the state, the bf16 state's
+    errors stay inside SPEC's random-case targets, and the same inputs with an fp32
+    state keep the far smaller fp32-level state error (the two paths differ)."""
+    d, g = cuda_inputs(B=1, T=65536, H=2, state_dtype=torch.bfloat16)
+    e_out, e_state, _, final = errors(d, g, -5.0)
+    g32 = dict(g, initial_state=g["initial_state"].float())
+    e_out32, e_state32, _, _ = errors(d, g32, -5.0)
+    print(f"\nT=65536 random: bf16 state out rel {e_out:.2e} state rel {e_state:.2e};"
+          f" fp32 state out rel {e_out32:.2e} state rel {e_state32:.2e}")
+    assert final.dtype == torch.bfloat16
+    assert e_out <= 5e-3 and e_state <= 5e-3
+    assert e_state32 <= FP32_STATE_TOL and e_state32 * 10 < e_state
+
+
 @pytest.mark.parametrize("H", [16, 32, 64, 96, 256])
 def test_every_block_width_matches_reference(H):
     """The recurrence picks its block shape by N * H over the SM count; on a 132-SM
@@ -137,15 +154,17 @@ def test_every_block_width_matches_reference(H):
     assert e_out <= 5e-3 and e_state <= 1e-4
 
 
+@pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("shape", ["8x1", "4x1", "4x1w", "2x1", "2x2", "4x4"])
-def test_forced_block_shapes_match_reference(shape, monkeypatch):
+def test_forced_block_shapes_match_reference(shape, state_dtype, monkeypatch):
     """TORCH_KDA_RECURRENCE_BLOCK (a measurement knob) runs any block shape on any
-    problem: each on a varlen batch with an empty sequence and a partial chunk."""
+    problem: each on a varlen batch with an empty sequence and a partial chunk, with
+    bf16x3 products (fp32 state) and bf16 ones (bf16 state)."""
     monkeypatch.setenv("TORCH_KDA_RECURRENCE_BLOCK", shape)
-    d, g = cuda_inputs(seqlens=[5, 40, 0, 77], H=3, state_dtype=torch.float32)
+    d, g = cuda_inputs(seqlens=[5, 40, 0, 77], H=3, state_dtype=state_dtype)
     e_out, e_state, _, _ = errors(d, g)
-    print(f"block {shape}: out rel {e_out:.2e}, state rel {e_state:.2e}")
-    assert e_out <= 5e-3 and e_state <= FP32_STATE_TOL
+    print(f"block {shape} state {state_dtype}: out rel {e_out:.2e}, state rel {e_state:.2e}")
+    assert e_out <= 5e-3 and e_state <= (FP32_STATE_TOL if state_dtype == torch.float32 else 5e-3)
 
 
 @pytest.mark.parametrize("name", ["random", "weak_decay", "small_beta"])
@@ -1008,9 +1027,10 @@ def _assert_checkpoints_are_prefix_states(g, ckpt):
         assert torch.equal(ckpt[s], state[0].bfloat16()), s
 
 
-@pytest.mark.parametrize("window,T,H,windows", [
-    (None, 10000, 16, 2), (None, 4000, 96, 3), ("7", 4000, 96, 36), ("0", 300, 2, 1)])
-def test_forward_checkpoints_serve_the_backward_bitwise(window, T, H, windows, monkeypatch):
+@pytest.mark.parametrize("window,T,H,windows,state_dtype", [
+    (None, 10000, 16, 2, torch.float32), (None, 4000, 96, 3, torch.float32), ("7", 4000, 96, 36, torch.float32),
+    ("0", 300, 2, 1, torch.float32), (None, 4000, 96, 3, torch.bfloat16), (None, 10000, 16, 2, torch.bfloat16)])
+def test_forward_checkpoints_serve_the_backward_bitwise(window, T, H, windows, state_dtype, monkeypatch):
     """kda._fwd_checkpointed returns fwd's outputs bit for bit, the state at
     every chunk slot's start in bf16 (bitwise a prefix forward's final state,
     rounded) and K1's records, in one pass unless windows are forced. kda.bwd
@@ -1019,12 +1039,14 @@ def test_forward_checkpoints_serve_the_backward_bitwise(window, T, H, windows, m
     records too no K1 for the records either, and gives the gradients it gives
     without them, bit for bit, also when called again: the checkpoints and
     records are left as they were. TORCH_KDA_WINDOW_SLOTS moves the windows (7
-    slots: 36 of them) but not the checkpoints."""
+    slots: 36 of them) but not the checkpoints. With a bf16 state (bf16 products; at 96
+    heads the 4x1w shape, at 16 the 2x2) too: the backward's own passes recompute the
+    forward's states."""
     if window is None:
         monkeypatch.delenv("TORCH_KDA_WINDOW_SLOTS", raising=False)
     else:
         monkeypatch.setenv("TORCH_KDA_WINDOW_SLOTS", window)
-    _, g = cuda_inputs(B=1, T=T, H=H, state_dtype=torch.float32)
+    _, g = cuda_inputs(B=1, T=T, H=H, state_dtype=state_dtype)
     init = g["initial_state"]
     (out, final, ckpt, records), k1_fwd, _ = _recurrence_launches(
         lambda: torch.ops.kda._fwd_checkpointed(*positional(g), None, -5.0, init, True, None))

@@ -51,6 +51,9 @@ def kda(
 
     Returns (out [B, T, H, V] in q's dtype, final_state [N, H, V, K] or None).
     final_state has initial_state's dtype, else float32 (float64 for float64 inputs).
+    On CUDA that dtype also sets the recurrence's precision: a bfloat16 state takes
+    the state's products in bf16 (out and state ~3e-3 of float64, like fla's
+    chunk_kda), a float32 state, or none, in bf16x3 (state ~5e-6).
     """
     if not isinstance(output_final_state, bool):
         raise TypeError(f"torch_kda.kda: output_final_state must be a bool, got {type(output_final_state).__name__}")

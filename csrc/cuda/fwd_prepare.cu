@@ -33,12 +33,15 @@ constexpr int kAPitch = C + 4;
 constexpr int kMinBlocksPerSm = 6;
 
 // kForBackward: the backward's records (FwdParams::lo_for_backward), which
-// also hold the lo planes of Qs and Aqk (the dS recurrence reads them). Neither
+// also hold the lo planes of Qs and Aqk (the dS recurrence reads them).
+// kWKdLo: the lo planes of W and Kd (all but a forward with bf16 products,
+// FwdParams::bf16_products, whose recurrence does not read them). Neither
 // record holds U0 = M v: K2 and the backward's record gradients form it from v
 // and M on the tensor cores (K1 writing U0 for the backward read v and wrote
 // 8 KB more per chunk and head, which the record gradients read back).
-template <bool kForBackward>
+template <bool kForBackward, bool kWKdLo>
 __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm) prepare_kernel(const FwdParams p) {
+  static_assert(kWKdLo || !kForBackward, "the backward reads every plane");
   // sQe and sKe first hold the raw q and k rows (load_chunk_inputs), then
   // q^ exp(G) and k^ exp(G).
   __shared__ __align__(16) float sQe[C][kPad];  // q^ exp(G)
@@ -83,7 +86,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm) prepare_kernel(cons
     sKe[i][d] = kn * e;
     sKi[i][d] = kn * e_inv;
     store_split(ws + kWsQs, kWsQsLo - kWsQs, record_index(i, d), p.scale * qn * e, kForBackward);
-    store_split(ws + kWsKd, kPlaneBytes, record_index(i, d), kn * (e_last * e_inv));
+    store_split(ws + kWsKd, kPlaneBytes, record_index(i, d), kn * (e_last * e_inv), kWKdLo);
   }
   reinterpret_cast<float*>(ws + kWsGl)[d] = e_last;
   __syncthreads();
@@ -150,7 +153,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm) prepare_kernel(cons
   float x[C], y[C];
   auto rhs = [&](int i) { return make_float2(sBeta[i] * sKe[i][d], i == d ? sBeta[i] : 0.f); };
   auto row = [&](int i, float xi, float yi) {
-    store_split(ws + kWsW, kPlaneBytes, record_index(i, d), xi);
+    store_split(ws + kWsW, kPlaneBytes, record_index(i, d), xi, kWKdLo);
     if (d < C) {
       store_split(ws + kWsM, kAqkPlaneBytes, i * C + d, yi);
     }
@@ -177,9 +180,11 @@ void launch_prepare(const FwdParams& p, cudaStream_t stream) {
   TORCH_CHECK(blocks <= INT32_MAX, "kda.fwd: ", std::to_string(slots), " chunks x ", std::to_string(p.H),
               " heads is more blocks than one launch takes");
   if (p.lo_for_backward) {
-    prepare_kernel<true><<<static_cast<unsigned int>(blocks), kThreads, 0, stream>>>(p);
+    prepare_kernel<true, true><<<static_cast<unsigned int>(blocks), kThreads, 0, stream>>>(p);
+  } else if (p.bf16_products) {
+    prepare_kernel<false, false><<<static_cast<unsigned int>(blocks), kThreads, 0, stream>>>(p);
   } else {
-    prepare_kernel<false><<<static_cast<unsigned int>(blocks), kThreads, 0, stream>>>(p);
+    prepare_kernel<false, true><<<static_cast<unsigned int>(blocks), kThreads, 0, stream>>>(p);
   }
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }

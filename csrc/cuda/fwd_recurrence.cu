@@ -12,7 +12,8 @@
 // ahead with cp.async (kDefaultStages). The launcher sizes blocks to the warps each SM must run.
 //
 // Per chunk, per row group (v: its 16 rows; c: the 16 tokens), the state's
-// products in bf16x3 (mma.cuh), so an fp32 state stays fp32-accurate, and the
+// products in bf16x3 (mma.cuh), so an fp32 state stays fp32-accurate (a bf16
+// state's in bf16 alone: kX3, FwdParams::bf16_products), and the
 // output's with the record side in bf16 alone (params.h) and, but in the 2x2
 // shape, the state's hi part alone (kQsLo):
 //   U^T = v^T M^T - S W^T          (U0 = M v: params.h)
@@ -47,16 +48,20 @@ static_assert(C == 16, "the fragments below assume 16-token chunks");
 // The bf16 planes that the forward reads, in record order (params.h), then Aqk's
 // hi plane: the first kWsQsLo bytes of a record, copied verbatim.
 enum Plane { kQs, kWHi, kWLo, kKdHi, kKdLo, kPlanes };
+// With bf16 products (no kX3) a stage holds no lo planes: Qs, W's hi plane,
+// then Kd's (8 KB less a stage).
+template <bool kX3>
+constexpr int kKdHiPlane = kX3 ? kKdHi : 2;
 static_assert(kWsW == kPlaneBytes && kWsKd == 3 * kPlaneBytes && kWsAqk == kPlanes * kPlaneBytes &&
                   kWsQsLo == kWsAqk + kAqkPlaneBytes,
               "the record's bf16 part read here is contiguous");
 
-template <int kCols, int kAlign = 16>  // value channels of the block; wgmma's operands want 1024
+template <int kCols, bool kX3, int kAlign = 16>  // value channels of the block; wgmma's operands want 1024
 struct alignas(kAlign) Stage {
   // v's rows 16 bytes longer than the block's channels: the 8 rows of one
   // ldmatrix then start in distinct 16-byte bank groups.
   static constexpr int kVPitch = kCols + 8;
-  __nv_bfloat16 mat[kPlanes][C * D];  // swizzled planes (record_index)
+  __nv_bfloat16 mat[kX3 ? kPlanes : kKdHiPlane<false> + 1][C * D];  // swizzled planes (record_index)
   __nv_bfloat16 aqk[C * C];
   __nv_bfloat16 m[2][C * C];          // M hi, lo: [i][j]
   __nv_bfloat16 v[C][kVPitch];        // the chunk's v, the block's channels; zeros past the sequence
@@ -68,14 +73,14 @@ struct alignas(kAlign) Stage {
 // (each product sums the same terms in the same order per accumulator) in 8-12 %
 // less K2 time (8192 x 96 heads 0.835 -> 0.747 ms, 8 x 8192 x 32 1.76 -> 1.56;
 // H200), so the automatic choice where the 4x1 would run.
-template <int kWarps, int kSplit, int kSt, bool kWg = false>
+template <int kWarps, int kSplit, int kSt, bool kWg, bool kX3>
 struct Config {
   static constexpr int kThreads = 32 * kWarps;
   static constexpr int kRowGroups = kWarps / kSplit;
   static constexpr int kCols = 16 * kRowGroups;  // value channels of a block
   static constexpr int kNt = 16 / kSplit;        // 8-column n-tiles of state per warp
   static constexpr int kStagesAhead = kSt;
-  using St = Stage<kCols, kWg ? 1024 : 16>;
+  using St = Stage<kCols, kX3, kWg ? 1024 : 16>;
   // Per warp, the partial sums over its key columns of S W^T and S Qs^T in
   // fragment order ([product][n-tile][lane] of float4s, a lane's four elements);
   // none when kSplit = 1.
@@ -87,25 +92,44 @@ struct Config {
                 "whole row groups; U0's shares are laid out for two or four warps");
 };
 
-// Issues the copies of one chunk into a stage: its record's bf16 part, M and
-// gl, and the `len` rows of v from `v` on (rows `row_stride` elements apart; the
-// block's channels). Every thread's pieces sit at fixed offsets from its first,
-// so the fully unrolled loops cost one instruction per 16 bytes.
-template <int kCols, int kThreads, int kAlign>
-__device__ __forceinline__ void load_stage(Stage<kCols, kAlign>& st, const unsigned char* rec, const __nv_bfloat16* v,
-                                           int64_t row_stride, int len, int tid) {
-  using St = Stage<kCols, kAlign>;
-  static_assert(offsetof(St, aqk) == kWsAqk && offsetof(St, m) >= kWsQsLo,
-                "mat and aqk are one verbatim copy");
-  constexpr int kBf16Pieces = kWsQsLo / 16;
-  const uint32_t mat = smem_u32(&st.mat[0][0]) + tid * 16;
+// Copies bytes [kFrom, kTo) of a record's bf16 part to offset kDst of a
+// stage's (mat, aqk), 16 bytes a thread and instruction.
+template <int kFrom, int kTo, int kDst, int kThreads>
+__device__ __forceinline__ void copy_record_bytes(uint32_t mat, const unsigned char* rec, int tid) {
+  static_assert(kFrom % 16 == 0 && kTo % 16 == 0 && kDst % 16 == 0 && kFrom < kTo, "whole 16-byte pieces");
+  constexpr int kPieces = (kTo - kFrom) / 16;
+  mat += kDst + tid * 16;
+  rec += kFrom + tid * 16;
 #pragma unroll
-  for (int it = 0; it < kBf16Pieces / kThreads; ++it) {
-    cp_async_16(mat + it * kThreads * 16, rec + tid * 16 + it * kThreads * 16);
+  for (int it = 0; it < kPieces / kThreads; ++it) {
+    cp_async_16(mat + it * kThreads * 16, rec + it * kThreads * 16);
   }
-  constexpr int kRest = kBf16Pieces % kThreads, kDone = kBf16Pieces / kThreads * kThreads;
+  constexpr int kRest = kPieces % kThreads, kDone = kPieces / kThreads * kThreads;
   if (kRest != 0 && tid < kRest) {
-    cp_async_16(mat + kDone * 16, rec + tid * 16 + kDone * 16);
+    cp_async_16(mat + kDone * 16, rec + kDone * 16);
+  }
+}
+
+// Issues the copies of one chunk into a stage: its record's bf16 part (with
+// kX3 all of it, verbatim; else Qs, W's and Kd's hi planes and Aqk, without
+// the lo planes that bf16 products do not read), M and gl, and the `len` rows
+// of v from `v` on (rows `row_stride` elements apart; the block's channels).
+// Every thread's pieces sit at fixed offsets from its first, so the fully
+// unrolled loops cost one instruction per 16 bytes.
+template <int kCols, int kThreads, bool kX3, int kAlign>
+__device__ __forceinline__ void load_stage(Stage<kCols, kX3, kAlign>& st, const unsigned char* rec,
+                                           const __nv_bfloat16* v, int64_t row_stride, int len, int tid) {
+  using St = Stage<kCols, kX3, kAlign>;
+  const uint32_t mat = smem_u32(&st.mat[0][0]);
+  if constexpr (kX3) {
+    static_assert(offsetof(St, aqk) == kWsAqk && offsetof(St, m) >= kWsQsLo, "mat and aqk are one verbatim copy");
+    copy_record_bytes<0, kWsQsLo, 0, kThreads>(mat, rec, tid);
+  } else {
+    static_assert(kWsW + kPlaneBytes == 2 * kPlaneBytes && offsetof(St, aqk) == 3 * kPlaneBytes,
+                  "Qs and W's hi plane are contiguous in both; then Kd's hi plane and Aqk");
+    copy_record_bytes<0, kWsW + kPlaneBytes, 0, kThreads>(mat, rec, tid);
+    copy_record_bytes<kWsKd, kWsKd + kPlaneBytes, kKdHiPlane<false> * kPlaneBytes, kThreads>(mat, rec, tid);
+    copy_record_bytes<kWsAqk, kWsQsLo, offsetof(St, aqk), kThreads>(mat, rec, tid);
   }
   constexpr int kMPieces = 2 * kAqkPlaneBytes / 16;
   static_assert(kMPieces <= kThreads, "one piece of M per thread");
@@ -157,9 +181,11 @@ __device__ __forceinline__ void store_state_pair(void* base, int64_t index, bool
 // select of its own: K2 -3 % at 8192 and 65536 tokens x 16 heads (H200). -1 elsewhere
 // (the slice from the warp index): the 2x2 shape measured 6-8 % slower
 // specialised (8192 and 32768 x 32 heads).
-template <int kWarps, int kSplit, int kSt, bool kOut, bool kWg, int kKs>
+// kX3: the state's products in bf16x3 (an fp32 state); else each operand in
+// bf16 alone (FwdParams::bf16_products: a bf16 state).
+template <int kWarps, int kSplit, int kSt, bool kOut, bool kWg, bool kX3, int kKs>
 __device__ __forceinline__ void recurrence_body(const FwdParams& p) {
-  using Cfg = Config<kWarps, kSplit, kSt, kWg>;
+  using Cfg = Config<kWarps, kSplit, kSt, kWg, kX3>;
   using St = typename Cfg::St;
   constexpr int kNt = Cfg::kNt, kKk = kNt / 2;
   // S Qs^T with the state's lo part too, or with its hi part alone (the output
@@ -168,7 +194,7 @@ __device__ __forceinline__ void recurrence_body(const FwdParams& p) {
   // run (H200, K2 ms): 4x1 0.942 -> 0.877 at 8192 x 96 heads, 4x4 (with U0
   // spread, below) 0.312 -> 0.306 at 8192 x 16, but 2x2 0.374 -> 0.416 at 8192
   // x 32, which keeps it; 8x1 and 2x1 (forced only) follow 4x1 unmeasured.
-  constexpr bool kQsLo = kSplit == 2;
+  constexpr bool kQsLo = kSplit == 2 && kX3;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   unsigned char* smem = smem_raw;
   if constexpr (kWg) {
@@ -221,7 +247,7 @@ __device__ __forceinline__ void recurrence_body(const FwdParams& p) {
   const unsigned char* fill_rec = first;
   int fill = 0, fill_stage = 0;  // the next chunk to stage, and its stage
   auto refill = [&]() {
-    load_stage<Cfg::kCols, Cfg::kThreads>(stages[fill_stage], fill_rec, fill_v, H * D, fill == nch - 1 ? last_len : C,
+    load_stage<Cfg::kCols, Cfg::kThreads, kX3>(stages[fill_stage], fill_rec, fill_v, H * D, fill == nch - 1 ? last_len : C,
                                           tid);
     fill_rec += stride;
     fill_v += C * H * D;
@@ -267,10 +293,17 @@ __device__ __forceinline__ void recurrence_body(const FwdParams& p) {
   constexpr bool kSplitEarly = kSplit == 1;
   uint32_t a_hi[kKk][4], a_lo[kKk][4];
   auto split_state = [&](int kk) {
-    split_pack(s[2 * kk][0], s[2 * kk][1], a_hi[kk][0], a_lo[kk][0]);
-    split_pack(s[2 * kk][2], s[2 * kk][3], a_hi[kk][1], a_lo[kk][1]);
-    split_pack(s[2 * kk + 1][0], s[2 * kk + 1][1], a_hi[kk][2], a_lo[kk][2]);
-    split_pack(s[2 * kk + 1][2], s[2 * kk + 1][3], a_hi[kk][3], a_lo[kk][3]);
+    if constexpr (kX3) {
+      split_pack(s[2 * kk][0], s[2 * kk][1], a_hi[kk][0], a_lo[kk][0]);
+      split_pack(s[2 * kk][2], s[2 * kk][3], a_hi[kk][1], a_lo[kk][1]);
+      split_pack(s[2 * kk + 1][0], s[2 * kk + 1][1], a_hi[kk][2], a_lo[kk][2]);
+      split_pack(s[2 * kk + 1][2], s[2 * kk + 1][3], a_hi[kk][3], a_lo[kk][3]);
+    } else {
+      a_hi[kk][0] = pack_bf16x2_rn(s[2 * kk][0], s[2 * kk][1]);
+      a_hi[kk][1] = pack_bf16x2_rn(s[2 * kk][2], s[2 * kk][3]);
+      a_hi[kk][2] = pack_bf16x2_rn(s[2 * kk + 1][0], s[2 * kk + 1][1]);
+      a_hi[kk][3] = pack_bf16x2_rn(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+    }
   };
   if constexpr (kSplitEarly) {
 #pragma unroll
@@ -340,7 +373,9 @@ __device__ __forceinline__ void recurrence_body(const FwdParams& p) {
         // Matrices: tokens 0-7 | 8-15 (n-tiles) x key columns 16K.. | 16K+8.. (K = j0 / 2 + kk)
         const int row = (mi / 2) * 8 + mr, piece = j0 + 2 * kk + mi % 2;
         ldmatrix_x4(wh[b], record_piece(st.mat[kWHi], row, piece));
-        ldmatrix_x4(wl[b], record_piece(st.mat[kWLo], row, piece));
+        if constexpr (kX3) {
+          ldmatrix_x4(wl[b], record_piece(st.mat[kWLo], row, piece));
+        }
         if constexpr (kOut) {
           ldmatrix_x4(qh[b], record_piece(st.mat[kQs], row, piece));
         }
@@ -395,8 +430,10 @@ __device__ __forceinline__ void recurrence_body(const FwdParams& p) {
         }
 #pragma unroll
         for (int nt = 0; nt < 2; ++nt) {
-          mma_bf16_into(acc_w[0][nt], a_lo[kk], wh[b][2 * nt], wh[b][2 * nt + 1], kk == 0);
-          mma_bf16_into(acc_w[1][nt], a_hi[kk], wl[b][2 * nt], wl[b][2 * nt + 1], kk == 0);
+          if constexpr (kX3) {
+            mma_bf16_into(acc_w[0][nt], a_lo[kk], wh[b][2 * nt], wh[b][2 * nt + 1], kk == 0);
+            mma_bf16_into(acc_w[1][nt], a_hi[kk], wl[b][2 * nt], wl[b][2 * nt + 1], kk == 0);
+          }
           // acc_w[2] starts from U0's share where the warp took one (above).
           const bool zero_w2 = kSplit == 4 ? kk == 0 && nt != kOwn4 : kSplit == 1 && kk == 0;
           mma_bf16_into(acc_w[2][nt], a_hi[kk], wh[b][2 * nt], wh[b][2 * nt + 1], zero_w2);
@@ -420,8 +457,10 @@ __device__ __forceinline__ void recurrence_body(const FwdParams& p) {
       wgmma_fence();
 #pragma unroll
       for (int kk = 0; kk < kKk; ++kk) {
-        wgmma_m64n16k16(acc_w[0], a_lo[kk], b_desc(kWHi, kk), kk > 0);
-        wgmma_m64n16k16(acc_w[1], a_hi[kk], b_desc(kWLo, kk), kk > 0);
+        if constexpr (kX3) {
+          wgmma_m64n16k16(acc_w[0], a_lo[kk], b_desc(kWHi, kk), kk > 0);
+          wgmma_m64n16k16(acc_w[1], a_hi[kk], b_desc(kWLo, kk), kk > 0);
+        }
         wgmma_m64n16k16(acc_w[2], a_hi[kk], b_desc(kWHi, kk), kk > 0);
         if constexpr (kOut && kQsLo) {
           wgmma_m64n16k16(acc_o[0], a_lo[kk], b_desc(kQs, kk), kk > 0);
@@ -437,8 +476,10 @@ __device__ __forceinline__ void recurrence_body(const FwdParams& p) {
       for (int nt = 0; nt < 2; ++nt) {
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
-          fence_operand(acc_w[0][nt][e]);
-          fence_operand(acc_w[1][nt][e]);
+          if constexpr (kX3) {
+            fence_operand(acc_w[0][nt][e]);
+            fence_operand(acc_w[1][nt][e]);
+          }
           fence_operand(acc_w[2][nt][e]);
           if constexpr (kOut) {
             fence_operand(acc_o[1][nt][e]);
@@ -454,8 +495,10 @@ __device__ __forceinline__ void recurrence_body(const FwdParams& p) {
     auto load_kd = [&](int jj, int b) {
       // Matrices: tokens 0-7 | 8-15 (k dimension) x key columns 8(j0+2jj).. | +8.. (n-tiles)
       const int row = (mi % 2) * 8 + mr, piece = j0 + 2 * jj + mi / 2;
-      ldmatrix_x4_trans(kh[b], record_piece(st.mat[kKdHi], row, piece));
-      ldmatrix_x4_trans(kl[b], record_piece(st.mat[kKdLo], row, piece));
+      ldmatrix_x4_trans(kh[b], record_piece(st.mat[kKdHiPlane<kX3>], row, piece));
+      if constexpr (kX3) {
+        ldmatrix_x4_trans(kl[b], record_piece(st.mat[kKdLo], row, piece));
+      }
     };
     if constexpr (!kWg) {
       load_kd(0, 0);
@@ -465,7 +508,7 @@ __device__ __forceinline__ void recurrence_body(const FwdParams& p) {
     for (int nt = 0; nt < 2; ++nt) {
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
-        sw[nt][e] = (acc_w[0][nt][e] + acc_w[1][nt][e]) + acc_w[2][nt][e];
+        sw[nt][e] = kX3 ? (acc_w[0][nt][e] + acc_w[1][nt][e]) + acc_w[2][nt][e] : acc_w[2][nt][e];
         so[nt][e] = !kOut ? 0.f : kQsLo ? acc_o[0][nt][e] + acc_o[1][nt][e] : acc_o[1][nt][e];
       }
     }
@@ -551,10 +594,23 @@ __device__ __forceinline__ void recurrence_body(const FwdParams& p) {
       }
     }
     uint32_t ua_hi[4], ua_lo[4];
-    split_pack(u[0][0], u[0][1], ua_hi[0], ua_lo[0]);
-    split_pack(u[0][2], u[0][3], ua_hi[1], ua_lo[1]);
-    split_pack(u[1][0], u[1][1], ua_hi[2], ua_lo[2]);
-    split_pack(u[1][2], u[1][3], ua_hi[3], ua_lo[3]);
+    if constexpr (kX3) {
+      split_pack(u[0][0], u[0][1], ua_hi[0], ua_lo[0]);
+      split_pack(u[0][2], u[0][3], ua_hi[1], ua_lo[1]);
+      split_pack(u[1][0], u[1][1], ua_hi[2], ua_lo[2]);
+      split_pack(u[1][2], u[1][3], ua_hi[3], ua_lo[3]);
+    } else {
+      ua_hi[0] = pack_bf16x2_rn(u[0][0], u[0][1]);
+      ua_hi[1] = pack_bf16x2_rn(u[0][2], u[0][3]);
+      ua_hi[2] = pack_bf16x2_rn(u[1][0], u[1][1]);
+      ua_hi[3] = pack_bf16x2_rn(u[1][2], u[1][3]);
+    }
+    // U's lo part times Aqk (the output's product), with kX3.
+    auto aqk_lo_term = [&](float (&d)[4], uint32_t b0, uint32_t b1) {
+      if constexpr (kX3) {
+        mma_bf16(d, ua_lo, b0, b1);
+      }
+    };
 
     // O^T += U^T Aqk^T for the warp's part of out (Aqk stored [i][j] is Aqk^T's
     // B fragment as it stands); out leaves through the row group's tile in
@@ -571,7 +627,7 @@ __device__ __forceinline__ void recurrence_body(const FwdParams& p) {
       if constexpr (kSplit == 1) {
 #pragma unroll
         for (int nt = 0; nt < 2; ++nt) {
-          mma_bf16(so[nt], ua_lo, ah[2 * nt], ah[2 * nt + 1]);
+          aqk_lo_term(so[nt], ah[2 * nt], ah[2 * nt + 1]);
           mma_bf16(so[nt], ua_hi, ah[2 * nt], ah[2 * nt + 1]);
           const int i0 = 8 * nt + 2 * t;
           tile[i0][g] = __float2bfloat16_rn(so[nt][0]);
@@ -581,7 +637,7 @@ __device__ __forceinline__ void recurrence_body(const FwdParams& p) {
         }
       } else if constexpr (kSplit == 4) {  // the warp's quarter (see the partial sums)
         constexpr int nto = kKs / 2, r = kKs % 2;
-        mma_bf16(so[nto], ua_lo, ah[2 * nto], ah[2 * nto + 1]);
+        aqk_lo_term(so[nto], ah[2 * nto], ah[2 * nto + 1]);
         mma_bf16(so[nto], ua_hi, ah[2 * nto], ah[2 * nto + 1]);
         const int i0 = 8 * nto + 2 * t;
         tile[i0][g + 8 * r] = __float2bfloat16_rn(so[nto][2 * r]);
@@ -600,7 +656,7 @@ __device__ __forceinline__ void recurrence_body(const FwdParams& p) {
           o[e] = second ? so[1][e] : so[0][e];
         }
         const uint32_t b0 = second ? ah[2] : ah[0], b1 = second ? ah[3] : ah[1];
-        mma_bf16(o, ua_lo, b0, b1);
+        aqk_lo_term(o, b0, b1);
         mma_bf16(o, ua_hi, b0, b1);
         if (ks < 2) {
           const int i0 = 8 * (ks % 2) + 2 * t;
@@ -632,8 +688,13 @@ __device__ __forceinline__ void recurrence_body(const FwdParams& p) {
           load_kd(jj + 1, 1 - b);
         }
         float upd[2][4];
-        mma_bf16x3_zero(upd[0], ua_hi, ua_lo, kh[b][0], kh[b][1], kl[b][0], kl[b][1]);
-        mma_bf16x3_zero(upd[1], ua_hi, ua_lo, kh[b][2], kh[b][3], kl[b][2], kl[b][3]);
+        if constexpr (kX3) {
+          mma_bf16x3_zero(upd[0], ua_hi, ua_lo, kh[b][0], kh[b][1], kl[b][0], kl[b][1]);
+          mma_bf16x3_zero(upd[1], ua_hi, ua_lo, kh[b][2], kh[b][3], kl[b][2], kl[b][3]);
+        } else {
+          mma_bf16_zero(upd[0], ua_hi, kh[b][0], kh[b][1]);
+          mma_bf16_zero(upd[1], ua_hi, kh[b][2], kh[b][3]);
+        }
 #pragma unroll
         for (int h2 = 0; h2 < 2; ++h2) {
           const int j = 2 * jj + h2;
@@ -652,13 +713,15 @@ __device__ __forceinline__ void recurrence_body(const FwdParams& p) {
       // tokens, n = the keys) MN-major, its two 64-key halves LBO apart, its
       // two 8-token row groups SBO apart.
       const Sw128Desc mn_major = sw128_desc(smem_u32(&st.mat[0][0]), C * 128, 1024);
-      const uint64_t kd_hi = sw128_desc_at(mn_major, kKdHi * kPlaneBytes);
-      const uint64_t kd_lo = sw128_desc_at(mn_major, kKdLo * kPlaneBytes);
+      const uint64_t kd_hi = sw128_desc_at(mn_major, kKdHiPlane<kX3> * kPlaneBytes);
       float upd[kNt][4];
       wgmma_fence();
-      wgmma_m64n128k16_mn(upd, ua_lo, kd_hi, false);
-      wgmma_m64n128k16_mn(upd, ua_hi, kd_lo, true);
-      wgmma_m64n128k16_mn(upd, ua_hi, kd_hi, true);
+      if constexpr (kX3) {
+        const uint64_t kd_lo = sw128_desc_at(mn_major, kKdLo * kPlaneBytes);
+        wgmma_m64n128k16_mn(upd, ua_lo, kd_hi, false);
+        wgmma_m64n128k16_mn(upd, ua_hi, kd_lo, true);
+      }
+      wgmma_m64n128k16_mn(upd, ua_hi, kd_hi, kX3);
       wgmma_commit();
       wgmma_wait<0>();
 #pragma unroll
@@ -698,36 +761,36 @@ __device__ __forceinline__ void recurrence_body(const FwdParams& p) {
   }
 }
 
-template <int kWarps, int kSplit, int kSt, bool kOut, bool kWg>
+template <int kWarps, int kSplit, int kSt, bool kOut, bool kWg, bool kX3>
 __global__ void __launch_bounds__(kWarps * 32) recurrence_kernel(const FwdParams p) {
   if constexpr (kSplit != 4) {
-    recurrence_body<kWarps, kSplit, kSt, kOut, kWg, -1>(p);
+    recurrence_body<kWarps, kSplit, kSt, kOut, kWg, kX3, -1>(p);
   } else {
     // The branch is uniform per warp, not per block: it relies on bar.sync
     // counting warps, and every copy meets the same barriers in the same order
     // (one per step, and the partial sums').
     switch ((threadIdx.x / 32) % kSplit) {
       case 0:
-        recurrence_body<kWarps, kSplit, kSt, kOut, kWg, 0>(p);
+        recurrence_body<kWarps, kSplit, kSt, kOut, kWg, kX3, 0>(p);
         break;
       case 1:
-        recurrence_body<kWarps, kSplit, kSt, kOut, kWg, 1>(p);
+        recurrence_body<kWarps, kSplit, kSt, kOut, kWg, kX3, 1>(p);
         break;
       case 2:
-        recurrence_body<kWarps, kSplit, kSt, kOut, kWg, 2>(p);
+        recurrence_body<kWarps, kSplit, kSt, kOut, kWg, kX3, 2>(p);
         break;
       default:
-        recurrence_body<kWarps, kSplit, kSt, kOut, kWg, 3>(p);
+        recurrence_body<kWarps, kSplit, kSt, kOut, kWg, kX3, 3>(p);
         break;
     }
   }
 }
 
-template <int kWarps, int kSplit, int kSt, bool kOut, bool kWg = false>
+template <int kWarps, int kSplit, int kSt, bool kOut, bool kWg, bool kX3>
 void launch_kernel(const FwdParams& p, cudaStream_t stream) {
-  using Cfg = Config<kWarps, kSplit, kSt, kWg>;
+  using Cfg = Config<kWarps, kSplit, kSt, kWg, kX3>;
   static_assert(Cfg::kSmem <= 227 * 1024, "over the per-block shared memory of sm_90");
-  auto* kernel = recurrence_kernel<kWarps, kSplit, kSt, kOut, kWg>;
+  auto* kernel = recurrence_kernel<kWarps, kSplit, kSt, kOut, kWg, kX3>;
   C10_CUDA_CHECK(
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(Cfg::kSmem)));
   const int64_t blocks = p.N * p.H * (D / Cfg::kCols);
@@ -741,9 +804,15 @@ template <int kWarps, int kSplit, bool kWg = false>
 void launch(const FwdParams& p, cudaStream_t stream) {
   constexpr int kSt = kDefaultStages<kWarps, kSplit>;
   if (p.out != nullptr) {
-    launch_kernel<kWarps, kSplit, kSt, true, kWg>(p, stream);
+    if (p.bf16_products) {
+      launch_kernel<kWarps, kSplit, kSt, true, kWg, false>(p, stream);
+    } else {
+      launch_kernel<kWarps, kSplit, kSt, true, kWg, true>(p, stream);
+    }
+  } else if (p.bf16_products) {
+    launch_kernel<kWarps, kSplit, kSt, false, kWg, false>(p, stream);
   } else {
-    launch_kernel<kWarps, kSplit, kSt, false, kWg>(p, stream);
+    launch_kernel<kWarps, kSplit, kSt, false, kWg, true>(p, stream);
   }
 }
 
@@ -763,10 +832,15 @@ void launch_recurrence(const FwdParams& p, cudaStream_t stream, RecurrenceBlock 
   // (K2 0.571 -> 0.464 ms at 8192 x 32, 2.318 -> 1.893 at 32768 x 32; a four-way
   // split measured slower there, 0.597 vs 0.555); at one per SM, over four
   // (0.409 ms at 8192 x 16, where the two-way split took 0.440). The full-width
-  // blocks take their state products on wgmma (4x1w, see Config).
+  // blocks take their state products on wgmma (4x1w, see Config). With bf16
+  // products (a bf16 state) the steps are a third shorter and the two-way split
+  // is faster at one warp per SM too (K2 1.947 -> 1.805 ms at 65536 x 16
+  // heads, 0.247 -> 0.230 at 8192 x 16; H200, nineteenth session).
   if (block == RecurrenceBlock::kAuto) {
     const int64_t warps_per_sm = recurrence_warps_per_sm(p);
-    block = warps_per_sm > 2 ? RecurrenceBlock::k4x1w : warps_per_sm > 1 ? RecurrenceBlock::k2x2 : RecurrenceBlock::k4x4;
+    block = warps_per_sm > 2                       ? RecurrenceBlock::k4x1w
+            : warps_per_sm > 1 || p.bf16_products ? RecurrenceBlock::k2x2
+                                                   : RecurrenceBlock::k4x4;
   }
   switch (block) {
     case RecurrenceBlock::k8x1:

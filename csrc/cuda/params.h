@@ -15,7 +15,9 @@ constexpr int kChunk = 16;     // tokens per chunk
 // the recurrence kernel. The recurrence multiplies on the tensor cores in bf16,
 // so each matrix it multiplies by travels as a bf16 pair: hi = bf16(x) and
 // lo = bf16(x - hi); hi * y + lo * y keeps ~16 mantissa bits where bf16 alone
-// keeps 8 (the "bf16x3" products: the fp32 state stays fp32-accurate).
+// keeps 8 (the "bf16x3" products: the fp32 state stays fp32-accurate). With
+// bf16 products (FwdParams::bf16_products) K1 leaves W's and Kd's lo planes
+// unwritten and K2 unread (the layout stays the same).
 // A [16][128] plane is stored as two [16][64] halves (columns 0-63, then
 // 64-127), and within a half 16-byte piece j of row i at piece j ^ (i % 8)
 // (record_index in device_utils.cuh): a verbatim copy into shared memory is then
@@ -105,6 +107,12 @@ struct FwdParams {
   const void* initial_state = nullptr;
   void* final_state = nullptr;
   bool state_fp32 = true;
+  // The state's products (S W^T, S Qs^T, U^T Kd, U^T Aqk^T) with each operand
+  // rounded to bf16 once, instead of bf16x3, and K1 without the lo planes of W
+  // and Kd (unless lo_for_backward): for a bf16 state, whose own rounding where
+  // it leaves the kernel is of the same size (docs/ARCHITECTURE.md). The state
+  // still accumulates in fp32 on chip.
+  bool bf16_products = false;
 
   // Every pointer the kernels touch is 16-byte aligned (the host stages any
   // caller buffer that is not): the recurrence moves 16-byte vectors.
