@@ -167,6 +167,10 @@ CallInputs call_inputs(const Problem& p, const Tensor& q, const Tensor& k, const
   fp.slot_end = bounds.num_slots;
   fp.scale = static_cast<float>(resolved_scale(p));
   fp.lower_bound = static_cast<float>(p.lower_bound);
+  // Here, where the forward and the backward's recomputing passes both take
+  // them: the backward's states are then the forward's.
+  fp.state_fp32 = p.state_dtype == at::kFloat;
+  fp.bf16_products = !fp.state_fp32;
   return in;
 }
 
@@ -213,8 +217,6 @@ void forward_into(const char* op, const Problem& p, const Tensor& q, const Tenso
   }
   params.initial_state = init.defined() ? init.data_ptr() : nullptr;
   params.final_state = final_c.defined() ? final_c.data_ptr() : nullptr;
-  params.state_fp32 = p.state_dtype == at::kFloat;
-  params.bf16_products = !params.state_fp32;
   params.out = out_c.data_ptr();
   // Every chunk-start state, for the backward (kda._fwd_checkpointed):
   // run_forward moves the pointer to each window's first slot.
@@ -361,8 +363,6 @@ BackwardTuple backward_by_kernels(const Problem& p, const Tensor& grad_out, cons
   BackwardCall call;
   call.fwd = in.params;
   call.fwd.initial_state = init.defined() ? init.data_ptr() : nullptr;
-  call.fwd.state_fp32 = p.state_dtype == at::kFloat;
-  call.fwd.bf16_products = !call.fwd.state_fp32;  // the forward's states again (forward_into)
   call.grad_out = go.data_ptr();
   call.grad_out_fp32 = go.scalar_type() == at::kFloat;
   call.grad_final = gf.defined() ? gf.data_ptr<float>() : nullptr;
