@@ -13,7 +13,10 @@ namespace {
 // Windows bound the workspace where it grows large. They were first run with
 // K1 of the next window on a side stream beside K2, to hide K1's time, but that
 // hid none (H200, 65536 x 16 heads: K2 +42 %, K1 +81 % side by side; both
-// kernels issue-bound, benchmarks/RESULTS.md), so they run in order. Each
+// kernels issue-bound, benchmarks/RESULTS.md), so they run in order. Nor did
+// K2 beside a persistent K1 on SMs of its own (twentieth session): packed two
+// blocks to an SM to leave K1 room, K2 steps 41 % slower (1.81 -> 2.55 ms at
+// 65536 x 16 heads), which ate the overlap. Each
 // window costs ~13 us beyond its share of the work (K1's last wave, K2's state
 // reload and its first stages from memory, two launches): sixteen windows of
 // 4096 tokens took the forward from 3.04-3.14 ms in one pass to 3.26 at 65536 x
