@@ -386,9 +386,10 @@ __device__ __forceinline__ void recurrence_body(const FwdParams& p) {
       // link of a chain of products, U0 is then formed at the step's start beside
       // the other products; formed where it is used, after the partial sums'
       // barrier, it stood in the step's chain (2x2 shape: K2 0.39 -> 0.46 ms at
-      // 8192 x 32 heads). Warp ks takes n-tile `own` of it (with four warps, one
-      // of M's two planes each): its mmas spread over the warps instead of falling
-      // on the first (K2 0.397 -> 0.374 ms at 8192 x 32 heads, 2x2; 0.313 ->
+      // 8192 x 32 heads). Each warp takes a part of it (four warps: one n-tile
+      // and one of M's two planes each; two: both n-tiles with plane ks): its
+      // mmas spread over the warps instead of falling on the first (K2 0.397 ->
+      // 0.374 ms at 8192 x 32 heads, 2x2, with one n-tile a warp then; 0.313 ->
       // 0.306 at 8192 x 16, 4x4, each with Qs's products as kept above). The
       // full-width warps form it after their products (measured 2-7 % faster than
       // at the start there).
@@ -399,24 +400,18 @@ __device__ __forceinline__ void recurrence_body(const FwdParams& p) {
         for (int r = 0; r < 4; ++r) {
           va[r] ^= 0x80008000u;  // -v (exact)
         }
-        const int own = kSplit == 4 ? kOwn4 : ks;
-        const int mrow = (own * 8 + mr) * C + ((lane / 8) % 2) * 8;  // B fragment of n-tile own
         if constexpr (kSplit == 4) {
+          const int mrow = (kOwn4 * 8 + mr) * C + ((lane / 8) % 2) * 8;  // B fragment of n-tile kOwn4
           uint32_t mb[2];
           ldmatrix_x2(mb, &st.m[kKs % 2][mrow]);
           mma_bf16_zero(acc_w[2][kOwn4], va, mb[0], mb[1]);
         } else {
-          uint32_t mh[2], ml[2];
-          float share[4];
-          ldmatrix_x2(ml, &st.m[1][mrow]);
-          ldmatrix_x2(mh, &st.m[0][mrow]);
-          mma_bf16_zero(share, va, ml[0], ml[1]);
-          mma_bf16(share, va, mh[0], mh[1]);
-#pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            acc_w[2][0][e] = own == 0 ? share[e] : 0.f;
-            acc_w[2][1][e] = own == 1 ? share[e] : 0.f;
-          }
+          // Two warps: warp ks both n-tiles with M's plane ks (hi, lo), which
+          // needs no select of which accumulators start from the share.
+          uint32_t mb[4];
+          ldmatrix_x4(mb, &st.m[ks][((mi / 2) * 8 + mr) * C + (mi % 2) * 8]);
+          mma_bf16_zero(acc_w[2][0], va, mb[0], mb[1]);
+          mma_bf16_zero(acc_w[2][1], va, mb[2], mb[3]);
         }
       }
 #pragma unroll
@@ -504,6 +499,7 @@ __device__ __forceinline__ void recurrence_body(const FwdParams& p) {
       load_kd(0, 0);
     }
     float sw[2][4], so[2][4];  // the small terms first, as mma_bf16x3 sums them
+    float o_own[4];            // two split warps: the warp's n-tile ks of S Qs^T, both parts added
 #pragma unroll
     for (int nt = 0; nt < 2; ++nt) {
 #pragma unroll
@@ -538,27 +534,41 @@ __device__ __forceinline__ void recurrence_body(const FwdParams& p) {
       }
       __syncthreads();
       const float4* group_red = reinterpret_cast<const float4*>(red) + rg * kSplit * (Cfg::kRedFloats / 4);
-      auto part = [&](int w, int product, int nt, const float (&own)[4]) {
-        return w == ks ? make_float4(own[0], own[1], own[2], own[3])
-                       : group_red[w * (Cfg::kRedFloats / 4) + (product * 2 + nt) * 32 + lane];
-      };
+      if constexpr (kSplit == 2) {
+        // Two parts: own + other is the same sum in either order (IEEE addition
+        // commutes), so no select of which part comes first; the warp's n-tile
+        // of out is n-tile ks. With U0's share by plane (above) the bf16 step
+        // loop 355 -> 315 SASS instructions, K2 -5 to -8 % (1.807 -> 1.662 ms
+        // at 65536 x 16 heads, 1.117 -> 1.060 at 32768 x 32; H200).
+        const float4* other = group_red + (ks ^ 1) * (Cfg::kRedFloats / 4);
 #pragma unroll
-      for (int nt = 0; nt < 2; ++nt) {
-        const bool out_tile_nt = kOut && kSplit != 4 && nt % kSplit == ks;
-        float4 w_sum = part(0, 0, nt, sw[nt]);
-        float4 o_sum = out_tile_nt ? part(0, 1, nt, so[nt]) : make_float4(0.f, 0.f, 0.f, 0.f);
+        for (int nt = 0; nt < 2; ++nt) {
+          const float4 x = other[nt * 32 + lane];
+          sw[nt][0] += x.x, sw[nt][1] += x.y, sw[nt][2] += x.z, sw[nt][3] += x.w;
+        }
+        if constexpr (kOut) {
+          const float4 y = other[(2 + ks) * 32 + lane];
+          const float yv[4] = {y.x, y.y, y.z, y.w};
 #pragma unroll
-        for (int w = 1; w < kSplit; ++w) {
-          const float4 x = part(w, 0, nt, sw[nt]);
-          w_sum = make_float4(w_sum.x + x.x, w_sum.y + x.y, w_sum.z + x.z, w_sum.w + x.w);
-          if (out_tile_nt) {
-            const float4 y = part(w, 1, nt, so[nt]);
-            o_sum = make_float4(o_sum.x + y.x, o_sum.y + y.y, o_sum.z + y.z, o_sum.w + y.w);
+          for (int e = 0; e < 4; ++e) {
+            o_own[e] = (ks == 1 ? so[1][e] : so[0][e]) + yv[e];
           }
         }
-        sw[nt][0] = w_sum.x, sw[nt][1] = w_sum.y, sw[nt][2] = w_sum.z, sw[nt][3] = w_sum.w;
-        if constexpr (kSplit != 4) {
-          so[nt][0] = o_sum.x, so[nt][1] = o_sum.y, so[nt][2] = o_sum.z, so[nt][3] = o_sum.w;
+      } else {
+        // Four parts, added in warp order (deterministic).
+        auto part = [&](int w, int nt, const float (&own)[4]) {
+          return w == ks ? make_float4(own[0], own[1], own[2], own[3])
+                         : group_red[w * (Cfg::kRedFloats / 4) + nt * 32 + lane];
+        };
+#pragma unroll
+        for (int nt = 0; nt < 2; ++nt) {
+          float4 w_sum = part(0, nt, sw[nt]);
+#pragma unroll
+          for (int w = 1; w < kSplit; ++w) {
+            const float4 x = part(w, nt, sw[nt]);
+            w_sum = make_float4(w_sum.x + x.x, w_sum.y + x.y, w_sum.z + x.z, w_sum.w + x.w);
+          }
+          sw[nt][0] = w_sum.x, sw[nt][1] = w_sum.y, sw[nt][2] = w_sum.z, sw[nt][3] = w_sum.w;
         }
       }
       if constexpr (kOut && kSplit == 4) {
@@ -653,7 +663,7 @@ __device__ __forceinline__ void recurrence_body(const FwdParams& p) {
         float o[4];
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
-          o[e] = second ? so[1][e] : so[0][e];
+          o[e] = o_own[e];
         }
         const uint32_t b0 = second ? ah[2] : ah[0], b1 = second ? ah[3] : ah[1];
         aqk_lo_term(o, b0, b1);
