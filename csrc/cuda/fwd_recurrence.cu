@@ -515,7 +515,7 @@ __device__ __forceinline__ void recurrence_body(const FwdParams& p) {
       // one 16-byte vector (lanes 16 bytes apart: no bank conflicts; for the four
       // split warps' quarters S Qs^T as two planes of 8-byte halves, below), a
       // warp's own part stays in its registers, and the parts are added in warp
-      // order (deterministic).
+      // order (deterministic; two as own + other, the same bits).
       float4* mine = reinterpret_cast<float4*>(red) + warp * (Cfg::kRedFloats / 4);
 #pragma unroll
       for (int nt = 0; nt < 2; ++nt) {
@@ -660,11 +660,7 @@ __device__ __forceinline__ void recurrence_body(const FwdParams& p) {
         return;
       } else {
         const bool second = ks % 2 == 1;  // the warp's n-tile: ks % 2
-        float o[4];
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          o[e] = o_own[e];
-        }
+        float (&o)[4] = o_own;  // both parts of S Qs^T's n-tile ks (the partial sums)
         const uint32_t b0 = second ? ah[2] : ah[0], b1 = second ? ah[3] : ah[1];
         aqk_lo_term(o, b0, b1);
         mma_bf16(o, ua_hi, b0, b1);
