@@ -1,6 +1,14 @@
-// K1: one block of 128 threads per (chunk, head); thread d owns key channel d.
-// Everything here is token-parallel, so it runs at full width; the sequential
-// kernel then only does the state products.
+// K1: one warp per (chunk, head), everything on mma fragments. Lane (g, t) =
+// (lane / 4, lane % 4) holds, for each k-step of 16 channels, tokens g and g + 8
+// and channels 2t, 2t + 1, 2t + 8, 2t + 9: the A fragment of a product over
+// channels (mma.cuh), so that the chunk's 16 x 16 products need neither a
+// shared tile per operand nor partial sums across warps. The cumulative gate
+// G = L lam (L lower triangular ones) is a product over tokens too, whose
+// result lands in that same layout. The chunk's rows arrive by cp.async in the
+// record's own layout and the record leaves by bulk copies, so that the only
+// per-element shared-memory traffic is one ldmatrix or stmatrix a 16 x 16 tile:
+// the kernel with a thread per channel was bound by its shared-memory and
+// 2-byte global accesses (ncu: L1 at 94 %).
 #include <c10/cuda/CUDAException.h>
 
 #include <string>
@@ -11,161 +19,345 @@
 #include "cuda/mma.cuh"
 
 namespace kda::cuda {
+
 namespace {
 
 constexpr int C = kChunk;
 constexpr int D = kHeadDim;
-constexpr int kThreads = D;
-static_assert(kThreads == 128 && D == 4 * 32 && C == 16,
-              "the 16x16 products: four warps of 32 key channels, each warp one of their four fragments");
-// Row stride of the shared tiles: 16-byte aligned rows, 8 banks apart, so that
-// the 16x16 products' 8-byte fragment loads (a half warp: rows g = 0-3 or 4-7 x
-// 8 bytes at 2t) fall in distinct banks; at D + 4 rows g and g + 1 shared
-// banks, 48 of a warp's ~400 shared-memory wavefronts (ncu, eleventh session).
-// reduce_rows32 reads the rows conflict-free at either pitch.
-constexpr int kPad = D + 8;
-// sA's rows 16-byte aligned: the substitution reads them four entries a load.
-constexpr int kAPitch = C + 4;
+constexpr int kSteps = D / 16;
+static_assert(C == 16 && D == 128, "one m16 tile of tokens, eight k-steps of channels");
+constexpr int kAPitch = C + 4;  // sA's rows 16-byte aligned for forward_substitute's four-entry loads
+// Eleven one-warp blocks fit an SM by shared memory (19.7 KB each with bf16
+// products); the register cap keeps them all resident.
+constexpr int kMinBlocksPerSm = 11;
 
-// Six blocks per SM (at most 80 registers a thread): the block's single
-// round trip to memory hides behind the other blocks' arithmetic. Eight (64
-// registers) measured no faster (K1 0.763 -> 0.776 ms at 8192 x 96, H200).
-constexpr int kMinBlocksPerSm = 6;
-
-// kForBackward: the backward's records (FwdParams::lo_for_backward), which
-// also hold the lo planes of Qs and Aqk (the dS recurrence reads them).
-// kWKdLo: the lo planes of W and Kd (all but a forward with bf16 products,
-// FwdParams::bf16_products, whose recurrence does not read them). Neither
-// record holds U0 = M v: K2 and the backward's record gradients form it from v
-// and M on the tensor cores (K1 writing U0 for the backward read v and wrote
-// 8 KB more per chunk and head, which the record gradients read back).
+// The warp's shared staging area: the record's planes in the record's layout
+// (params.h) where the record has them, so that a bulk copy moves each run of
+// planes whole. The inputs arrive in the planes that later replace them: q in
+// Qs's, k in Kd's hi plane, g in W's hi plane (then k^ exp(G)'s hi part, which W
+// is formed from, then W); k^ exp(G)'s lo part waits in W's lo plane. Without
+// kWKdLo the Kd lo plane is left out (Aqk follows Kd's hi plane); without
+// kForBackward so are Qs's and Aqk's lo planes (gl and M follow Aqk).
 template <bool kForBackward, bool kWKdLo>
-__global__ void __launch_bounds__(kThreads, kMinBlocksPerSm) prepare_kernel(const FwdParams p) {
+struct Staging {
+  static constexpr int kQs = kWsQs, kW = kWsW, kWLo = kWsW + kPlaneBytes, kKd = kWsKd, kKdLo = kWsKd + kPlaneBytes;
+  static constexpr int kAqk = kWKdLo ? kWsAqk : kWsAqk - kPlaneBytes;
+  static constexpr int kQsLo = kWsQsLo;  // kForBackward only, as kAqkLo
+  static constexpr int kAqkLo = kWsAqkLo;
+  static constexpr int kGl = kForBackward ? kWsGl : kAqk + kAqkPlaneBytes;
+  static constexpr int kM = kGl + D * 4;
+  static constexpr int kBytes = kM + 2 * kAqkPlaneBytes;
+  static_assert(!kForBackward || kBytes == kWsChunkBytes, "the backward's record is staged whole");
+};
+
+// Byte offset of 16-byte piece j of row i in a record plane (record_index).
+__device__ __forceinline__ int piece_offset(int i, int j) {
+  return 2 * ((j >> 3) * (C * 64) + i * 64 + (((j & 7) ^ (i & 7)) << 3));
+}
+
+__device__ __forceinline__ float lo_half(uint32_t x) {
+  return __uint_as_float(x << 16);
+}
+
+__device__ __forceinline__ float hi_half(uint32_t x) {
+  return __uint_as_float(x & 0xffff0000u);
+}
+
+// x as three bf16 pairs whose sum is x to fp32 accuracy (the gate's cumulative
+// sum is a product by exact ones, so its accuracy is that of its operand).
+__device__ __forceinline__ void split3(float x, float y, uint32_t& hi, uint32_t& mid, uint32_t& lo) {
+  hi = pack_bf16x2_rn(x, y);
+  const float rx = x - lo_half(hi), ry = y - hi_half(hi);
+  mid = pack_bf16x2_rn(rx, ry);
+  lo = pack_bf16x2_rn(rx - lo_half(mid), ry - hi_half(mid));
+}
+
+// kForBackward: the backward's records (FwdParams::lo_for_backward), which also
+// hold the lo planes of Qs and Aqk. kWKdLo: the lo planes of W and Kd (all but a
+// forward with bf16 products). Neither record holds U0 = M v (params.h).
+template <bool kForBackward, bool kWKdLo>
+__global__ void __launch_bounds__(32, kMinBlocksPerSm) prepare_kernel(const FwdParams p) {
   static_assert(kWKdLo || !kForBackward, "the backward reads every plane");
-  // sQe and sKe first hold the raw q and k rows (load_chunk_inputs), then
-  // q^ exp(G) and k^ exp(G).
-  __shared__ __align__(16) float sQe[C][kPad];  // q^ exp(G)
-  __shared__ __align__(16) float sKe[C][kPad];  // k^ exp(G)
-  __shared__ __align__(16) float sKi[C][kPad];  // k^ exp(-G)
-  __shared__ __align__(16) float sA[C][kAPitch];  // A_kk, strictly lower
-  __shared__ __align__(16) float sInvNorm[2][C];  // 1 / ||q_i||, 1 / ||k_i|| (with the epsilon)
-  __shared__ float4 sRed[4][4][32];  // the 16x16 products' partial sums: [warp][fragment][lane]
-  __shared__ float sBeta[C];
+  using S = Staging<kForBackward, kWKdLo>;
+  __shared__ __align__(128) unsigned char st[S::kBytes];
+  __shared__ __align__(16) float sA[C][kAPitch];  // diag(beta) A_kk, strictly lower
 
   ChunkPlace c;
   if (!place_chunk(p, c)) {
     return;
   }
-  const int64_t H = p.H, h = c.h;
-  const int d = threadIdx.x;
-  float G2[C], v[C];
-  // The records have no U0 (params.h): no v.
-  load_chunk_inputs<kPad>(p, c, sQe, sKe, sBeta, sInvNorm, G2, v, nullptr, false);
+  const int64_t H = p.H;
+  const int lane = threadIdx.x, g = lane / 4, t = lane % 4;
+  const uint32_t st_base = smem_u32(st);
 
-  unsigned char* ws = reinterpret_cast<unsigned char*>(p.workspace) + ((c.slot - p.slot_begin) * H + h) * kWsChunkBytes;
-  const float e_last = fast_exp2(G2[C - 1]);
-  // Column d of every tile is this thread's alone until the next barrier. The
-  // inverse norms four rows a load, ahead of each four rows' record stores:
-  // every thread reads the same entries, so a load costs per instruction, and
-  // ptxas does not move loads across the stores (through a generic pointer),
-  // so as scalars they were 32 loads a thread.
-  float4 inv_q, inv_k;
-#pragma unroll
-  for (int i = 0; i < C; ++i) {
-    if (i % 4 == 0) {
-      inv_q = *reinterpret_cast<const float4*>(&sInvNorm[0][i]);
-      inv_k = *reinterpret_cast<const float4*>(&sInvNorm[1][i]);
-    }
-    const float qn = sQe[i][d] * (&inv_q.x)[i % 4];
-    const float kn = sKe[i][d] * (&inv_k.x)[i % 4];
-    // |G| <= 16 * 5 = 80 here: exp(G) >= e^-80 is a normal float and its
-    // reciprocal exp(-G) <= e^80 stays finite.
-    const float e = fast_exp2(G2[i]);
-    const float e_inv = fast_exp2(-G2[i]);
-    sQe[i][d] = qn * e;
-    sKe[i][d] = kn * e;
-    sKi[i][d] = kn * e_inv;
-    store_split(ws + kWsQs, kWsQsLo - kWsQs, record_index(i, d), p.scale * qn * e, kForBackward);
-    store_split(ws + kWsKd, kPlaneBytes, record_index(i, d), kn * (e_last * e_inv), kWKdLo);
-  }
-  reinterpret_cast<float*>(ws + kWsGl)[d] = e_last;
-  __syncthreads();
-
-  // The 16x16 matrices, A = diag(beta) k^ exp(G) (k^ exp(-G))^T (strictly
-  // lower) and Aqk, on the tensor cores in bf16x3 (fp32-level, as K2's state
-  // products): warp w takes key channels [32w, 32w + 32), two k-steps of both
-  // matrices with k^ exp(-G) as the shared B operand, and the four warps'
-  // partial sums meet in shared memory, added in warp order (deterministic).
-  // As 2x2 blocks of FMAs the same products took ~680 of the ~2,260
-  // instructions a thread executed, bound by shared memory's 16-byte loads; these
-  // take ~220 (K1 -3 to -5 %: 0.630 -> 0.612 ms at 8192 x 96 heads, 0.931 -> 0.884
-  // at 65536 x 16; H200; fp32 state error unchanged). Entries above the diagonal
-  // are finite (|G| <= 80) and dropped.
+  // The chunk's q, g and k rows (bf16) into their planes, 16-byte pieces, zeros
+  // past the sequence's end; every global load of the warp is issued here.
   {
-    const int warp = d / 32, lane = d % 32, g = lane / 4, t = lane % 4;
-    float acc[2][2][4] = {};  // [A_kk, Aqk][n-tile: tokens j 0-7, 8-15][C fragment]
+    const auto* q = static_cast<const unsigned char*>(p.q);
+    const auto* gg = static_cast<const unsigned char*>(p.g);
+    const auto* k = static_cast<const unsigned char*>(p.k);
 #pragma unroll
-    for (int kk = 0; kk < 2; ++kk) {
-      const int c0 = 32 * warp + 16 * kk + 2 * t;
-      // B fragments (tokens 8 nt + g; channels c0, c0 + 8) of k^ exp(-G), then
-      // the A fragments (rows g, g + 8; the same channels) of k^ exp(G) and q^ exp(G).
-      uint32_t kih[2][2], kil[2][2];
-      split_b_fragments(sKi, g, c0, kih, kil);
-#pragma unroll
-      for (int m = 0; m < 2; ++m) {
-        uint32_t ah[4], al[4];
-        split_a_fragment(m == 0 ? sKe : sQe, g, c0, ah, al);
-#pragma unroll
-        for (int nt = 0; nt < 2; ++nt) {
-          mma_bf16x3(acc[m][nt], ah, al, kih[nt][0], kih[nt][1], kil[nt][0], kil[nt][1]);
-        }
-      }
+    for (int n = 0; n < C * 16 / 32; ++n) {
+      const int i = n * 2 + lane / 16, j = lane % 16;
+      const bool valid = i < c.len;
+      const int64_t src = (((c.bos + (valid ? i : 0)) * H + c.h) * D + 8 * j) * 2;
+      const uint32_t dst = st_base + piece_offset(i, j);
+      cp_async_16_or_zero(dst + S::kQs, q + src, valid);
+      cp_async_16_or_zero(dst + S::kW, gg + src, valid);
+      cp_async_16_or_zero(dst + S::kKd, k + src, valid);
     }
+    cp_async_commit();
+  }
+
+  // Beta's sigmoid (lane i < 16: token i; zero past the sequence), and the rows
+  // g and g + 8 of this lane.
+  float beta = 0.f;
+  if (lane < c.len) {
+    beta = 1.f / (1.f + expf(-load_bf16(p.beta, (c.bos + lane) * H + c.h)));
+  }
+  const float beta_row[2] = {__shfl_sync(0xffffffffu, beta, g), __shfl_sync(0xffffffffu, beta, g + 8)};
+
+  // Gate, in base 2 (chunk_inputs.cuh): lam log2(e) = lb2 / (1 + 2^(a2 g + b2)),
+  // b2 per channel; in the transposed fragments below, this lane's channels of
+  // k-step s are 16 s + g and 16 s + 8 + g.
+  const float a2 = -expf(p.A_log[c.h]) * kLog2e;
+  const float lb2 = p.lower_bound * kLog2e;
+  float b2[kSteps][2];
 #pragma unroll
-    for (int f = 0; f < 4; ++f) {
-      sRed[warp][f][lane] = make_float4(acc[f / 2][f % 2][0], acc[f / 2][f % 2][1], acc[f / 2][f % 2][2],
-                                        acc[f / 2][f % 2][3]);
-    }
-    __syncthreads();
-    // Warp w now sums fragment f = w (matrix w / 2, n-tile w % 2) over the warps.
-    float4 sum = sRed[0][warp][lane];
+  for (int s = 0; s < kSteps; ++s) {
 #pragma unroll
-    for (int w = 1; w < 4; ++w) {
-      const float4 x = sRed[w][warp][lane];
-      sum = make_float4(sum.x + x.x, sum.y + x.y, sum.z + x.z, sum.w + x.w);
+    for (int hb = 0; hb < 2; ++hb) {
+      b2[s][hb] = a2 * p.dt_bias[c.h * D + 16 * s + 8 * hb + g];
     }
-    const float e[4] = {sum.x, sum.y, sum.z, sum.w};
+  }
+  // L's A fragment: L[i][j] = (j <= i), rows g, g + 8, columns 2t.., 2t + 8..
+  constexpr uint32_t kOne = 0x3f80u, kOnes = 0x3f803f80u;
+  const uint32_t l_diag = (2 * t <= g ? kOne : 0u) | (2 * t + 1 <= g ? kOne << 16 : 0u);
+  const uint32_t l_frag[4] = {l_diag, kOnes, 0u, l_diag};
+
+  // ldmatrix / stmatrix rows of a 16 x 16 tile of a plane at k-step s: lanes
+  // 8m..8m+7 address matrix m = (rows 8 (m % 2).., channels 8 (m / 2)..), which
+  // makes register m the A fragment's (or, transposed, B fragments' of the two
+  // n-tiles) register m.
+  const int frag_row = (lane & 7) + ((lane >> 3) & 1) * 8, frag_piece = lane >> 4;
+  auto tile = [&](int plane, int s) { return st + plane + piece_offset(frag_row, 2 * s + frag_piece); };
+
+  cp_async_wait<0>();
+  __syncwarp();
+
+  // Pass 1: the rows' inverse norms (with the epsilon). Pass 2 reads the q and
+  // k fragments again: kept, they held 64 registers a lane, and spilled.
+  float sq[4] = {};  // q row g, q row g + 8, k row g, k row g + 8
+#pragma unroll
+  for (int s = 0; s < kSteps; ++s) {
+    uint32_t qa[4], ka[4];
+    ldmatrix_x4(qa, tile(S::kQs, s));
+    ldmatrix_x4(ka, tile(S::kKd, s));
 #pragma unroll
     for (int r = 0; r < 4; ++r) {
-      const int i = g + 8 * (r / 2), j = 8 * (warp % 2) + 2 * t + r % 2;
-      if (warp < 2) {
-        sA[i][j] = j < i ? sBeta[i] * e[r] : 0.f;
+      const float q0 = lo_half(qa[r]), q1 = hi_half(qa[r]);
+      const float k0 = lo_half(ka[r]), k1 = hi_half(ka[r]);
+      sq[r & 1] = fmaf(q1, q1, fmaf(q0, q0, sq[r & 1]));
+      sq[2 + (r & 1)] = fmaf(k1, k1, fmaf(k0, k0, sq[2 + (r & 1)]));
+    }
+  }
+  float qscale[2], kinv[2];  // scale / ||q||, 1 / ||k|| of rows g, g + 8
+#pragma unroll
+  for (int r = 0; r < 4; ++r) {
+    sq[r] += __shfl_xor_sync(0xffffffffu, sq[r], 1);
+    sq[r] += __shfl_xor_sync(0xffffffffu, sq[r], 2);
+  }
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    qscale[r] = p.scale * rsqrtf(sq[r] + static_cast<float>(kNormEps));
+    kinv[r] = rsqrtf(sq[2 + r] + static_cast<float>(kNormEps));
+  }
+
+  // Pass 2, per k-step: G, the record's Qs and Kd, k^ exp(G) for W, and the
+  // 16 x 16 products over the step's channels (bf16x3).
+  float akk[2][4] = {}, aqk[2][4] = {};  // [n-tile: tokens j 0-7, 8-15][C fragment]
+#pragma unroll
+  for (int s = 0; s < kSteps; ++s) {
+    // g, transposed: register m holds tokens 2t + 8 (m % 2) + {0, 1} of channel
+    // 16 s + 8 (m / 2) + g, the B fragments of G = L lam for the two n-tiles.
+    uint32_t gt[4], qa[4], ka[4];
+    ldmatrix_x4_trans(gt, tile(S::kW, s));
+    ldmatrix_x4(qa, tile(S::kQs, s));
+    ldmatrix_x4(ka, tile(S::kKd, s));
+    uint32_t lh[4], lm[4], ll[4];
+#pragma unroll
+    for (int m = 0; m < 4; ++m) {
+      const int tok = 2 * t + 8 * (m & 1);
+      const float b = b2[s][m >> 1];
+      float lam0 = lb2 * fast_rcp(1.f + fast_exp2(fmaf(a2, lo_half(gt[m]), b)));
+      float lam1 = lb2 * fast_rcp(1.f + fast_exp2(fmaf(a2, hi_half(gt[m]), b)));
+      lam0 = tok < c.len ? lam0 : 0.f;
+      lam1 = tok + 1 < c.len ? lam1 : 0.f;
+      split3(lam0, lam1, lh[m], lm[m], ll[m]);
+    }
+    float G[2][4];  // [n-tile: channels 16 s + 8 nt..][C fragment]: G log2(e)
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt) {
+      mma_bf16_zero(G[nt], l_frag, ll[2 * nt], ll[2 * nt + 1]);
+      mma_bf16(G[nt], l_frag, lm[2 * nt], lm[2 * nt + 1]);
+      mma_bf16(G[nt], l_frag, lh[2 * nt], lh[2 * nt + 1]);
+    }
+    // G_last (token 15: row g + 8 of lanes g = 7) of this lane's four channels.
+    float e_last[2][2];
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt) {
+#pragma unroll
+      for (int u = 0; u < 2; ++u) {
+        e_last[nt][u] = fast_exp2(__shfl_sync(0xffffffffu, G[nt][2 + u], 28 + t));
+      }
+    }
+    if (g == 7) {
+      float* gl = reinterpret_cast<float*>(st + S::kGl);
+#pragma unroll
+      for (int nt = 0; nt < 2; ++nt) {
+        *reinterpret_cast<float2*>(&gl[16 * s + 8 * nt + 2 * t]) = make_float2(e_last[nt][0], e_last[nt][1]);
+      }
+    }
+
+    // Register m of the A fragments: row g + 8 (m % 2), channels 16 s + 8 (m / 2)
+    // + 2t + {0, 1}, whose G is G[m / 2][2 (m % 2) + {0, 1}].
+    uint32_t qs_hi[4], qs_lo[4], ke_hi[4], ke_lo[4], ki_hi[4], ki_lo[4], kd_hi[4], kd_lo[4];
+#pragma unroll
+    for (int m = 0; m < 4; ++m) {
+      const int r = m & 1, nt = m >> 1;
+      float qs[2], ke[2], ki[2], kd[2];
+#pragma unroll
+      for (int u = 0; u < 2; ++u) {
+        // |G| <= 16 * 5 nats: exp(-G) <= e^80 stays finite.
+        const float G2 = G[nt][2 * r + u];
+        const float e = fast_exp2(G2), e_inv = fast_exp2(-G2);
+        const float qv = u == 0 ? lo_half(qa[m]) : hi_half(qa[m]);
+        const float kn = (u == 0 ? lo_half(ka[m]) : hi_half(ka[m])) * kinv[r];
+        qs[u] = qv * qscale[r] * e;
+        ke[u] = kn * e;
+        ki[u] = kn * e_inv;
+        kd[u] = ki[u] * e_last[nt][u];
+      }
+      split_pack(qs[0], qs[1], qs_hi[m], qs_lo[m]);
+      split_pack(ke[0], ke[1], ke_hi[m], ke_lo[m]);
+      split_pack(ki[0], ki[1], ki_hi[m], ki_lo[m]);
+      if constexpr (kWKdLo) {
+        split_pack(kd[0], kd[1], kd_hi[m], kd_lo[m]);
       } else {
-        store_split(ws + kWsAqk, kWsAqkLo - kWsAqk, i * C + j, j <= i ? p.scale * e[r] : 0.f, kForBackward);
+        kd_hi[m] = pack_bf16x2_rn(kd[0], kd[1]);
+      }
+    }
+    // B fragments of (k^ exp(-G))^T for tokens j = 8 jt + g: registers jt, jt + 2.
+#pragma unroll
+    for (int jt = 0; jt < 2; ++jt) {
+      mma_bf16x3(akk[jt], ke_hi, ke_lo, ki_hi[jt], ki_hi[jt + 2], ki_lo[jt], ki_lo[jt + 2]);
+      mma_bf16x3(aqk[jt], qs_hi, qs_lo, ki_hi[jt], ki_hi[jt + 2], ki_lo[jt], ki_lo[jt + 2]);
+    }
+    // The step's q, k and g are in registers: their tiles take the record's.
+    stmatrix_x4(tile(S::kQs, s), qs_hi);
+    stmatrix_x4(tile(S::kW, s), ke_hi);
+    stmatrix_x4(tile(S::kWLo, s), ke_lo);
+    stmatrix_x4(tile(S::kKd, s), kd_hi);
+    if constexpr (kWKdLo) {
+      stmatrix_x4(tile(S::kKdLo, s), kd_lo);
+    }
+    if constexpr (kForBackward) {
+      stmatrix_x4(tile(S::kQsLo, s), qs_lo);
+    }
+  }
+
+  // A_kk (strictly lower, rows scaled by beta) to sA for the substitution; Aqk
+  // (j <= i) to the record.
+#pragma unroll
+  for (int jt = 0; jt < 2; ++jt) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const int i = g + 8 * r, j = 8 * jt + 2 * t;
+      const float a0 = j < i ? beta_row[r] * akk[jt][2 * r] : 0.f;
+      const float a1 = j + 1 < i ? beta_row[r] * akk[jt][2 * r + 1] : 0.f;
+      *reinterpret_cast<float2*>(&sA[i][j]) = make_float2(a0, a1);
+      const float x0 = j <= i ? aqk[jt][2 * r] : 0.f, x1 = j + 1 <= i ? aqk[jt][2 * r + 1] : 0.f;
+      uint32_t hi, lo;
+      split_pack(x0, x1, hi, lo);
+      *reinterpret_cast<uint32_t*>(st + S::kAqk + 2 * (i * C + j)) = hi;
+      if constexpr (kForBackward) {
+        *reinterpret_cast<uint32_t*>(st + S::kAqkLo + 2 * (i * C + j)) = lo;
       }
     }
   }
-  __syncthreads();
+  __syncwarp();
 
-  // Forward substitution with the unit lower triangular (I + A_kk), column d
-  // of two right-hand sides: diag(beta) k^ exp(G) (W) and column d of diag(beta)
-  // (M's column d, stored by threads d < 16).
-  float x[C], y[C];
-  auto rhs = [&](int i) { return make_float2(sBeta[i] * sKe[i][d], i == d ? sBeta[i] : 0.f); };
-  auto row = [&](int i, float xi, float yi) {
-    store_split(ws + kWsW, kPlaneBytes, record_index(i, d), xi, kWKdLo);
-    if (d < C) {
-      store_split(ws + kWsM, kAqkPlaneBytes, i * C + d, yi);
+  // M = (I + A_kk)^-1 diag(beta): lane j < 16 solves column j, into the record's
+  // two planes ([i][j], hi then lo).
+  if (lane < C) {
+    float x[C], y[C];
+    auto* m_hi = reinterpret_cast<__nv_bfloat16*>(st + S::kM);
+    forward_substitute<kAPitch, false>(
+        sA, [&](int i) { return make_float2(i == lane ? beta : 0.f, 0.f); }, x, y,
+        [&](int i, float xi, float) {
+          const __nv_bfloat16 hi = __float2bfloat16_rn(xi);
+          m_hi[i * C + lane] = hi;
+          m_hi[C * C + i * C + lane] = __float2bfloat16_rn(xi - __bfloat162float(hi));
+        });
+  }
+  __syncwarp();
+
+  // W = M (k^ exp(G)) (bf16x3), channels 16 s.. at step s, over k^ exp(G)'s
+  // planes in place.
+  {
+    uint32_t mh[4], ml[4];
+    const unsigned char* m_row = st + S::kM + 2 * (frag_row * C + 8 * frag_piece);
+    ldmatrix_x4(mh, m_row);
+    ldmatrix_x4(ml, m_row + 2 * C * C);
+#pragma unroll
+    for (int s = 0; s < kSteps; ++s) {
+      uint32_t bh[4], bl[4];
+      ldmatrix_x4_trans(bh, tile(S::kW, s));
+      ldmatrix_x4_trans(bl, tile(S::kWLo, s));
+      float w[2][4];
+#pragma unroll
+      for (int nt = 0; nt < 2; ++nt) {
+        mma_bf16x3_zero(w[nt], mh, ml, bh[2 * nt], bh[2 * nt + 1], bl[2 * nt], bl[2 * nt + 1]);
+      }
+      uint32_t w_hi[4], w_lo[4];
+#pragma unroll
+      for (int m = 0; m < 4; ++m) {
+        const float w0 = w[m >> 1][2 * (m & 1)], w1 = w[m >> 1][2 * (m & 1) + 1];
+        if constexpr (kWKdLo) {
+          split_pack(w0, w1, w_hi[m], w_lo[m]);
+        } else {
+          w_hi[m] = pack_bf16x2_rn(w0, w1);
+        }
+      }
+      stmatrix_x4(tile(S::kW, s), w_hi);
+      if constexpr (kWKdLo) {
+        stmatrix_x4(tile(S::kWLo, s), w_lo);
+      }
     }
-  };
-  // M's columns are the first warp's (d < 16): the other warps' second
-  // right-hand side is zero, and they skip it (a warp-uniform branch; with
-  // sA's four-entry loads K1 -3 to -5 %: 0.655 -> 0.631 ms at 8192 x 96 heads,
-  // H200).
-  if (d < 32) {
-    forward_substitute<kAPitch, true>(sA, rhs, x, y, row);
-  } else {
-    forward_substitute<kAPitch, false>(sA, rhs, x, y, row);
+  }
+
+  // The record out, by the copy engine.
+  fence_proxy_async_shared();
+  __syncwarp();
+  if (lane == 0) {
+    unsigned char* ws =
+        reinterpret_cast<unsigned char*>(p.workspace) + ((c.slot - p.slot_begin) * H + c.h) * kWsChunkBytes;
+    if constexpr (kForBackward) {
+      bulk_store(ws, st_base, kWsChunkBytes);
+    } else {
+      // Qs, W, Kd and Aqk; then gl and M. Without kWKdLo, W's lo plane (which
+      // holds k^ exp(G)'s) and Kd's are left out: K2 reads neither, and they
+      // were 4 of the 18 KB a chunk and head.
+      if constexpr (kWKdLo) {
+        bulk_store(ws, st_base, S::kAqk + kAqkPlaneBytes);
+      } else {
+        bulk_store(ws, st_base, S::kWLo);
+        bulk_store(ws + kWsKd, st_base + S::kKd, kPlaneBytes);
+        bulk_store(ws + kWsAqk, st_base + S::kAqk, kAqkPlaneBytes);
+      }
+      bulk_store(ws + kWsGl, st_base + S::kGl, S::kBytes - S::kGl);
+    }
+    bulk_commit_and_wait_read();
   }
 }
 
@@ -180,11 +372,11 @@ void launch_prepare(const FwdParams& p, cudaStream_t stream) {
   TORCH_CHECK(blocks <= INT32_MAX, "kda.fwd: ", std::to_string(slots), " chunks x ", std::to_string(p.H),
               " heads is more blocks than one launch takes");
   if (p.lo_for_backward) {
-    prepare_kernel<true, true><<<static_cast<unsigned int>(blocks), kThreads, 0, stream>>>(p);
+    prepare_kernel<true, true><<<static_cast<unsigned int>(blocks), 32, 0, stream>>>(p);
   } else if (p.bf16_products) {
-    prepare_kernel<false, false><<<static_cast<unsigned int>(blocks), kThreads, 0, stream>>>(p);
+    prepare_kernel<false, false><<<static_cast<unsigned int>(blocks), 32, 0, stream>>>(p);
   } else {
-    prepare_kernel<false, true><<<static_cast<unsigned int>(blocks), kThreads, 0, stream>>>(p);
+    prepare_kernel<false, true><<<static_cast<unsigned int>(blocks), 32, 0, stream>>>(p);
   }
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }

@@ -97,6 +97,15 @@ __device__ __forceinline__ void form_u0_tiles(const void* v_row, const void* m_h
   }
 }
 
+// The inverse of ldmatrix_x4: register i of each lane (its row g, columns
+// 2t..2t+1 of matrix i) to the rows whose addresses lanes 8i..8i+7 give (sm_90).
+__device__ __forceinline__ void stmatrix_x4(void* smem_row, const uint32_t (&r)[4]) {
+  const uint32_t addr = static_cast<uint32_t>(__cvta_generic_to_shared(smem_row));
+  asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1,%2,%3,%4};\n" ::"r"(addr), "r"(r[0]), "r"(r[1]),
+               "r"(r[2]), "r"(r[3])
+               : "memory");
+}
+
 // Two 8x8 bf16 matrices: lanes 8i..8i+7 give the row addresses of matrix i
 // (lanes 16-31 too, unread).
 __device__ __forceinline__ void ldmatrix_x2(uint32_t (&r)[2], const void* smem_row) {
@@ -181,6 +190,26 @@ __device__ __forceinline__ void cp_async_commit() {
 template <int kPending>
 __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending));
+}
+
+// Bulk copy shared -> global by the copy engine (sm_90): `bytes` a multiple of
+// 16, both addresses 16-byte aligned. The shared writes it copies must be made
+// visible to it first (fence_proxy_async_shared by the threads that wrote them,
+// then a barrier), and the shared memory must not be released or rewritten
+// before bulk_commit_and_wait_read returns.
+__device__ __forceinline__ void fence_proxy_async_shared() {
+  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+}
+
+__device__ __forceinline__ void bulk_store(void* gmem_dst, uint32_t smem_src, uint32_t bytes) {
+  asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;\n" ::"l"(gmem_dst), "r"(smem_src),
+               "r"(bytes)
+               : "memory");
+}
+
+__device__ __forceinline__ void bulk_commit_and_wait_read() {
+  asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
+  asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory");
 }
 
 }  // namespace kda::cuda
