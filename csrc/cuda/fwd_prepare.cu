@@ -91,7 +91,7 @@ __global__ void __launch_bounds__(32, kMinBlocksPerSm) prepare_kernel(const FwdP
   const uint32_t st_base = smem_u32(st);
 
   // The chunk's q, g and k rows (bf16) into their planes, 16-byte pieces, zeros
-  // past the sequence's end; every global load of the warp is issued here.
+  // past the sequence's end; all of them in flight before anything waits on one.
   {
     const auto* q = static_cast<const unsigned char*>(p.q);
     const auto* gg = static_cast<const unsigned char*>(p.g);
