@@ -39,9 +39,14 @@ __device__ __forceinline__ int record_index(int row, int col) {
   return (col >> 6) * (kChunk * 64) + row * 64 + ((((col >> 3) & 7) ^ (row & 7)) << 3) + (col & 7);
 }
 
-// Address of the 16-byte piece (row, piece) of a record plane (piece < 16), for ldmatrix.
+// Element offset of the 16-byte piece (row, piece) of a record plane (piece < 16).
+__device__ __forceinline__ int record_piece_index(int row, int piece) {
+  return (piece >> 3) * (kChunk * 64) + row * 64 + (((piece & 7) ^ (row & 7)) << 3);
+}
+
+// Address of that piece, for ldmatrix.
 __device__ __forceinline__ const __nv_bfloat16* record_piece(const __nv_bfloat16* plane, int row, int piece) {
-  return plane + (piece >> 3) * (kChunk * 64) + row * 64 + (((piece & 7) ^ (row & 7)) << 3);
+  return plane + record_piece_index(row, piece);
 }
 
 // Address of the 16-byte piece (row, piece) of a swizzled plane of 128-wide

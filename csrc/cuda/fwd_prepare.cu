@@ -50,17 +50,9 @@ struct Staging {
   static_assert(!kForBackward || kBytes == kWsChunkBytes, "the backward's record is staged whole");
 };
 
-// Byte offset of 16-byte piece j of row i in a record plane (record_index).
+// Byte offset of 16-byte piece j of row i in a record plane.
 __device__ __forceinline__ int piece_offset(int i, int j) {
-  return 2 * ((j >> 3) * (C * 64) + i * 64 + (((j & 7) ^ (i & 7)) << 3));
-}
-
-__device__ __forceinline__ float lo_half(uint32_t x) {
-  return __uint_as_float(x << 16);
-}
-
-__device__ __forceinline__ float hi_half(uint32_t x) {
-  return __uint_as_float(x & 0xffff0000u);
+  return 2 * record_piece_index(i, j);
 }
 
 // x as three bf16 pairs whose sum is x to fp32 accuracy (the gate's cumulative

@@ -147,9 +147,18 @@ __device__ __forceinline__ int quad_piece_column(int t) {
   return 2 * t + (t & 1) * 6;
 }
 
+// The low and high bf16 of a packed pair, as floats.
+__device__ __forceinline__ float lo_half(uint32_t x) {
+  return __uint_as_float(x << 16);
+}
+
+__device__ __forceinline__ float hi_half(uint32_t x) {
+  return __uint_as_float(x & 0xffff0000u);
+}
+
 __device__ __forceinline__ void split_pack(float x, float y, uint32_t& hi, uint32_t& lo) {
   hi = pack_bf16x2_rn(x, y);
-  const float hx = __uint_as_float(hi << 16), hy = __uint_as_float(hi & 0xffff0000u);
+  const float hx = lo_half(hi), hy = hi_half(hi);
   lo = pack_bf16x2_rn(x - hx, y - hy);
 }
 
