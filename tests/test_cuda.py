@@ -192,6 +192,48 @@ def test_forced_block_shape_is_checked(monkeypatch):
         run_cuda(g)
 
 
+def _record_values(records):
+    """The values of the backward's records (csrc/cuda/params.h: per chunk and head,
+    bf16 planes Qs, W hi, W lo, Kd hi, Kd lo, Aqk, Qs lo, Aqk lo, fp32 gl, M hi, M lo):
+    Qs, W, Kd, Aqk and M as hi + lo, and gl, each in float64 on the CPU."""
+    b = records.view(torch.uint8).reshape(-1, 27136).cpu()
+
+    def plane(at, n, dtype=torch.bfloat16):
+        return b[:, at:at + n].contiguous().view(dtype).double()
+
+    P, Q = 16 * 128 * 2, 16 * 16 * 2
+    return [plane(0, P) + plane(20480 + Q, P), plane(P, P) + plane(2 * P, P), plane(3 * P, P) + plane(4 * P, P),
+            plane(20480, Q) + plane(20480 + Q + P, Q), plane(25600, 512, torch.float32),
+            plane(26112, Q) + plane(26112 + Q, Q)]
+
+
+@pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("warps", ["1", "2"])
+def test_k1_warps_match_reference(warps, state_dtype, monkeypatch):
+    """TORCH_KDA_K1_WARPS (a measurement knob): K1 with one or two warps per chunk
+    and head, on a varlen batch with an empty sequence and partial chunks, and the
+    backward's records (kda._fwd_checkpointed) of the two against each other."""
+    monkeypatch.setenv("TORCH_KDA_K1_WARPS", warps)
+    d, g = cuda_inputs(seqlens=[5, 40, 0, 77], H=3, state_dtype=state_dtype)
+    e_out, e_state, _, _ = errors(d, g)
+    args = (g["q"], g["k"], g["v"], g["g"], g["beta"], g["A_log"], g["dt_bias"], None, -5.0,
+            g["initial_state"], True, g["cu_seqlens"])
+    records = _record_values(torch.ops.kda._fwd_checkpointed(*args)[3])
+    monkeypatch.setenv("TORCH_KDA_K1_WARPS", "2" if warps == "1" else "1")
+    other = _record_values(torch.ops.kda._fwd_checkpointed(*args)[3])
+    e_rec = max(rel(a, b) for a, b in zip(records, other))
+    print(f"K1 warps {warps} state {state_dtype}: out rel {e_out:.2e}, state rel {e_state:.2e}, records vs the other {e_rec:.2e}")
+    assert e_out <= 5e-3 and e_state <= (FP32_STATE_TOL if state_dtype == torch.float32 else 5e-3)
+    assert e_rec <= 1e-5
+
+
+def test_k1_warps_knob_is_checked(monkeypatch):
+    d, g = cuda_inputs(B=1, T=40, H=2)
+    monkeypatch.setenv("TORCH_KDA_K1_WARPS", "4")
+    with pytest.raises(RuntimeError, match="TORCH_KDA_K1_WARPS must be one of 1, 2, got '4'"):
+        run_cuda(g)
+
+
 def test_fp32_state_does_not_drift_over_long_small_beta_sequences():
     """Small beta: the delta rule corrects the state only over ~100 / beta tokens, so a
     rounding bias in the state update (the tensor cores' fp32 accumulation truncates)

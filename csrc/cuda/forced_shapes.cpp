@@ -1,6 +1,7 @@
 // The measurement knobs that force the recurrences' block shapes
 // (TORCH_KDA_RECURRENCE_BLOCK for K2, TORCH_KDA_DS_BLOCK for the dS
-// recurrence): read on the host once per call, before any kernel is enqueued.
+// recurrence) and K1's warps (TORCH_KDA_K1_WARPS): read on the host before
+// the kernels they shape are enqueued, so a bad value raises before any writes.
 #include <c10/util/Exception.h>
 
 #include <cstdlib>
@@ -44,6 +45,11 @@ DsBlock forced_ds_block(const char* op) {
       {"1x1", DsBlock::k1x1}, {"2x1", DsBlock::k2x1}, {"4x1", DsBlock::k4x1},
       {"2x2", DsBlock::k2x2}, {"4x2", DsBlock::k4x2}, {"8x2", DsBlock::k8x2}};
   return forced_shape(op, "TORCH_KDA_DS_BLOCK", kShapes, DsBlock::kAuto);
+}
+
+int forced_prepare_warps(const char* op) {
+  static constexpr std::pair<const char*, int> kWarps[] = {{"1", 1}, {"2", 2}};
+  return forced_shape(op, "TORCH_KDA_K1_WARPS", kWarps, 2);
 }
 
 }  // namespace kda::cuda

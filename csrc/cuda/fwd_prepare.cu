@@ -48,6 +48,12 @@ struct Staging {
   static constexpr int kM = kGl + D * 4;
   static constexpr int kBytes = kM + 2 * kAqkPlaneBytes;
   static_assert(!kForBackward || kBytes == kWsChunkBytes, "the backward's record is staged whole");
+  // sA (diag(beta) A_kk for the substitution) follows M, so that the two warps'
+  // exchange of partial sums (kXch: 2 KB, before either is written) and of the
+  // norms' (kXchNorm: 256 bytes, inside sA) need no space of their own.
+  static constexpr int kSA = kBytes, kXch = kM, kXchNorm = kM + 2048;
+  static constexpr int kAlloc = kSA + C * kAPitch * 4;
+  static_assert(kXchNorm + 256 <= kAlloc && kSA % 16 == 0, "the exchanges fit, sA rows 16-byte aligned");
 };
 
 // Byte offset of 16-byte piece j of row i in a record plane.
@@ -67,20 +73,35 @@ __device__ __forceinline__ void split3(float x, float y, uint32_t& hi, uint32_t&
 // kForBackward: the backward's records (FwdParams::lo_for_backward), which also
 // hold the lo planes of Qs and Aqk. kWKdLo: the lo planes of W and Kd (all but a
 // forward with bf16 products). Neither record holds U0 = M v (params.h).
-template <bool kForBackward, bool kWKdLo>
-__global__ void __launch_bounds__(32, kMinBlocksPerSm) prepare_kernel(const FwdParams p) {
+// kWarps 2: warp w takes channels 64 w.. (k-steps 4 w..), which are the 64-column
+// half w of every plane; the norms' and the 16 x 16 products' partial sums meet
+// in shared memory, warp 0 solves M, and each warp copies out its own halves.
+template <bool kForBackward, bool kWKdLo, int kWarps>
+__global__ void __launch_bounds__(32 * kWarps, kMinBlocksPerSm) prepare_kernel(const FwdParams p) {
   static_assert(kWKdLo || !kForBackward, "the backward reads every plane");
+  static_assert(kWarps == 1 || kWarps == 2, "a warp per plane half at most");
   using S = Staging<kForBackward, kWKdLo>;
-  __shared__ __align__(128) unsigned char st[S::kBytes];
-  __shared__ __align__(16) float sA[C][kAPitch];  // diag(beta) A_kk, strictly lower
+  constexpr int kWarpSteps = kSteps / kWarps;
+  constexpr int kHalfBytes = C * 64 * 2;  // a plane's 64-column half (record_index)
+  __shared__ __align__(128) unsigned char st[S::kAlloc];
+  auto* sA = reinterpret_cast<float(*)[kAPitch]>(st + S::kSA);  // diag(beta) A_kk, strictly lower
 
   ChunkPlace c;
   if (!place_chunk(p, c)) {
     return;
   }
   const int64_t H = p.H;
-  const int lane = threadIdx.x, g = lane / 4, t = lane % 4;
+  const int lane = threadIdx.x % 32, w = threadIdx.x / 32, g = lane / 4, t = lane % 4;
+  const int half = kWarps == 2 ? w * kHalfBytes : 0;  // this warp's columns in each plane
+  const int s0 = w * kWarpSteps;                       // its first k-step
   const uint32_t st_base = smem_u32(st);
+  auto sync = [] {
+    if constexpr (kWarps == 1) {
+      __syncwarp();
+    } else {
+      __syncthreads();
+    }
+  };
 
   // The chunk's q, g and k rows (bf16) into their planes, 16-byte pieces, zeros
   // past the sequence's end; all of them in flight before anything waits on one.
@@ -88,9 +109,10 @@ __global__ void __launch_bounds__(32, kMinBlocksPerSm) prepare_kernel(const FwdP
     const auto* q = static_cast<const unsigned char*>(p.q);
     const auto* gg = static_cast<const unsigned char*>(p.g);
     const auto* k = static_cast<const unsigned char*>(p.k);
+    constexpr int kPieces = 16 / kWarps;  // 16-byte pieces of a row per warp
 #pragma unroll
-    for (int n = 0; n < C * 16 / 32; ++n) {
-      const int i = n * 2 + lane / 16, j = lane % 16;
+    for (int n = 0; n < C * kPieces / 32; ++n) {
+      const int i = (n * 32 + lane) / kPieces, j = 2 * s0 + lane % kPieces;
       const bool valid = i < c.len;
       const int64_t src = (((c.bos + (valid ? i : 0)) * H + c.h) * D + 8 * j) * 2;
       const uint32_t dst = st_base + piece_offset(i, j);
@@ -114,12 +136,12 @@ __global__ void __launch_bounds__(32, kMinBlocksPerSm) prepare_kernel(const FwdP
   // k-step s are 16 s + g and 16 s + 8 + g.
   const float a2 = -expf(p.A_log[c.h]) * kLog2e;
   const float lb2 = p.lower_bound * kLog2e;
-  float b2[kSteps][2];
+  float b2[kWarpSteps][2];
 #pragma unroll
-  for (int s = 0; s < kSteps; ++s) {
+  for (int s = 0; s < kWarpSteps; ++s) {
 #pragma unroll
     for (int hb = 0; hb < 2; ++hb) {
-      b2[s][hb] = a2 * p.dt_bias[c.h * D + 16 * s + 8 * hb + g];
+      b2[s][hb] = a2 * p.dt_bias[c.h * D + 16 * (s0 + s) + 8 * hb + g];
     }
   }
   // L's A fragment: L[i][j] = (j <= i), rows g, g + 8, columns 2t.., 2t + 8..
@@ -132,7 +154,8 @@ __global__ void __launch_bounds__(32, kMinBlocksPerSm) prepare_kernel(const FwdP
   // makes register m the A fragment's (or, transposed, B fragments' of the two
   // n-tiles) register m.
   const int frag_row = (lane & 7) + ((lane >> 3) & 1) * 8, frag_piece = lane >> 4;
-  auto tile = [&](int plane, int s) { return st + plane + piece_offset(frag_row, 2 * s + frag_piece); };
+  // s counts this warp's k-steps.
+  auto tile = [&](int plane, int s) { return st + plane + half + piece_offset(frag_row, 2 * s + frag_piece); };
 
   cp_async_wait<0>();
   __syncwarp();
@@ -141,7 +164,7 @@ __global__ void __launch_bounds__(32, kMinBlocksPerSm) prepare_kernel(const FwdP
   // k fragments again: kept, they held 64 registers a lane, and spilled.
   float sq[4] = {};  // q row g, q row g + 8, k row g, k row g + 8
 #pragma unroll
-  for (int s = 0; s < kSteps; ++s) {
+  for (int s = 0; s < kWarpSteps; ++s) {
     uint32_t qa[4], ka[4];
     ldmatrix_x4(qa, tile(S::kQs, s));
     ldmatrix_x4(ka, tile(S::kKd, s));
@@ -159,6 +182,20 @@ __global__ void __launch_bounds__(32, kMinBlocksPerSm) prepare_kernel(const FwdP
     sq[r] += __shfl_xor_sync(0xffffffffu, sq[r], 1);
     sq[r] += __shfl_xor_sync(0xffffffffu, sq[r], 2);
   }
+  if constexpr (kWarps == 2) {  // both warps add the two halves in the same order
+    float* xn = reinterpret_cast<float*>(st + S::kXchNorm);
+    if (t == 0) {
+#pragma unroll
+      for (int r = 0; r < 4; ++r) {
+        xn[(w * 4 + r) * 8 + g] = sq[r];
+      }
+    }
+    __syncthreads();
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {
+      sq[r] = xn[r * 8 + g] + xn[(4 + r) * 8 + g];
+    }
+  }
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     qscale[r] = p.scale * rsqrtf(sq[r] + static_cast<float>(kNormEps));
@@ -169,7 +206,7 @@ __global__ void __launch_bounds__(32, kMinBlocksPerSm) prepare_kernel(const FwdP
   // 16 x 16 products over the step's channels (bf16x3).
   float akk[2][4] = {}, aqk[2][4] = {};  // [n-tile: tokens j 0-7, 8-15][C fragment]
 #pragma unroll
-  for (int s = 0; s < kSteps; ++s) {
+  for (int s = 0; s < kWarpSteps; ++s) {
     // g, transposed: register m holds tokens 2t + 8 (m % 2) + {0, 1} of channel
     // 16 s + 8 (m / 2) + g, the B fragments of G = L lam for the two n-tiles.
     uint32_t gt[4], qa[4], ka[4];
@@ -207,7 +244,7 @@ __global__ void __launch_bounds__(32, kMinBlocksPerSm) prepare_kernel(const FwdP
       float* gl = reinterpret_cast<float*>(st + S::kGl);
 #pragma unroll
       for (int nt = 0; nt < 2; ++nt) {
-        *reinterpret_cast<float2*>(&gl[16 * s + 8 * nt + 2 * t]) = make_float2(e_last[nt][0], e_last[nt][1]);
+        *reinterpret_cast<float2*>(&gl[16 * (s0 + s) + 8 * nt + 2 * t]) = make_float2(e_last[nt][0], e_last[nt][1]);
       }
     }
 
@@ -258,8 +295,29 @@ __global__ void __launch_bounds__(32, kMinBlocksPerSm) prepare_kernel(const FwdP
     }
   }
 
+  if constexpr (kWarps == 2) {  // warp 1's partial sums to warp 0, which goes on alone until W
+    float4* xch = reinterpret_cast<float4*>(st + S::kXch);
+    if (w == 1) {
+#pragma unroll
+      for (int jt = 0; jt < 2; ++jt) {
+        xch[(2 * jt) * 32 + lane] = make_float4(akk[jt][0], akk[jt][1], akk[jt][2], akk[jt][3]);
+        xch[(2 * jt + 1) * 32 + lane] = make_float4(aqk[jt][0], aqk[jt][1], aqk[jt][2], aqk[jt][3]);
+      }
+    }
+    __syncthreads();
+    if (w == 0) {
+#pragma unroll
+      for (int jt = 0; jt < 2; ++jt) {
+        const float4 a = xch[(2 * jt) * 32 + lane], b = xch[(2 * jt + 1) * 32 + lane];
+        akk[jt][0] += a.x, akk[jt][1] += a.y, akk[jt][2] += a.z, akk[jt][3] += a.w;
+        aqk[jt][0] += b.x, aqk[jt][1] += b.y, aqk[jt][2] += b.z, aqk[jt][3] += b.w;
+      }
+    }
+    __syncwarp();  // sA and M overlap the exchange
+  }
   // A_kk (strictly lower, rows scaled by beta) to sA for the substitution; Aqk
   // (j <= i) to the record.
+  if (w == 0) {
 #pragma unroll
   for (int jt = 0; jt < 2; ++jt) {
 #pragma unroll
@@ -292,7 +350,8 @@ __global__ void __launch_bounds__(32, kMinBlocksPerSm) prepare_kernel(const FwdP
           m_hi[C * C + i * C + lane] = __float2bfloat16_rn(xi - __bfloat162float(hi));
         });
   }
-  __syncwarp();
+  }  // w == 0
+  sync();
 
   // W = M (k^ exp(G)) (bf16x3), channels 16 s.. at step s, over k^ exp(G)'s
   // planes in place.
@@ -302,7 +361,7 @@ __global__ void __launch_bounds__(32, kMinBlocksPerSm) prepare_kernel(const FwdP
     ldmatrix_x4(mh, m_row);
     ldmatrix_x4(ml, m_row + 2 * C * C);
 #pragma unroll
-    for (int s = 0; s < kSteps; ++s) {
+    for (int s = 0; s < kWarpSteps; ++s) {
       uint32_t bh[4], bl[4];
       ldmatrix_x4_trans(bh, tile(S::kW, s));
       ldmatrix_x4_trans(bl, tile(S::kWLo, s));
@@ -334,7 +393,28 @@ __global__ void __launch_bounds__(32, kMinBlocksPerSm) prepare_kernel(const FwdP
   if (lane == 0) {
     unsigned char* ws =
         reinterpret_cast<unsigned char*>(p.workspace) + ((c.slot - p.slot_begin) * H + c.h) * kWsChunkBytes;
-    if constexpr (kForBackward) {
+    auto out = [&](int ws_at, int st_at, int bytes) { bulk_store(ws + ws_at, st_base + st_at, bytes); };
+    if constexpr (kWarps == 2) {
+      // This warp's half of each 16 x 128 plane and of gl; warp 0's Aqk and M.
+      out(kWsQs + half, S::kQs + half, kHalfBytes);
+      out(kWsW + half, S::kW + half, kHalfBytes);
+      out(kWsKd + half, S::kKd + half, kHalfBytes);
+      if constexpr (kWKdLo) {
+        out(kWsW + kPlaneBytes + half, S::kWLo + half, kHalfBytes);
+        out(kWsKd + kPlaneBytes + half, S::kKdLo + half, kHalfBytes);
+      }
+      if constexpr (kForBackward) {
+        out(kWsQsLo + half, S::kQsLo + half, kHalfBytes);
+      }
+      out(kWsGl + w * D * 2, S::kGl + w * D * 2, D * 2);
+      if (w == 0) {
+        out(kWsAqk, S::kAqk, kAqkPlaneBytes);
+        if constexpr (kForBackward) {
+          out(kWsAqkLo, S::kAqkLo, kAqkPlaneBytes);
+        }
+        out(kWsM, S::kM, 2 * kAqkPlaneBytes);
+      }
+    } else if constexpr (kForBackward) {
       bulk_store(ws, st_base, kWsChunkBytes);
     } else {
       // Qs, W, Kd and Aqk; then gl and M. Without kWKdLo, W's lo plane (which
@@ -363,12 +443,21 @@ void launch_prepare(const FwdParams& p, cudaStream_t stream) {
   const int64_t blocks = slots * p.H;
   TORCH_CHECK(blocks <= INT32_MAX, "kda.fwd: ", std::to_string(slots), " chunks x ", std::to_string(p.H),
               " heads is more blocks than one launch takes");
+  const bool two = forced_prepare_warps("kda") == 2;
+  const auto grid = static_cast<unsigned int>(blocks);
+  auto go = [&](auto one_warp, auto two_warps) {
+    if (two) {
+      two_warps<<<grid, 64, 0, stream>>>(p);
+    } else {
+      one_warp<<<grid, 32, 0, stream>>>(p);
+    }
+  };
   if (p.lo_for_backward) {
-    prepare_kernel<true, true><<<static_cast<unsigned int>(blocks), 32, 0, stream>>>(p);
+    go(prepare_kernel<true, true, 1>, prepare_kernel<true, true, 2>);
   } else if (p.bf16_products) {
-    prepare_kernel<false, false><<<static_cast<unsigned int>(blocks), 32, 0, stream>>>(p);
+    go(prepare_kernel<false, false, 1>, prepare_kernel<false, false, 2>);
   } else {
-    prepare_kernel<false, true><<<static_cast<unsigned int>(blocks), 32, 0, stream>>>(p);
+    go(prepare_kernel<false, true, 1>, prepare_kernel<false, true, 2>);
   }
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }

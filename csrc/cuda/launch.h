@@ -71,6 +71,11 @@ RecurrenceBlock forced_recurrence_block(const char* op);
 // 2x2, 4x2 or 8x2) in the same way, read at the same point.
 DsBlock forced_ds_block(const char* op);
 
+// TORCH_KDA_K1_WARPS=1 or 2: K1's warps per (chunk, head), for measurements
+// and tests (2 when unset); raises on any other value, naming `op`. Read by
+// launch_prepare, so a bad value raises before the first K2 writes the caller's tensors.
+int forced_prepare_warps(const char* op);
+
 // The warps that K2 gives each SM when every (sequence, head) has its eight row
 // groups resident at once; its block shape follows from this.
 inline int64_t recurrence_warps_per_sm(const FwdParams& p) {
