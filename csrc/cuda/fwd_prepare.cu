@@ -1,8 +1,9 @@
-// K1: one warp per (chunk, head), everything on mma fragments. Lane (g, t) =
-// (lane / 4, lane % 4) holds, for each k-step of 16 channels, tokens g and g + 8
-// and channels 2t, 2t + 1, 2t + 8, 2t + 9: the A fragment of a product over
-// channels (mma.cuh), so that the chunk's 16 x 16 products need neither a
-// shared tile per operand nor partial sums across warps. The cumulative gate
+// K1: two warps per (chunk, head) (one with TORCH_KDA_K1_WARPS=1), everything
+// on mma fragments. Lane (g, t) = (lane / 4, lane % 4) holds, for each k-step of
+// 16 channels, tokens g and g + 8 and channels 2t, 2t + 1, 2t + 8, 2t + 9: the A
+// fragment of a product over channels (mma.cuh), so that the chunk's 16 x 16
+// products need no shared tile per operand, and two warps exchange only their
+// partial sums (one 16 x 16 tile each for A_kk and Aqk). The cumulative gate
 // G = L lam (L lower triangular ones) is a product over tokens too, whose
 // result lands in that same layout. The chunk's rows arrive by cp.async in the
 // record's own layout and the record leaves by bulk copies, so that the only
@@ -27,8 +28,9 @@ constexpr int D = kHeadDim;
 constexpr int kSteps = D / 16;
 static_assert(C == 16 && D == 128, "one m16 tile of tokens, eight k-steps of channels");
 constexpr int kAPitch = C + 4;  // sA's rows 16-byte aligned for forward_substitute's four-entry loads
-// Eleven one-warp blocks fit an SM by shared memory (19.7 KB each with bf16
-// products); the register cap keeps them all resident.
+// Eleven blocks fit an SM by shared memory (19.7 KB each with bf16 products);
+// the register cap this sets keeps them all resident: ~93 registers a thread
+// with two warps (the kernel takes 80), ~186 with one (163).
 constexpr int kMinBlocksPerSm = 11;
 
 // The warp's shared staging area: the record's planes in the record's layout
@@ -365,15 +367,15 @@ __global__ void __launch_bounds__(32 * kWarps, kMinBlocksPerSm) prepare_kernel(c
       uint32_t bh[4], bl[4];
       ldmatrix_x4_trans(bh, tile(S::kW, s));
       ldmatrix_x4_trans(bl, tile(S::kWLo, s));
-      float w[2][4];
+      float wacc[2][4];
 #pragma unroll
       for (int nt = 0; nt < 2; ++nt) {
-        mma_bf16x3_zero(w[nt], mh, ml, bh[2 * nt], bh[2 * nt + 1], bl[2 * nt], bl[2 * nt + 1]);
+        mma_bf16x3_zero(wacc[nt], mh, ml, bh[2 * nt], bh[2 * nt + 1], bl[2 * nt], bl[2 * nt + 1]);
       }
       uint32_t w_hi[4], w_lo[4];
 #pragma unroll
       for (int m = 0; m < 4; ++m) {
-        const float w0 = w[m >> 1][2 * (m & 1)], w1 = w[m >> 1][2 * (m & 1) + 1];
+        const float w0 = wacc[m >> 1][2 * (m & 1)], w1 = wacc[m >> 1][2 * (m & 1) + 1];
         if constexpr (kWKdLo) {
           split_pack(w0, w1, w_hi[m], w_lo[m]);
         } else {
@@ -406,7 +408,8 @@ __global__ void __launch_bounds__(32 * kWarps, kMinBlocksPerSm) prepare_kernel(c
       if constexpr (kForBackward) {
         out(kWsQsLo + half, S::kQsLo + half, kHalfBytes);
       }
-      out(kWsGl + w * D * 2, S::kGl + w * D * 2, D * 2);
+      constexpr int kGlHalf = D / 2 * 4;  // this warp's 64 fp32 entries of gl
+      out(kWsGl + w * kGlHalf, S::kGl + w * kGlHalf, kGlHalf);
       if (w == 0) {
         out(kWsAqk, S::kAqk, kAqkPlaneBytes);
         if constexpr (kForBackward) {
