@@ -1,7 +1,9 @@
-// The part of K1 that its backward repeats: where a block's chunk lies, the
+// What K1 and its backward share: where a block's chunk lies (place_chunk) and
+// the substitution for M (forward_substitute). The rest is K1's backward's: the
 // chunk's inputs (raw q and k rows into shared tiles, g and v into registers),
 // beta's sigmoid, the gate and its cumulative sum G, and the rows' inverse L2
-// norms. One 128-thread block per (chunk slot, head), thread d owns channel d.
+// norms, in one 128-thread block per (chunk slot, head), thread d owning channel
+// d (the forward's K1 works on mma fragments instead: fwd_prepare.cu).
 #pragma once
 
 #include "cuda/device_utils.cuh"
@@ -9,7 +11,7 @@
 
 namespace kda::cuda {
 
-// The fragments of K1's and its backward's 16 x 16 products X Y^T (bf16x3 on
+// The fragments of K1's backward's 16 x 16 products X Y^T (bf16x3 on
 // mma.sync) from fp32 [16][kPitch] tiles, split into bf16 hi and lo: 16 channels
 // whose lane's first is c0 (32 w + 16 kk + 2 t for warp w, k-step kk); A (rows g,
 // g + 8) of X, and B (n-tiles nt = 0, 1: rows 8 nt + g) of Y.
@@ -138,14 +140,13 @@ __device__ __forceinline__ void forward_substitute(const float (*sA)[kPitch], Rh
 // and sG, where given, the raw g (K1's backward reads it again in the gate's
 // chain rule; each thread writes and reads only its own column). Rows past the
 // sequence's end are zeros with lambda = 0 and beta = 0, so that G_last is the
-// last real row's G and the padding moves nothing. Without `load_v` (the
-// forward's K1, whose record leaves v to the recurrence) v is not read and stays
-// unset. All threads of the block call it (two barriers).
+// last real row's G and the padding moves nothing. All threads of the block
+// call it (two barriers).
 template <int kPad>
 __device__ __forceinline__ void load_chunk_inputs(const FwdParams& p, const ChunkPlace& c, float (*sQ)[kPad],
                                                   float (*sK)[kPad], float* sBeta, float (*sInvNorm)[kChunk],
                                                   float (&G2)[kChunk], float (&v)[kChunk],
-                                                  float (*sG)[kHeadDim] = nullptr, bool load_v = true) {
+                                                  float (*sG)[kHeadDim] = nullptr) {
   constexpr int C = kChunk, D = kHeadDim;
   const int64_t H = p.H;
   const int d = threadIdx.x;
@@ -164,9 +165,7 @@ __device__ __forceinline__ void load_chunk_inputs(const FwdParams& p, const Chun
       sQ[i][d] = __bfloat162float(q[i * stride]);
       sK[i][d] = __bfloat162float(k[i * stride]);
       G2[i] = __bfloat162float(g[i * stride]);
-      if (load_v) {
-        v[i] = __bfloat162float(vv[i * stride]);
-      }
+      v[i] = __bfloat162float(vv[i * stride]);
     }
   } else {
 #pragma unroll
@@ -175,9 +174,7 @@ __device__ __forceinline__ void load_chunk_inputs(const FwdParams& p, const Chun
       sQ[i][d] = valid ? __bfloat162float(q[i * stride]) : 0.f;
       sK[i][d] = valid ? __bfloat162float(k[i * stride]) : 0.f;
       G2[i] = valid ? __bfloat162float(g[i * stride]) : 0.f;
-      if (load_v) {
-        v[i] = valid ? __bfloat162float(vv[i * stride]) : 0.f;
-      }
+      v[i] = valid ? __bfloat162float(vv[i * stride]) : 0.f;
     }
   }
   if (d < C) {
