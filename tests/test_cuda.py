@@ -228,10 +228,18 @@ def test_k1_warps_match_reference(warps, state_dtype, monkeypatch):
 
 
 def test_k1_warps_knob_is_checked(monkeypatch):
-    d, g = cuda_inputs(B=1, T=40, H=2)
+    """A bad TORCH_KDA_K1_WARPS raises naming the op, in the forward, where no
+    chunk runs K1 (a batch of empty sequences) and in the backward."""
+    _, g = cuda_inputs(B=1, T=40, H=2)
+    _, empty = cuda_inputs(seqlens=[0, 0], H=2)
+    grad_out = torch.randn(*g["v"].shape, device=DEV).to(torch.bfloat16)
     monkeypatch.setenv("TORCH_KDA_K1_WARPS", "4")
-    with pytest.raises(RuntimeError, match="TORCH_KDA_K1_WARPS must be one of 1, 2, got '4'"):
-        run_cuda(g)
+    bad = "TORCH_KDA_K1_WARPS must be one of 1, 2, got '4'"
+    for inputs in (g, empty):
+        with pytest.raises(RuntimeError, match=f"kda.fwd: {bad}"):
+            run_cuda(inputs)
+    with pytest.raises(RuntimeError, match=f"kda.bwd: {bad}"):
+        torch.ops.kda.bwd(grad_out, None, *positional(g), lower_bound=-5.0)
 
 
 def test_fp32_state_does_not_drift_over_long_small_beta_sequences():

@@ -28,22 +28,29 @@ constexpr int D = kHeadDim;
 constexpr int kSteps = D / 16;
 static_assert(C == 16 && D == 128, "one m16 tile of tokens, eight k-steps of channels");
 constexpr int kAPitch = C + 4;  // sA's rows 16-byte aligned for forward_substitute's four-entry loads
-// Eleven blocks fit an SM by shared memory (19.7 KB each with bf16 products);
-// the register cap this sets keeps them all resident: ~93 registers a thread
-// with two warps (the kernel takes 80), ~186 with one (163).
-constexpr int kMinBlocksPerSm = 11;
+// Blocks an SM by shared memory, which the register cap then keeps resident:
+// eleven with W's and Kd's lo planes staged (a cap of ~93 registers a thread
+// with two warps, ~186 with one), fourteen without them (15.6 KB; a cap of 73,
+// where the kernel takes 72 and spills 4 bytes). The one-warp kernel (a
+// measurement knob) keeps eleven, whose cap it needs (158-163 registers).
+template <bool kWKdLo, int kWarps>
+constexpr int kMinBlocksPerSm = kWKdLo || kWarps == 1 ? 11 : 14;
 
 // The warp's shared staging area: the record's planes in the record's layout
 // (params.h) where the record has them, so that a bulk copy moves each run of
 // planes whole. The inputs arrive in the planes that later replace them: q in
 // Qs's, k in Kd's hi plane, g in W's hi plane (then k^ exp(G)'s hi part, which W
-// is formed from, then W); k^ exp(G)'s lo part waits in W's lo plane. Without
-// kWKdLo the Kd lo plane is left out (Aqk follows Kd's hi plane); without
-// kForBackward so are Qs's and Aqk's lo planes (gl and M follow Aqk).
+// is formed from, then W); where W is formed in bf16x3, k^ exp(G)'s lo part
+// waits in W's lo plane. Without kWKdLo (a forward with bf16 products) neither
+// lo plane is staged: Kd's hi plane follows W's, then Aqk. Without kForBackward
+// Qs's and Aqk's lo planes are left out too (gl and M follow Aqk).
 template <bool kForBackward, bool kWKdLo>
 struct Staging {
-  static constexpr int kQs = kWsQs, kW = kWsW, kWLo = kWsW + kPlaneBytes, kKd = kWsKd, kKdLo = kWsKd + kPlaneBytes;
-  static constexpr int kAqk = kWKdLo ? kWsAqk : kWsAqk - kPlaneBytes;
+  static constexpr int kQs = kWsQs, kW = kWsW;
+  static constexpr int kWLo = kWsW + kPlaneBytes, kKdLo = kWsKd + kPlaneBytes;  // kWKdLo only
+  static constexpr int kKd = kWKdLo ? kWsKd : kWsW + kPlaneBytes;
+  static constexpr int kAqk = kKd + (kWKdLo ? 2 : 1) * kPlaneBytes;
+  static_assert(!kWKdLo || kAqk == kWsAqk, "with the lo planes, the record's own layout");
   static constexpr int kQsLo = kWsQsLo;  // kForBackward only, as kAqkLo
   static constexpr int kAqkLo = kWsAqkLo;
   static constexpr int kGl = kForBackward ? kWsGl : kAqk + kAqkPlaneBytes;
@@ -73,14 +80,19 @@ __device__ __forceinline__ void split3(float x, float y, uint32_t& hi, uint32_t&
 }
 
 // kForBackward: the backward's records (FwdParams::lo_for_backward), which also
-// hold the lo planes of Qs and Aqk. kWKdLo: the lo planes of W and Kd (all but a
-// forward with bf16 products). Neither record holds U0 = M v (params.h).
+// hold the lo planes of Qs, Aqk, W and Kd. kBf16: bf16 products
+// (FwdParams::bf16_products), for which W = M (k^ exp(G)) takes k^ exp(G)'s hi
+// part alone, in both records, so that a forward gives the same bits whether
+// it keeps its records or not, and the backward recomputes the forward's
+// states; its forward's record leaves W's and Kd's lo planes out. Neither
+// record holds U0 = M v (params.h).
 // kWarps 2: warp w takes channels 64 w.. (k-steps 4 w..), which are the 64-column
 // half w of every plane; the norms' and the 16 x 16 products' partial sums meet
 // in shared memory, warp 0 solves M, and each warp copies out its own halves.
-template <bool kForBackward, bool kWKdLo, int kWarps>
-__global__ void __launch_bounds__(32 * kWarps, kMinBlocksPerSm) prepare_kernel(const FwdParams p) {
-  static_assert(kWKdLo || !kForBackward, "the backward reads every plane");
+template <bool kForBackward, bool kBf16, int kWarps>
+__global__ void __launch_bounds__(32 * kWarps, (kMinBlocksPerSm<kForBackward || !kBf16, kWarps>))
+    prepare_kernel(const FwdParams p) {
+  constexpr bool kWKdLo = kForBackward || !kBf16;  // the record's lo planes of W and Kd
   static_assert(kWarps == 1 || kWarps == 2, "a warp per plane half at most");
   using S = Staging<kForBackward, kWKdLo>;
   constexpr int kWarpSteps = kSteps / kWarps;
@@ -287,8 +299,10 @@ __global__ void __launch_bounds__(32 * kWarps, kMinBlocksPerSm) prepare_kernel(c
     // The step's q, k and g are in registers: their tiles take the record's.
     stmatrix_x4(tile(S::kQs, s), qs_hi);
     stmatrix_x4(tile(S::kW, s), ke_hi);
-    stmatrix_x4(tile(S::kWLo, s), ke_lo);
     stmatrix_x4(tile(S::kKd, s), kd_hi);
+    if constexpr (!kBf16) {
+      stmatrix_x4(tile(S::kWLo, s), ke_lo);
+    }
     if constexpr (kWKdLo) {
       stmatrix_x4(tile(S::kKdLo, s), kd_lo);
     }
@@ -355,8 +369,10 @@ __global__ void __launch_bounds__(32 * kWarps, kMinBlocksPerSm) prepare_kernel(c
   }  // w == 0
   sync();
 
-  // W = M (k^ exp(G)) (bf16x3), channels 16 s.. at step s, over k^ exp(G)'s
-  // planes in place.
+  // W = M (k^ exp(G)), channels 16 s.. at step s, over k^ exp(G)'s planes in
+  // place: bf16x3, or with bf16 products M's two planes times k^ exp(G)'s hi
+  // part alone (the lo part moves W by about as much as W's own rounding to
+  // bf16 for K2; benchmarks/RESULTS.md has the emulated errors).
   {
     uint32_t mh[4], ml[4];
     const unsigned char* m_row = st + S::kM + 2 * (frag_row * C + 8 * frag_piece);
@@ -364,13 +380,22 @@ __global__ void __launch_bounds__(32 * kWarps, kMinBlocksPerSm) prepare_kernel(c
     ldmatrix_x4(ml, m_row + 2 * C * C);
 #pragma unroll
     for (int s = 0; s < kWarpSteps; ++s) {
-      uint32_t bh[4], bl[4];
+      uint32_t bh[4];
       ldmatrix_x4_trans(bh, tile(S::kW, s));
-      ldmatrix_x4_trans(bl, tile(S::kWLo, s));
       float wacc[2][4];
+      if constexpr (!kBf16) {
+        uint32_t bl[4];
+        ldmatrix_x4_trans(bl, tile(S::kWLo, s));
 #pragma unroll
-      for (int nt = 0; nt < 2; ++nt) {
-        mma_bf16x3_zero(wacc[nt], mh, ml, bh[2 * nt], bh[2 * nt + 1], bl[2 * nt], bl[2 * nt + 1]);
+        for (int nt = 0; nt < 2; ++nt) {
+          mma_bf16x3_zero(wacc[nt], mh, ml, bh[2 * nt], bh[2 * nt + 1], bl[2 * nt], bl[2 * nt + 1]);
+        }
+      } else {
+#pragma unroll
+        for (int nt = 0; nt < 2; ++nt) {
+          mma_bf16_zero(wacc[nt], ml, bh[2 * nt], bh[2 * nt + 1]);
+          mma_bf16(wacc[nt], mh, bh[2 * nt], bh[2 * nt + 1]);
+        }
       }
       uint32_t w_hi[4], w_lo[4];
 #pragma unroll
@@ -420,13 +445,13 @@ __global__ void __launch_bounds__(32 * kWarps, kMinBlocksPerSm) prepare_kernel(c
     } else if constexpr (kForBackward) {
       bulk_store(ws, st_base, kWsChunkBytes);
     } else {
-      // Qs, W, Kd and Aqk; then gl and M. Without kWKdLo, W's lo plane (which
-      // holds k^ exp(G)'s) and Kd's are left out: K2 reads neither, and they
-      // were 4 of the 18 KB a chunk and head.
+      // Qs, W, Kd and Aqk; then gl and M. Without kWKdLo, which stages no lo
+      // planes, the record's lo planes of W and Kd are left unwritten: K2 reads
+      // neither.
       if constexpr (kWKdLo) {
         bulk_store(ws, st_base, S::kAqk + kAqkPlaneBytes);
       } else {
-        bulk_store(ws, st_base, S::kWLo);
+        bulk_store(ws, st_base, S::kKd);
         bulk_store(ws + kWsKd, st_base + S::kKd, kPlaneBytes);
         bulk_store(ws + kWsAqk, st_base + S::kAqk, kAqkPlaneBytes);
       }
@@ -446,7 +471,7 @@ void launch_prepare(const FwdParams& p, cudaStream_t stream) {
   const int64_t blocks = slots * p.H;
   TORCH_CHECK(blocks <= INT32_MAX, "kda.fwd: ", std::to_string(slots), " chunks x ", std::to_string(p.H),
               " heads is more blocks than one launch takes");
-  const bool two = forced_prepare_warps("kda") == 2;
+  const bool two = p.prepare_warps == 2;
   const auto grid = static_cast<unsigned int>(blocks);
   auto go = [&](auto one_warp, auto two_warps) {
     if (two) {
@@ -456,11 +481,15 @@ void launch_prepare(const FwdParams& p, cudaStream_t stream) {
     }
   };
   if (p.lo_for_backward) {
-    go(prepare_kernel<true, true, 1>, prepare_kernel<true, true, 2>);
+    if (p.bf16_products) {
+      go(prepare_kernel<true, true, 1>, prepare_kernel<true, true, 2>);
+    } else {
+      go(prepare_kernel<true, false, 1>, prepare_kernel<true, false, 2>);
+    }
   } else if (p.bf16_products) {
-    go(prepare_kernel<false, false, 1>, prepare_kernel<false, false, 2>);
-  } else {
     go(prepare_kernel<false, true, 1>, prepare_kernel<false, true, 2>);
+  } else {
+    go(prepare_kernel<false, false, 1>, prepare_kernel<false, false, 2>);
   }
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }

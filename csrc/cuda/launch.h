@@ -72,8 +72,8 @@ RecurrenceBlock forced_recurrence_block(const char* op);
 DsBlock forced_ds_block(const char* op);
 
 // TORCH_KDA_K1_WARPS=1 or 2: K1's warps per (chunk, head), for measurements
-// and tests (2 when unset); raises on any other value, naming `op`. Read by
-// launch_prepare, so a bad value raises before the first K2 writes the caller's tensors.
+// and tests (2 when unset); raises on any other value, naming `op`. Read with
+// the block shapes, into FwdParams::prepare_warps.
 int forced_prepare_warps(const char* op);
 
 // The warps that K2 gives each SM when every (sequence, head) has its eight row

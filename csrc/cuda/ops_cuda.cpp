@@ -232,9 +232,10 @@ void forward_into(const char* op, const Problem& p, const Tensor& q, const Tenso
     params.lo_for_backward = true;
   }
 
-  // Both settings are read before K1 and K2 are enqueued, so a bad one leaves
+  // The settings are read before K1 and K2 are enqueued, so a bad one leaves
   // no kernel behind that writes the caller's tensors.
   const RecurrenceBlock block = forced_recurrence_block(op);
+  params.prepare_warps = forced_prepare_warps(op);
   int64_t window = window_slots(params, op, kept_records != nullptr);
   // Windows (forward_schedule.h) write outputs before they read every input:
   // only when no output shares memory with an input.
@@ -326,8 +327,10 @@ BackwardTuple backward_by_kernels(const Problem& p, const Tensor& grad_out, cons
   // Read before any kernel is enqueued: a bad value leaves none behind.
   const RecurrenceBlock block = forced_recurrence_block(op);
   const DsBlock ds_block = forced_ds_block(op);
+  const int prepare_warps = forced_prepare_warps(op);
   Boundaries bounds = sequence_boundaries(op, p, q, cu_seqlens, stream);
   CallInputs in = call_inputs(p, q, k, v, g, beta, A_log, dt_bias, bounds);
+  in.params.prepare_warps = prepare_warps;
   // The forward's chunk-start states (checked by bwd) spare the recurrence's
   // passes, and its records (given only with the states) K1's.
   const bool saved = checkpoints.defined() && checkpoints.numel() > 0;
@@ -446,6 +449,7 @@ std::tuple<Tensor, Tensor, Tensor> sweep_bwd(const Tensor& q, const Tensor& k, c
                                      double lower_bound) {
   const char* op = "kda._sweep_bwd";
   const DsBlock ds_block = forced_ds_block(op);
+  const int prepare_warps = forced_prepare_warps(op);
   Problem p = check_all(op, q, k, v, g, beta, A_log, dt_bias, scale, lower_bound, std::nullopt, std::nullopt);
   const int64_t B = concrete(p.B), T = concrete(p.T), H = concrete(p.H);
   const int64_t slots = B * ((T + kChunk - 1) / kChunk);
@@ -477,6 +481,7 @@ std::tuple<Tensor, Tensor, Tensor> sweep_bwd(const Tensor& q, const Tensor& k, c
   bp.fwd.workspace = workspace.data_ptr<float>();
   FwdParams& fp = bp.fwd;
   fp.lo_for_backward = true;
+  fp.prepare_warps = prepare_warps;
   bp.states = st.data_ptr();
   bp.grad_out = go.data_ptr();
   bp.grad_out_fp32 = go.scalar_type() == at::kFloat;

@@ -16,7 +16,9 @@ constexpr int kChunk = 16;     // tokens per chunk
 // so each matrix it multiplies by travels as a bf16 pair: hi = bf16(x) and
 // lo = bf16(x - hi); hi * y + lo * y keeps ~16 mantissa bits where bf16 alone
 // keeps 8 (the "bf16x3" products: the fp32 state stays fp32-accurate). With
-// bf16 products (FwdParams::bf16_products) K1 leaves W's and Kd's lo planes
+// bf16 products (FwdParams::bf16_products) K1 forms W from exp(G) * k^ rounded
+// to bf16 (in every record, so that the forward's bits do not depend on which
+// record it writes), and the forward's K1 leaves W's and Kd's lo planes
 // unwritten and K2 unread (the layout stays the same).
 // A [16][128] plane is stored as two [16][64] halves (columns 0-63, then
 // 64-127), and within a half 16-byte piece j of row i at piece j ^ (i % 8)
@@ -102,6 +104,9 @@ struct FwdParams {
   // K1 also writes the lo planes of Qs and Aqk (the backward's dS recurrence
   // reads them; the forward's recurrence does not).
   bool lo_for_backward = false;
+  // K1's warps per (chunk, head), 1 or 2 (TORCH_KDA_K1_WARPS, read by the op
+  // before anything is enqueued).
+  int prepare_warps = 2;
 
   // States [N, H, V, K] (V-first), both in one dtype, bf16 or fp32; null when absent.
   const void* initial_state = nullptr;
