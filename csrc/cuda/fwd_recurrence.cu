@@ -58,6 +58,7 @@ static_assert(kWsW == kPlaneBytes && kWsKd == 3 * kPlaneBytes && kWsAqk == kPlan
 
 template <int kCols, bool kX3, int kAlign = 16>  // value channels of the block; wgmma's operands want 1024
 struct alignas(kAlign) Stage {
+  static constexpr int kAlignment = kAlign;
   // v's rows 16 bytes longer than the block's channels: the 8 rows of one
   // ldmatrix then start in distinct 16-byte bank groups.
   static constexpr int kVPitch = kCols + 8;
@@ -116,12 +117,24 @@ __device__ __forceinline__ void copy_record_bytes(uint32_t mat, const unsigned c
 // of v from `v` on (rows `row_stride` elements apart; the block's channels).
 // Every thread's pieces sit at fixed offsets from its first, so the fully
 // unrolled loops cost one instruction per 16 bytes.
-template <int kCols, int kThreads, bool kX3, int kAlign>
+// kQw: Qs's and W's hi planes interleaved by halves, [half][Qs's 16 rows, then
+// W's][64 keys], so that one wgmma of n = 32 takes both products of a k-step
+// (the 4x1w shape with bf16 products).
+template <int kCols, int kThreads, bool kX3, int kAlign, bool kQw = false>
 __device__ __forceinline__ void load_stage(Stage<kCols, kX3, kAlign>& st, const unsigned char* rec,
                                            const __nv_bfloat16* v, int64_t row_stride, int len, int tid) {
   using St = Stage<kCols, kX3, kAlign>;
   const uint32_t mat = smem_u32(&st.mat[0][0]);
-  if constexpr (kX3) {
+  static_assert(!kQw || !kX3, "the interleaved planes are the hi planes of bf16 products");
+  constexpr int kHalf = kPlaneBytes / 2;
+  if constexpr (kQw) {
+    copy_record_bytes<kWsQs, kWsQs + kHalf, 0, kThreads>(mat, rec, tid);
+    copy_record_bytes<kWsW, kWsW + kHalf, kHalf, kThreads>(mat, rec, tid);
+    copy_record_bytes<kWsQs + kHalf, kWsQs + kPlaneBytes, 2 * kHalf, kThreads>(mat, rec, tid);
+    copy_record_bytes<kWsW + kHalf, kWsW + kPlaneBytes, 3 * kHalf, kThreads>(mat, rec, tid);
+    copy_record_bytes<kWsKd, kWsKd + kPlaneBytes, kKdHiPlane<false> * kPlaneBytes, kThreads>(mat, rec, tid);
+    copy_record_bytes<kWsAqk, kWsQsLo, offsetof(St, aqk), kThreads>(mat, rec, tid);
+  } else if constexpr (kX3) {
     static_assert(offsetof(St, aqk) == kWsAqk && offsetof(St, m) >= kWsQsLo, "mat and aqk are one verbatim copy");
     copy_record_bytes<0, kWsQsLo, 0, kThreads>(mat, rec, tid);
   } else {
@@ -195,6 +208,10 @@ __device__ __forceinline__ void recurrence_body(const FwdParams& p) {
   // spread, below) 0.312 -> 0.306 at 8192 x 16, but 2x2 0.374 -> 0.416 at 8192
   // x 32, which keeps it; 8x1 and 2x1 (forced only) follow 4x1 unmeasured.
   constexpr bool kQsLo = kSplit == 2 && kX3;
+  // The wgmma warpgroup with bf16 products takes S [Qs; W]^T as one n = 32
+  // product a k-step (load_stage's kQw), where two of n = 16 each cost about
+  // as much as one of twice the width.
+  constexpr bool kQw = kWg && !kX3;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   unsigned char* smem = smem_raw;
   if constexpr (kWg) {
@@ -247,8 +264,8 @@ __device__ __forceinline__ void recurrence_body(const FwdParams& p) {
   const unsigned char* fill_rec = first;
   int fill = 0, fill_stage = 0;  // the next chunk to stage, and its stage
   auto refill = [&]() {
-    load_stage<Cfg::kCols, Cfg::kThreads, kX3>(stages[fill_stage], fill_rec, fill_v, H * D, fill == nch - 1 ? last_len : C,
-                                          tid);
+    load_stage<Cfg::kCols, Cfg::kThreads, kX3, St::kAlignment, kQw>(stages[fill_stage], fill_rec, fill_v, H * D,
+                                                                   fill == nch - 1 ? last_len : C, tid);
     fill_rec += stride;
     fill_v += C * H * D;
     ++fill;
@@ -449,24 +466,47 @@ __device__ __forceinline__ void recurrence_body(const FwdParams& p) {
       auto b_desc = [&](int plane, int kk) {
         return sw128_desc_at(k_major, plane * kPlaneBytes + (kk / 4) * (C * 128) + (kk % 4) * 32);
       };
+      // kQw: k-step kk of [Qs; W] at half kk / 4 of the interleaved planes.
+      auto qw_desc = [&](int rows, int kk) {
+        return sw128_desc_at(k_major, (kk / 4) * kPlaneBytes + rows * 128 + (kk % 4) * 32);
+      };
+      float acc_qw[4][4];  // kQw with out: n-tiles 0-1 S Qs^T, 2-3 S W^T
       wgmma_fence();
 #pragma unroll
       for (int kk = 0; kk < kKk; ++kk) {
-        if constexpr (kX3) {
-          wgmma_m64n16k16(acc_w[0], a_lo[kk], b_desc(kWHi, kk), kk > 0);
-          wgmma_m64n16k16(acc_w[1], a_hi[kk], b_desc(kWLo, kk), kk > 0);
-        }
-        wgmma_m64n16k16(acc_w[2], a_hi[kk], b_desc(kWHi, kk), kk > 0);
-        if constexpr (kOut && kQsLo) {
-          wgmma_m64n16k16(acc_o[0], a_lo[kk], b_desc(kQs, kk), kk > 0);
-        }
-        if constexpr (kOut) {
-          wgmma_m64n16k16(acc_o[1], a_hi[kk], b_desc(kQs, kk), kk > 0);
+        if constexpr (kQw && kOut) {
+          wgmma_m64n32k16(acc_qw, a_hi[kk], qw_desc(0, kk), kk > 0);
+        } else if constexpr (kQw) {
+          wgmma_m64n16k16(acc_w[2], a_hi[kk], qw_desc(C, kk), kk > 0);
+        } else {
+          if constexpr (kX3) {
+            wgmma_m64n16k16(acc_w[0], a_lo[kk], b_desc(kWHi, kk), kk > 0);
+            wgmma_m64n16k16(acc_w[1], a_hi[kk], b_desc(kWLo, kk), kk > 0);
+          }
+          wgmma_m64n16k16(acc_w[2], a_hi[kk], b_desc(kWHi, kk), kk > 0);
+          if constexpr (kOut && kQsLo) {
+            wgmma_m64n16k16(acc_o[0], a_lo[kk], b_desc(kQs, kk), kk > 0);
+          }
+          if constexpr (kOut) {
+            wgmma_m64n16k16(acc_o[1], a_hi[kk], b_desc(kQs, kk), kk > 0);
+          }
         }
       }
       wgmma_commit();
       form_u0(u0);
       wgmma_wait<0>();
+      if constexpr (kQw && kOut) {
+#pragma unroll
+        for (int nt = 0; nt < 2; ++nt) {
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            fence_operand(acc_qw[nt][e]);
+            fence_operand(acc_qw[2 + nt][e]);
+            acc_o[1][nt][e] = acc_qw[nt][e];
+            acc_w[2][nt][e] = acc_qw[2 + nt][e];
+          }
+        }
+      }
 #pragma unroll
       for (int nt = 0; nt < 2; ++nt) {
 #pragma unroll

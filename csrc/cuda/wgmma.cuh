@@ -61,6 +61,16 @@ __device__ __forceinline__ void wgmma_m64n16k16(float (&d)[2][4], const uint32_t
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(static_cast<int>(accumulate)));
 }
 
+// d (+)= a * B for a 64 x 32 x 16 product, B K-major at `desc` (4 n-tiles of 8).
+__device__ __forceinline__ void wgmma_m64n32k16(float (&d)[4][4], const uint32_t (&a)[4], uint64_t desc,
+                                               bool accumulate) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %21, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15}, {%16,%17,%18,%19}, %20, p, 1, 1, 0;\n}\n"
+      : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(static_cast<int>(accumulate)));
+}
+
 // d (+)= a * B for a 64 x 128 x 16 product: B (k = 16, n = 128) MN-major (each
 // k's 128 n contiguous, as two 64-wide swizzle atoms) at `desc`.
 __device__ __forceinline__ void wgmma_m64n128k16_mn(float (&d)[16][4], const uint32_t (&a)[4], uint64_t desc,
