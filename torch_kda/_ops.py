@@ -15,6 +15,12 @@ import torch_kda._C  # noqa: F401  (loads the library: registers torch.ops.kda.*
 def _check_scalar(name, value):
     if value is None:
         return None
+    # The common case first (every call pays for this function); not while
+    # compiling, where a float may be symbolic and testing it would break the graph.
+    if type(value) is float and not torch.compiler.is_compiling():
+        if not math.isfinite(value):
+            raise ValueError(f"torch_kda: {name} must be finite, got {value}")
+        return value
     if isinstance(value, bool) or not isinstance(value, (numbers.Real, torch.SymFloat, torch.SymInt)):
         raise TypeError(f"torch_kda: {name} must be a real number or None, got {type(value).__name__}")
     # Under torch.compile a float argument may be symbolic, and testing it here
@@ -84,7 +90,7 @@ def kda(
         # backward need not recompute them.
         out, final_state, _, _ = torch.ops.kda._fwd_checkpointed(*args)
     else:
-        out, final_state = torch.ops.kda.fwd(*args)
+        out, final_state = torch.ops.kda.fwd.default(*args)
     return out, (final_state if output_final_state else None)
 
 
@@ -104,7 +110,7 @@ def fwd(
     cu_seqlens=None,
 ):
     """Drop-in for flash_kda.fwd: writes `out` (and `final_state` if given) in place, returns None."""
-    torch.ops.kda.fwd_(
+    torch.ops.kda.fwd_.default(
         q,
         k,
         v,

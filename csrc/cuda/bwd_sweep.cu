@@ -164,7 +164,7 @@ __global__ void __launch_bounds__(kWarps * 32) ds_recurrence_kernel(const SweepB
   const int64_t H = p.H;
   const int group = blockIdx.x % kGroups;
   const int64_t h = (blockIdx.x / kGroups) % H;
-  const int64_t n = blockIdx.x / (kGroups * H);
+  const int64_t n = sequence_of_block_group(p, blockIdx.x / (kGroups * H));
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   const int g = lane / 4, t4 = lane % 4;
   const int mi = lane / 8, mr = lane % 8;  // ldmatrix: lane l addresses row l % 8 of matrix l / 8

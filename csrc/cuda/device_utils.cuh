@@ -103,6 +103,11 @@ __device__ __forceinline__ int64_t seq_offset(const FwdParams& p, int64_t n) {
   return p.seq_offsets != nullptr ? p.seq_offsets[n] : n * p.T;
 }
 
+// The sequence that the recurrences' b-th group of blocks serves (params.h).
+__device__ __forceinline__ int64_t sequence_of_block_group(const FwdParams& p, int64_t b) {
+  return p.seq_order != nullptr ? p.seq_order[b] : b;
+}
+
 __device__ __forceinline__ int64_t chunk_offset(const FwdParams& p, int64_t n) {
   return p.chunk_offsets != nullptr ? p.chunk_offsets[n] : n * ((p.T + kChunk - 1) / kChunk);
 }

@@ -225,7 +225,7 @@ __device__ __forceinline__ void recurrence_body(const FwdParams& p) {
   const int64_t H = p.H;
   const int group = blockIdx.x % kGroups;
   const int64_t h = (blockIdx.x / kGroups) % H;
-  const int64_t n = blockIdx.x / (kGroups * H);
+  const int64_t n = sequence_of_block_group(p, blockIdx.x / (kGroups * H));
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   const int g = lane / 4, t = lane % 4;
   const int rg = warp / kSplit, ks = kKs >= 0 ? kKs : warp % kSplit;  // row group; key slice within it

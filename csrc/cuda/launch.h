@@ -13,9 +13,10 @@
 namespace kda::cuda {
 
 // Varlen only, before K1: seq[0..N] and chunks[0..N] (params.h) from
-// cu_seqlens (int32 or int64, N + 1 entries, on the device).
+// cu_seqlens (int32 or int64, N + 1 entries, on the device), and order[0..N)
+// (FwdParams::seq_order).
 void launch_boundaries(const void* cu_seqlens, bool cu_int32, int64_t N, int64_t tokens, int64_t* seq,
-                       int64_t* chunks, cudaStream_t stream);
+                       int64_t* chunks, int64_t* order, cudaStream_t stream);
 
 // Rows of bf16 tensors [tokens, width] to clear where no chunk covers a token.
 struct ZeroRows {

@@ -78,7 +78,7 @@ Problem check_all(const char* op, const Tensor& q, const Tensor& k, const Tensor
 // of bounds). A fixed-length batch needs none (params.h). num_slots: the
 // workspace's capacity in chunks.
 struct Boundaries {
-  Tensor offsets;  // [2, N + 1] int64: seq, then chunks; undefined for fixed length
+  Tensor offsets;  // [3, N + 1] int64: seq, chunks, then seq_order; undefined for fixed length
   int64_t num_slots = 0;
 };
 
@@ -107,9 +107,10 @@ Boundaries sequence_boundaries(const char* op, const Problem& p, const Tensor& q
   b.num_slots = std::min(tokens, (tokens + kChunk - 1) / kChunk + N);
   check_grid_sizes(op, p, b.num_slots);
   Tensor cu = cu_seqlens->contiguous();
-  b.offsets = at::empty({2, N + 1}, q.options().dtype(at::kLong));
+  b.offsets = at::empty({3, N + 1}, q.options().dtype(at::kLong));
   int64_t* seq = b.offsets.data_ptr<int64_t>();
-  launch_boundaries(cu.data_ptr(), cu.scalar_type() == at::kInt, N, tokens, seq, seq + (N + 1), stream);
+  launch_boundaries(cu.data_ptr(), cu.scalar_type() == at::kInt, N, tokens, seq, seq + (N + 1), seq + 2 * (N + 1),
+                    stream);
   return b;
 }
 
@@ -161,6 +162,7 @@ CallInputs call_inputs(const Problem& p, const Tensor& q, const Tensor& k, const
   fp.dt_bias = in.dt_bias.data_ptr<float>();
   fp.seq_offsets = bounds.offsets.defined() ? bounds.offsets.data_ptr<int64_t>() : nullptr;
   fp.chunk_offsets = fp.seq_offsets != nullptr ? fp.seq_offsets + (fp.N + 1) : nullptr;
+  fp.seq_order = fp.seq_offsets != nullptr ? fp.seq_offsets + 2 * (fp.N + 1) : nullptr;
   fp.T = concrete(p.T);
   fp.num_slots = bounds.num_slots;
   fp.slot_begin = 0;

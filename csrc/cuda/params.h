@@ -84,6 +84,10 @@ struct FwdParams {
   // to be built for the offsets (see device_utils.cuh).
   const int64_t* seq_offsets = nullptr;
   const int64_t* chunk_offsets = nullptr;
+  // Varlen: the sequences longest first (by chunks; ties in index order), which
+  // the recurrences' blocks take in that order, so that a batch's longest
+  // sequences do not start last; null for fixed length (every sequence alike).
+  const int64_t* seq_order = nullptr;
   int64_t T = 0;  // tokens per sequence when the offsets are null
   int64_t num_slots = 0;        // chunk slots of the whole call (per head)
 
