@@ -15,14 +15,10 @@ import torch_kda._C  # noqa: F401  (loads the library: registers torch.ops.kda.*
 def _check_scalar(name, value):
     if value is None:
         return None
-    # The common case first (every call pays for this function); not while
-    # compiling, where a float may be symbolic and testing it would break the graph.
-    if type(value) is float and not torch.compiler.is_compiling():
-        if not math.isfinite(value):
-            raise ValueError(f"torch_kda: {name} must be finite, got {value}")
-        return value
-    if isinstance(value, bool) or not isinstance(value, (numbers.Real, torch.SymFloat, torch.SymInt)):
-        raise TypeError(f"torch_kda: {name} must be a real number or None, got {type(value).__name__}")
+    # A plain float, the common case, needs no type check (every call pays for this function).
+    if type(value) is not float:
+        if isinstance(value, bool) or not isinstance(value, (numbers.Real, torch.SymFloat, torch.SymInt)):
+            raise TypeError(f"torch_kda: {name} must be a real number or None, got {type(value).__name__}")
     # Under torch.compile a float argument may be symbolic, and testing it here
     # would break the graph; the operator checks finiteness itself.
     if torch.compiler.is_compiling():

@@ -35,6 +35,10 @@ constexpr int kAPitch = C + 4;  // sA's rows 16-byte aligned for forward_substit
 // measurement knob) keeps eleven, whose cap it needs (158-163 registers).
 template <bool kWKdLo, int kWarps>
 constexpr int kMinBlocksPerSm = kWKdLo || kWarps == 1 ? 11 : 14;
+// Whether a record holds W's and Kd's lo planes: the backward's always, the
+// forward's unless its products are bf16.
+template <bool kForBackward, bool kBf16>
+constexpr bool kWKdLoPlanes = kForBackward || !kBf16;
 
 // The warp's shared staging area: the record's planes in the record's layout
 // (params.h) where the record has them, so that a bulk copy moves each run of
@@ -90,9 +94,9 @@ __device__ __forceinline__ void split3(float x, float y, uint32_t& hi, uint32_t&
 // half w of every plane; the norms' and the 16 x 16 products' partial sums meet
 // in shared memory, warp 0 solves M, and each warp copies out its own halves.
 template <bool kForBackward, bool kBf16, int kWarps>
-__global__ void __launch_bounds__(32 * kWarps, (kMinBlocksPerSm<kForBackward || !kBf16, kWarps>))
+__global__ void __launch_bounds__(32 * kWarps, (kMinBlocksPerSm<kWKdLoPlanes<kForBackward, kBf16>, kWarps>))
     prepare_kernel(const FwdParams p) {
-  constexpr bool kWKdLo = kForBackward || !kBf16;  // the record's lo planes of W and Kd
+  constexpr bool kWKdLo = kWKdLoPlanes<kForBackward, kBf16>;
   static_assert(kWarps == 1 || kWarps == 2, "a warp per plane half at most");
   using S = Staging<kForBackward, kWKdLo>;
   constexpr int kWarpSteps = kSteps / kWarps;

@@ -58,7 +58,6 @@ static_assert(kWsW == kPlaneBytes && kWsKd == 3 * kPlaneBytes && kWsAqk == kPlan
 
 template <int kCols, bool kX3, int kAlign = 16>  // value channels of the block; wgmma's operands want 1024
 struct alignas(kAlign) Stage {
-  static constexpr int kAlignment = kAlign;
   // v's rows 16 bytes longer than the block's channels: the 8 rows of one
   // ldmatrix then start in distinct 16-byte bank groups.
   static constexpr int kVPitch = kCols + 8;
@@ -120,7 +119,7 @@ __device__ __forceinline__ void copy_record_bytes(uint32_t mat, const unsigned c
 // kQw: Qs's and W's hi planes interleaved by halves, [half][Qs's 16 rows, then
 // W's][64 keys], so that one wgmma of n = 32 takes both products of a k-step
 // (the 4x1w shape with bf16 products).
-template <int kCols, int kThreads, bool kX3, int kAlign, bool kQw = false>
+template <int kCols, int kThreads, bool kX3, bool kQw = false, int kAlign>
 __device__ __forceinline__ void load_stage(Stage<kCols, kX3, kAlign>& st, const unsigned char* rec,
                                            const __nv_bfloat16* v, int64_t row_stride, int len, int tid) {
   using St = Stage<kCols, kX3, kAlign>;
@@ -265,8 +264,8 @@ __device__ __forceinline__ void recurrence_body(const FwdParams& p) {
   const unsigned char* fill_rec = first;
   int fill = 0, fill_stage = 0;  // the next chunk to stage, and its stage
   auto refill = [&]() {
-    load_stage<Cfg::kCols, Cfg::kThreads, kX3, St::kAlignment, kQw>(stages[fill_stage], fill_rec, fill_v, H * D,
-                                                                   fill == nch - 1 ? last_len : C, tid);
+    load_stage<Cfg::kCols, Cfg::kThreads, kX3, kQw>(stages[fill_stage], fill_rec, fill_v, H * D,
+                                                  fill == nch - 1 ? last_len : C, tid);
     fill_rec += stride;
     fill_v += C * H * D;
     ++fill;
