@@ -318,6 +318,35 @@ def test_varlen_equals_separate_calls_bitwise(monkeypatch):
         assert torch.equal(f[0], final[n]), n
 
 
+@pytest.mark.parametrize("state_dtype", [torch.bfloat16, torch.float32])
+def test_4x1w_refill_points_agree_bitwise(monkeypatch, state_dtype):
+    """The 4x1w forward issues a step's copies at one of two points, by how many
+    blocks it runs (fwd_recurrence.cu, late_refill_pays): a batch of enough
+    (sequence, head) pairs takes the later one, each of its sequences alone the
+    earlier, and both give the same bits, which match the float64 reference."""
+    monkeypatch.setenv("TORCH_KDA_RECURRENCE_BLOCK", "4x1w")
+    H = 2
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    N = (3 * sms + 2 * H - 1) // (2 * H)  # two blocks a (sequence, head): 3 * sms or more
+    seqlens = torch.randint(1, 60, (N,)).tolist()
+    seqlens[N // 2] = 0
+    d, g = cuda_inputs(seqlens=seqlens, H=H, state_dtype=state_dtype)
+    out, final = run_cuda(g)
+    ref_out, ref_final = run_reference(g, lower_bound=-5.0)
+    assert rel(out, ref_out) <= 5e-3
+    assert rel(final, ref_final) <= (5e-3 if state_dtype == torch.bfloat16 else FP32_STATE_TOL)
+    cu = g["cu_seqlens"].tolist()
+    for n in range(N):
+        s, e = cu[n], cu[n + 1]
+        part = {name: g[name][:, s:e] for name in ("q", "k", "v", "g", "beta")}
+        o, f = torch_kda.kda(
+            part["q"], part["k"], part["v"], part["g"], part["beta"], g["A_log"], g["dt_bias"],
+            lower_bound=-5.0, initial_state=g["initial_state"][n : n + 1], output_final_state=True,
+        )
+        assert torch.equal(o, out[:, s:e]), n
+        assert torch.equal(f[0], final[n]), n
+
+
 def test_thousands_of_sequences_match_cpu_kernel():
     lengths = torch.randint(0, 40, (3000,)).tolist()
     d, g = cuda_inputs(seqlens=lengths, H=1, state_dtype=torch.float32)

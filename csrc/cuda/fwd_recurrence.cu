@@ -195,7 +195,7 @@ __device__ __forceinline__ void store_state_pair(void* base, int64_t index, bool
 // specialised (8192 and 32768 x 32 heads).
 // kX3: the state's products in bf16x3 (an fp32 state); else each operand in
 // bf16 alone (FwdParams::bf16_products: a bf16 state).
-template <int kWarps, int kSplit, int kSt, bool kOut, bool kWg, bool kX3, int kKs>
+template <int kWarps, int kSplit, int kSt, bool kOut, bool kWg, bool kX3, int kKs, bool kLate>
 __device__ __forceinline__ void recurrence_body(const FwdParams& p) {
   using Cfg = Config<kWarps, kSplit, kSt, kWg, kX3>;
   using St = typename Cfg::St;
@@ -308,6 +308,7 @@ __device__ __forceinline__ void recurrence_body(const FwdParams& p) {
   // 0.375 against 0.425 ms at 8192 x 16, 3.03 against 3.43 at 65536 x 16).
   // The wgmma warpgroup (4x1w) splits every k-step after its update's wait.
   constexpr bool kSplitEarly = kSplit == 1;
+  static_assert(!kLate || kWg, "the later copies are the wgmma warpgroup's (refill_now)");
   uint32_t a_hi[kKk][4], a_lo[kKk][4];
   auto split_state = [&](int kk) {
     if constexpr (kX3) {
@@ -343,10 +344,23 @@ __device__ __forceinline__ void recurrence_body(const FwdParams& p) {
     // out tile entries it wrote).
     cp_async_wait<kSt - 2>();
     __syncthreads();
-    if (fill < nch) {
-      refill();
+    // The next chunk's copies: here, or with kLate (the 4x1w forward where its
+    // blocks fill every SM three times over: late_refill_pays) beside U0's
+    // products, while the step's first wgmma runs. There the steps wait on
+    // DRAM's throughput and the later copies spread out: K2 -8 to -13 % at
+    // 8 x 8192 x 32 heads (1.111-1.176 -> 1.026 ms), -5 to -9 % at 8 x 1024 x 32,
+    // within 1 % at 8 x 1024 x 64 and 96, 64 x 512 x 32 and the mixed varlen
+    // case; but +16 % at one block an SM (8192 x 64: 0.287 -> 0.334), and the
+    // 2x2's after its first k-step +13 % at 65536 x 16 (1.67 -> 1.88; H200).
+    auto refill_now = [&]() {
+      if (fill < nch) {
+        refill();
+      }
+      cp_async_commit();
+    };
+    if constexpr (!kLate) {
+      refill_now();
     }
-    cp_async_commit();
     // For the backward (its passes, or the forward of kda._fwd_checkpointed):
     // the state at this chunk's start, bf16, two n-tiles per 8-byte store
     // (quad_piece): whole 32-byte sectors, where 4-byte stores wrote each in
@@ -494,6 +508,9 @@ __device__ __forceinline__ void recurrence_body(const FwdParams& p) {
       }
       wgmma_commit();
       form_u0(u0);
+      if constexpr (kLate) {
+        refill_now();
+      }
       wgmma_wait<0>();
       if constexpr (kQw && kOut) {
 #pragma unroll
@@ -807,36 +824,36 @@ __device__ __forceinline__ void recurrence_body(const FwdParams& p) {
   }
 }
 
-template <int kWarps, int kSplit, int kSt, bool kOut, bool kWg, bool kX3>
+template <int kWarps, int kSplit, int kSt, bool kOut, bool kWg, bool kX3, bool kLate>
 __global__ void __launch_bounds__(kWarps * 32) recurrence_kernel(const FwdParams p) {
   if constexpr (kSplit != 4) {
-    recurrence_body<kWarps, kSplit, kSt, kOut, kWg, kX3, -1>(p);
+    recurrence_body<kWarps, kSplit, kSt, kOut, kWg, kX3, -1, kLate>(p);
   } else {
     // The branch is uniform per warp, not per block: it relies on bar.sync
     // counting warps, and every copy meets the same barriers in the same order
     // (one per step, and the partial sums').
     switch ((threadIdx.x / 32) % kSplit) {
       case 0:
-        recurrence_body<kWarps, kSplit, kSt, kOut, kWg, kX3, 0>(p);
+        recurrence_body<kWarps, kSplit, kSt, kOut, kWg, kX3, 0, kLate>(p);
         break;
       case 1:
-        recurrence_body<kWarps, kSplit, kSt, kOut, kWg, kX3, 1>(p);
+        recurrence_body<kWarps, kSplit, kSt, kOut, kWg, kX3, 1, kLate>(p);
         break;
       case 2:
-        recurrence_body<kWarps, kSplit, kSt, kOut, kWg, kX3, 2>(p);
+        recurrence_body<kWarps, kSplit, kSt, kOut, kWg, kX3, 2, kLate>(p);
         break;
       default:
-        recurrence_body<kWarps, kSplit, kSt, kOut, kWg, kX3, 3>(p);
+        recurrence_body<kWarps, kSplit, kSt, kOut, kWg, kX3, 3, kLate>(p);
         break;
     }
   }
 }
 
-template <int kWarps, int kSplit, int kSt, bool kOut, bool kWg, bool kX3>
+template <int kWarps, int kSplit, int kSt, bool kOut, bool kWg, bool kX3, bool kLate = false>
 void launch_kernel(const FwdParams& p, cudaStream_t stream) {
   using Cfg = Config<kWarps, kSplit, kSt, kWg, kX3>;
   static_assert(Cfg::kSmem <= 227 * 1024, "over the per-block shared memory of sm_90");
-  auto* kernel = recurrence_kernel<kWarps, kSplit, kSt, kOut, kWg, kX3>;
+  auto* kernel = recurrence_kernel<kWarps, kSplit, kSt, kOut, kWg, kX3, kLate>;
   C10_CUDA_CHECK(
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(Cfg::kSmem)));
   const int64_t blocks = p.N * p.H * (D / Cfg::kCols);
@@ -846,9 +863,26 @@ void launch_kernel(const FwdParams& p, cudaStream_t stream) {
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
+// Whether the 4x1w forward issues a step's copies late (recurrence_body's
+// refill_now): where its blocks (two a (sequence, head)) fill every SM three
+// times over.
+bool late_refill_pays(const FwdParams& p) {
+  return p.N * p.H * (D / 64) >= int64_t{3} * p.num_sms;
+}
+
 template <int kWarps, int kSplit, bool kWg = false>
 void launch(const FwdParams& p, cudaStream_t stream) {
   constexpr int kSt = kDefaultStages<kWarps, kSplit>;
+  if constexpr (kWg) {
+    if (p.out != nullptr && late_refill_pays(p)) {
+      if (p.bf16_products) {
+        launch_kernel<kWarps, kSplit, kSt, true, kWg, false, true>(p, stream);
+      } else {
+        launch_kernel<kWarps, kSplit, kSt, true, kWg, true, true>(p, stream);
+      }
+      return;
+    }
+  }
   if (p.out != nullptr) {
     if (p.bf16_products) {
       launch_kernel<kWarps, kSplit, kSt, true, kWg, false>(p, stream);
