@@ -297,6 +297,20 @@ def test_varlen_matches_reference(cu_dtype):
     assert e_out <= 5e-3 and e_state <= 1e-3
 
 
+def assert_each_sequence_alone_is_bitwise(g, out, final):
+    """Each sequence of the varlen batch g, run alone, gives bitwise the batch's out and final state."""
+    cu = g["cu_seqlens"].tolist()
+    for n in range(len(cu) - 1):
+        s, e = cu[n], cu[n + 1]
+        part = {name: g[name][:, s:e] for name in ("q", "k", "v", "g", "beta")}
+        o, f = torch_kda.kda(
+            part["q"], part["k"], part["v"], part["g"], part["beta"], g["A_log"], g["dt_bias"],
+            lower_bound=-5.0, initial_state=g["initial_state"][n : n + 1], output_final_state=True,
+        )
+        assert torch.equal(o, out[:, s:e]), n
+        assert torch.equal(f[0], final[n]), n
+
+
 def test_varlen_equals_separate_calls_bitwise(monkeypatch):
     """Each sequence computed alone gives bitwise the varlen result: the padded
     tail rows of a partial chunk never leak into the next sequence. (Both calls
@@ -306,16 +320,7 @@ def test_varlen_equals_separate_calls_bitwise(monkeypatch):
     seqlens = [5, 16, 0, 31, 1, 47]
     d, g = cuda_inputs(seqlens=seqlens, H=2)
     out, final = run_cuda(g)
-    cu = g["cu_seqlens"].tolist()
-    for n in range(len(seqlens)):
-        s, e = cu[n], cu[n + 1]
-        part = {name: g[name][:, s:e] for name in ("q", "k", "v", "g", "beta")}
-        o, f = torch_kda.kda(
-            part["q"], part["k"], part["v"], part["g"], part["beta"], g["A_log"], g["dt_bias"],
-            lower_bound=-5.0, initial_state=g["initial_state"][n : n + 1], output_final_state=True,
-        )
-        assert torch.equal(o, out[:, s:e]), n
-        assert torch.equal(f[0], final[n]), n
+    assert_each_sequence_alone_is_bitwise(g, out, final)
 
 
 @pytest.mark.parametrize("state_dtype", [torch.bfloat16, torch.float32])
@@ -335,16 +340,7 @@ def test_4x1w_refill_points_agree_bitwise(monkeypatch, state_dtype):
     ref_out, ref_final = run_reference(g, lower_bound=-5.0)
     assert rel(out, ref_out) <= 5e-3
     assert rel(final, ref_final) <= (5e-3 if state_dtype == torch.bfloat16 else FP32_STATE_TOL)
-    cu = g["cu_seqlens"].tolist()
-    for n in range(N):
-        s, e = cu[n], cu[n + 1]
-        part = {name: g[name][:, s:e] for name in ("q", "k", "v", "g", "beta")}
-        o, f = torch_kda.kda(
-            part["q"], part["k"], part["v"], part["g"], part["beta"], g["A_log"], g["dt_bias"],
-            lower_bound=-5.0, initial_state=g["initial_state"][n : n + 1], output_final_state=True,
-        )
-        assert torch.equal(o, out[:, s:e]), n
-        assert torch.equal(f[0], final[n]), n
+    assert_each_sequence_alone_is_bitwise(g, out, final)
 
 
 def test_thousands_of_sequences_match_cpu_kernel():
