@@ -195,6 +195,8 @@ __device__ __forceinline__ void store_state_pair(void* base, int64_t index, bool
 // specialised (8192 and 32768 x 32 heads).
 // kX3: the state's products in bf16x3 (an fp32 state); else each operand in
 // bf16 alone (FwdParams::bf16_products: a bf16 state).
+// kLate: the wgmma warpgroup issues each step's copies after its first
+// products instead of right after the barrier (refill_now, late_refill_pays).
 template <int kWarps, int kSplit, int kSt, bool kOut, bool kWg, bool kX3, int kKs, bool kLate>
 __device__ __forceinline__ void recurrence_body(const FwdParams& p) {
   using Cfg = Config<kWarps, kSplit, kSt, kWg, kX3>;
