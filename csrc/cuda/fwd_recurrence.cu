@@ -872,30 +872,30 @@ bool late_refill_pays(const FwdParams& p) {
   return p.N * p.H * (D / 64) >= int64_t{3} * p.num_sms;
 }
 
+// The kernel for the state's dtype (bf16 or bf16x3 products).
+template <int kWarps, int kSplit, int kSt, bool kOut, bool kWg, bool kLate = false>
+void launch_for_products(const FwdParams& p, cudaStream_t stream) {
+  if (p.bf16_products) {
+    launch_kernel<kWarps, kSplit, kSt, kOut, kWg, false, kLate>(p, stream);
+  } else {
+    launch_kernel<kWarps, kSplit, kSt, kOut, kWg, true, kLate>(p, stream);
+  }
+}
+
 template <int kWarps, int kSplit, bool kWg = false>
 void launch(const FwdParams& p, cudaStream_t stream) {
   constexpr int kSt = kDefaultStages<kWarps, kSplit>;
+  if (p.out == nullptr) {
+    launch_for_products<kWarps, kSplit, kSt, false, kWg>(p, stream);
+    return;
+  }
   if constexpr (kWg) {
-    if (p.out != nullptr && late_refill_pays(p)) {
-      if (p.bf16_products) {
-        launch_kernel<kWarps, kSplit, kSt, true, kWg, false, true>(p, stream);
-      } else {
-        launch_kernel<kWarps, kSplit, kSt, true, kWg, true, true>(p, stream);
-      }
+    if (late_refill_pays(p)) {
+      launch_for_products<kWarps, kSplit, kSt, true, kWg, true>(p, stream);
       return;
     }
   }
-  if (p.out != nullptr) {
-    if (p.bf16_products) {
-      launch_kernel<kWarps, kSplit, kSt, true, kWg, false>(p, stream);
-    } else {
-      launch_kernel<kWarps, kSplit, kSt, true, kWg, true>(p, stream);
-    }
-  } else if (p.bf16_products) {
-    launch_kernel<kWarps, kSplit, kSt, false, kWg, false>(p, stream);
-  } else {
-    launch_kernel<kWarps, kSplit, kSt, false, kWg, true>(p, stream);
-  }
+  launch_for_products<kWarps, kSplit, kSt, true, kWg>(p, stream);
 }
 
 }  // namespace
