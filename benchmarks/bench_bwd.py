@@ -8,7 +8,11 @@ initial_state). Times: CUDA events after warm-up, median of repeats. Peak memory
 the most the caching allocator held during one step, above what it held before
 (inputs and incoming gradients are the same for both libraries and not counted).
 
-    FLA_FLASH_KDA=0 python benchmarks/bench_bwd.py [--cases 1,4,6,9,10] [--repeats 10]
+    FLA_FLASH_KDA=0 python benchmarks/bench_bwd.py [--cases 1,4,6,9,10] [--repeats 10] [--gate softplus]
+
+--gate softplus runs both libraries with the softplus gate (lower_bound=None) on
+the bounded case's A_log and dt_bias, as bench_fwd.py's --gate does; fla then runs
+without safe_gate, which it allows only with a lower bound.
 
 fla's first backward per shape autotunes for minutes; scripts/triton_cache.sh keeps
 its results between device calls.
@@ -23,7 +27,8 @@ os.environ.setdefault("FLA_FLASH_KDA", "0")
 import torch  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_fwd import CASES, D, LOWER_BOUND, copy_bandwidth, make_case, time_ms  # noqa: E402
+from bench_fwd import CASES, D, GATES, LOWER_BOUND, copy_bandwidth, make_case, time_ms  # noqa: E402
+from bench_fwd import fla_gate_args, skipped  # noqa: E402
 
 import torch_kda  # noqa: E402
 
@@ -40,11 +45,12 @@ def leaves(c, flat_dt_bias):
 
 def step_torch_kda(c, grads):
     x = leaves(c, flat_dt_bias=False)
+    lower_bound = c.get("lower_bound", LOWER_BOUND)
 
     def fn():
         out, final = torch_kda.kda(
             x["q"], x["k"], x["v"], x["g"], x["beta"], x["A_log"], x["dt_bias"],
-            lower_bound=LOWER_BOUND, initial_state=x["h0"], output_final_state=True, cu_seqlens=c["cu"],
+            lower_bound=lower_bound, initial_state=x["h0"], output_final_state=True, cu_seqlens=c["cu"],
         )
         torch.autograd.backward([out, final], grads)
 
@@ -56,13 +62,13 @@ def step_fla(c, grads):
 
     # fla returns dt_bias's gradient flat ([H * K]), so its leaf is flat too.
     x = leaves(c, flat_dt_bias=True)
+    gate_args = fla_gate_args(c.get("lower_bound", LOWER_BOUND))
 
     def fn():
         out, final = chunk_kda(
             x["q"], x["k"], x["v"], x["g"], x["beta"], initial_state=x["h0"], output_final_state=True,
             use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True,
-            safe_gate=True, lower_bound=LOWER_BOUND, state_v_first=True, A_log=x["A_log"], dt_bias=x["dt_bias"],
-            cu_seqlens=c["cu"],
+            state_v_first=True, A_log=x["A_log"], dt_bias=x["dt_bias"], cu_seqlens=c["cu"], **gate_args,
         )
         torch.autograd.backward([out, final], grads)
 
@@ -132,7 +138,10 @@ def main():
     ap.add_argument("--fla-cases", default=None,
                     help="time fla only on these cases (its backward autotunes for minutes per new shape)")
     ap.add_argument("--stages", action="store_true", help="print torch_kda's device time per kernel")
+    ap.add_argument("--gate", choices=GATES, default="bounded",
+                    help="bounded: lower_bound=-5; softplus: lower_bound=None (Kimi-Linear's gate)")
     args = ap.parse_args()
+    softplus = args.gate == "softplus"
 
     torch.manual_seed(0)
     print(f"GPU: {torch.cuda.get_device_name()}  torch {torch.__version__}")
@@ -146,20 +155,33 @@ def main():
             print(f"fla not importable ({exc}): torch_kda only")
             have_fla = False
 
+    if softplus:
+        print("gate: softplus (lower_bound=None), fla without safe_gate")
     print(f"{'#':>3} {'case':<18} {'H':>3} {'torch_kda ms':>12} {'fla ms':>8} {'speedup':>8} "
           f"{'torch_kda GiB':>13} {'fla GiB':>8} {'floor ms':>9} {'x floor':>8}")
     speedups = []
     for idx in [int(x) for x in args.cases.split(",")]:
         name, lengths, H = CASES[idx]
-        c = make_case(lengths, H)
+        c = make_case(lengths, H, args.gate)
         grads = [torch.randn_like(c["v"]), torch.randn(c["h0"].shape, device="cuda")]
         try:
             ours, ours_mem = measure(step_torch_kda, c, grads, args.repeats)
         except NotImplementedError as exc:
             print(f"    torch_kda backward unavailable here: {str(exc).splitlines()[0]}")
             ours, ours_mem = float("nan"), float("nan")
+        except (RuntimeError, ValueError) as exc:
+            # A build that refuses the softplus gate gives a row of nan, not a stop.
+            if not (softplus and skipped(exc, "torch_kda")):
+                raise
+            ours, ours_mem = float("nan"), float("nan")
         fla_here = have_fla and (args.fla_cases is None or idx in {int(x) for x in args.fla_cases.split(",")})
-        theirs, theirs_mem = measure(step_fla, c, grads, args.repeats) if fla_here else (float("nan"), float("nan"))
+        theirs, theirs_mem = float("nan"), float("nan")
+        if fla_here:
+            try:
+                theirs, theirs_mem = measure(step_fla, c, grads, args.repeats)
+            except (RuntimeError, ValueError, AssertionError) as exc:
+                if not (softplus and skipped(exc, "fla")):
+                    raise
         speedup = theirs / ours
         if fla_here and math.isfinite(speedup):
             speedups.append(speedup)
@@ -173,7 +195,8 @@ def main():
         torch.cuda.empty_cache()
     if speedups:
         gmean = math.exp(sum(math.log(s) for s in speedups) / len(speedups))
-        print(f"fwd+bwd speedup over chunk_kda ({len(speedups)} cases): min {min(speedups):.2f}, "
+        gate = ", softplus gate" if softplus else ""
+        print(f"fwd+bwd speedup over chunk_kda ({len(speedups)} cases{gate}): min {min(speedups):.2f}, "
               f"geometric mean {gmean:.2f}")
 
 

@@ -14,6 +14,18 @@ the host's launch time out: fla's forward is several Triton launches from Python
 and at 8192 tokens its eager time moved by up to 2x between machines of the same
 kind. Where a call cannot be captured (fla's varlen path reads cu_seqlens on the
 host), it is timed eagerly and its row says so.
+
+--gate softplus times the softplus gate (lower_bound=None, Kimi-Linear's) for both
+libraries instead of the bounded one (lower_bound=-5). --softplus-params picks its
+A_log and dt_bias: "same" (the default) keeps the bounded case's, U(0, 1), so that
+the two gates differ in the gate alone; "strong" draws exp(A_log) ~ U(1, 16) per head
+and dt_bias ~ N(0, 1) per channel, whose chunks mostly decay past 2^-100 (K1's
+slower, level-by-level products). fla then runs without safe_gate, which it allows
+only with a lower bound.
+--both-gates times torch_kda with both gates on the same q, k, v, g, beta and
+initial state, and fla with the softplus gate:
+
+    FLA_FLASH_KDA=0 python benchmarks/bench_fwd.py --both-gates [--graphs]
 """
 import argparse
 import math
@@ -28,6 +40,7 @@ import torch_kda  # noqa: E402
 
 D = 128
 LOWER_BOUND = -5.0
+GATES = ("bounded", "softplus")
 
 # (name, sequence lengths, H); one length means one fixed-length sequence.
 CASES = {
@@ -98,7 +111,7 @@ def copy_bandwidth():
     return 2 * n / (ms * 1e-3)
 
 
-def make_case(lengths, H):
+def make_case(lengths, H, gate="bounded"):
     T = sum(lengths)
     N = len(lengths)
     dev, bf = "cuda", torch.bfloat16
@@ -111,7 +124,72 @@ def make_case(lengths, H):
     dt_bias = torch.rand(H, D, device=dev)
     h0 = torch.randn(N, H, D, D, device=dev, dtype=bf)
     cu = torch.tensor([0] + lengths, device=dev).cumsum(0) if N > 1 else None
-    return dict(q=q, k=k, v=v, g=g, beta=beta, A_log=A_log, dt_bias=dt_bias, h0=h0, cu=cu, T=T, N=N, H=H)
+    c = dict(q=q, k=k, v=v, g=g, beta=beta, A_log=A_log, dt_bias=dt_bias, h0=h0, cu=cu, T=T, N=N, H=H,
+             gate="bounded", lower_bound=LOWER_BOUND)
+    # The bounded parameters are drawn either way, so that a softplus run sees the
+    # same q, k, v, g, beta and initial state as a bounded run of the same seed.
+    return with_gate(c, gate)
+
+
+# The softplus gate's parameters (--softplus-params): "same", the bounded
+# case's A_log, dt_bias ~ U(0, 1) (the specified random inputs: about 2 nats of decay a
+# token); "strong", exp(A_log) ~ U(1, 16) per head and dt_bias ~ N(0, 1) per
+# channel (about 9 nats a token: most chunks decay by more than 2^-100, where
+# K1 forms its products level by level).
+SOFTPLUS_PARAMS = ("same", "strong")
+softplus_kind = "same"
+
+
+def softplus_params(H, device, kind="strong"):
+    if kind == "same":
+        return torch.rand(H, device=device), torch.rand(H, D, device=device)
+    A_log = torch.empty(H, device=device).uniform_(1.0, 16.0).log()
+    dt_bias = torch.randn(H, D, device=device)
+    return A_log, dt_bias
+
+
+def with_gate(c, gate):
+    """c with the parameters of `gate`; the other tensors are shared, not copied."""
+    if gate not in GATES:
+        raise ValueError(f"gate must be one of {GATES}, got {gate!r}")
+    if gate == c["gate"]:
+        return c
+    if gate == "bounded":
+        raise ValueError("a softplus case has no bounded parameters: make the case with the bounded gate")
+    if softplus_kind == "same":
+        return dict(c, gate="softplus", lower_bound=None)
+    A_log, dt_bias = softplus_params(c["H"], c["q"].device, softplus_kind)
+    return dict(c, A_log=A_log, dt_bias=dt_bias, gate="softplus", lower_bound=None)
+
+
+def fla_gate_args(lower_bound):
+    """chunk_kda's gate arguments for torch_kda's lower_bound: fla takes safe_gate
+    (its 16-row tensor-core path) only with a lower bound in [-5, 0), and its
+    softplus gate, -exp(A_log) * softplus(g + dt_bias), is lower_bound=None."""
+    return dict(safe_gate=lower_bound is not None, lower_bound=lower_bound)
+
+
+def skipped(exc, label):
+    """For an error from a gate that a library refuses: True (and says so) unless
+    the error is the device's own, which leaves the context unusable."""
+    text = str(exc).strip()
+    if "CUDA error" in text or "illegal memory access" in text:
+        return False
+    first = text.splitlines()[0][:160] if text else ""
+    print(f"    ({label} refused: {type(exc).__name__}: {first})")
+    return True
+
+
+def usable(fn, label):
+    """fn after one call that succeeded, or None where the library refused the case."""
+    try:
+        fn()
+        torch.cuda.synchronize()
+    except (RuntimeError, ValueError, NotImplementedError, AssertionError) as exc:
+        if not skipped(exc, label):
+            raise
+        return None
+    return fn
 
 
 def floor_bytes(c):
@@ -124,8 +202,10 @@ def run_torch_kda(c):
     out = torch.empty_like(c["v"])
     final = torch.empty_like(c["h0"])
 
+    lower_bound = c.get("lower_bound", LOWER_BOUND)
+
     def fn():
-        torch_kda.fwd(c["q"], c["k"], c["v"], c["g"], c["beta"], None, out, c["A_log"], c["dt_bias"], LOWER_BOUND,
+        torch_kda.fwd(c["q"], c["k"], c["v"], c["g"], c["beta"], None, out, c["A_log"], c["dt_bias"], lower_bound,
                       initial_state=c["h0"], final_state=final, cu_seqlens=c["cu"])
 
     return fn
@@ -154,14 +234,121 @@ def run_fla(c):
 
     h0 = c["h0"].float()
     dt_flat = c["dt_bias"].flatten()
+    gate_args = fla_gate_args(c.get("lower_bound", LOWER_BOUND))
 
     def fn():
         chunk_kda(c["q"], c["k"], c["v"], c["g"], c["beta"], initial_state=h0, output_final_state=True,
                   use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True,
-                  safe_gate=True, lower_bound=LOWER_BOUND, state_v_first=True, A_log=c["A_log"], dt_bias=dt_flat,
-                  cu_seqlens=c["cu"])
+                  state_v_first=True, A_log=c["A_log"], dt_bias=dt_flat, cu_seqlens=c["cu"], **gate_args)
 
     return fn
+
+
+def prepare(fn, label, graphs, probe):
+    """fn ready to time and a note for its row: (None, "") where the library refused
+    the case (tried first when probe is set), else fn or, with graphs, its replay."""
+    if probe and usable(fn, label) is None:
+        return None, ""
+    if not graphs:
+        return fn, ""
+    fn, ok = graphed(fn, label)
+    return fn, "" if ok else f" ({label} eager)"
+
+
+def time_or_nan(fn, repeats):
+    return time_ms(fn, repeats) if fn is not None else float("nan")
+
+
+def gmean(xs):
+    return math.exp(sum(math.log(x) for x in xs) / len(xs))
+
+
+def stages_note(c):
+    st = stage_ms(run_torch_kda(c))
+    return f"K1 {st.get('prepare', float('nan')):.3f} K2 {st.get('recurrence', float('nan')):.3f}"
+
+
+def one_gate(args, bw, have_fla, fla_cases):
+    """The table for one gate: torch_kda against fla, and against the memory floor."""
+    softplus = args.gate == "softplus"
+    if softplus:
+        print("gate: softplus (lower_bound=None), fla without safe_gate")
+    header = f"{'#':>3} {'case':<18} {'H':>3} {'torch_kda ms':>12} {'fla ms':>8} {'speedup':>8} {'floor ms':>9} {'x floor':>8}"
+    print(header)
+    speedups = []
+    for idx in [int(x) for x in args.cases.split(",")]:
+        name, lengths, H = CASES[idx]
+        c = make_case(lengths, H, args.gate)
+        floor = floor_bytes(c) / bw * 1e3
+        with_fla = have_fla and (fla_cases is None or idx in fla_cases)
+        ours_fn, theirs_fn = run_torch_kda(c), run_fla(c) if with_fla else None
+        # A library that refuses the softplus gate gives a row of nan, not a stop.
+        ours_fn, mark = prepare(ours_fn, "torch_kda", args.graphs, probe=softplus)
+        if with_fla:
+            theirs_fn, note = prepare(theirs_fn, "fla", args.graphs, probe=softplus)
+            mark += note
+        ours = time_or_nan(ours_fn, args.repeats)
+        theirs = time_or_nan(theirs_fn, args.repeats)
+        speedup = theirs / ours
+        if with_fla and math.isfinite(speedup):
+            speedups.append(speedup)
+        row = f"{idx:>3} {name:<18} {H:>3} {ours:>12.3f} {theirs:>8.3f} {speedup:>8.2f} {floor:>9.3f} {ours / floor:>8.2f}"
+        if args.stages and ours_fn is not None:
+            row += "   " + stages_note(c)
+        print(row + mark)
+        del c
+        torch.cuda.empty_cache()
+    if speedups:
+        gate = ", softplus gate" if softplus else ""
+        print(f"speedup over chunk_kda ({len(speedups)} cases{gate}): min {min(speedups):.2f}, "
+              f"geometric mean {gmean(speedups):.2f}")
+
+
+def both_gates(args, bw, have_fla, fla_cases):
+    """torch_kda with each gate on the same tensors (the softplus gate's cost over the
+    bounded one), and fla with the softplus gate, the one both libraries run unbounded."""
+    print(f"gates: bounded (lower_bound={LOWER_BOUND}) and softplus (lower_bound=None) on the same q, k, v, g, beta, "
+          f"initial state; fla with softplus, without safe_gate")
+    print(f"{'#':>3} {'case':<18} {'H':>3} {'bounded ms':>10} {'softplus ms':>11} {'sp/bd':>6} "
+          f"{'fla sp ms':>9} {'speedup':>8} {'floor ms':>9}")
+    ratios, speedups = [], []
+    for idx in [int(x) for x in args.cases.split(",")]:
+        name, lengths, H = CASES[idx]
+        cb = make_case(lengths, H)
+        cs = with_gate(cb, "softplus")
+        floor = floor_bytes(cb) / bw * 1e3
+        with_fla = have_fla and (fla_cases is None or idx in fla_cases)
+        bounded_fn, softplus_fn = run_torch_kda(cb), run_torch_kda(cs)
+        theirs_fn = run_fla(cs) if with_fla else None
+        bounded_fn, mark = prepare(bounded_fn, "torch_kda bounded", args.graphs, probe=False)
+        softplus_fn, note = prepare(softplus_fn, "torch_kda softplus", args.graphs, probe=True)
+        mark += note
+        if with_fla:
+            theirs_fn, note = prepare(theirs_fn, "fla softplus", args.graphs, probe=True)
+            mark += note
+        bounded = time_or_nan(bounded_fn, args.repeats)
+        ours = time_or_nan(softplus_fn, args.repeats)
+        theirs = time_or_nan(theirs_fn, args.repeats)
+        ratio, speedup = ours / bounded, theirs / ours
+        if math.isfinite(ratio):
+            ratios.append(ratio)
+        if with_fla and math.isfinite(speedup):
+            speedups.append(speedup)
+        row = (f"{idx:>3} {name:<18} {H:>3} {bounded:>10.3f} {ours:>11.3f} {ratio:>6.2f} "
+               f"{theirs:>9.3f} {speedup:>8.2f} {floor:>9.3f}")
+        if args.stages:
+            row += "   bounded " + stages_note(cb)
+            if softplus_fn is not None:
+                row += ", softplus " + stages_note(cs)
+        print(row + mark)
+        del cb, cs
+        torch.cuda.empty_cache()
+    if ratios:
+        print(f"torch_kda softplus / bounded ({len(ratios)} cases): max {max(ratios):.2f}, "
+              f"geometric mean {gmean(ratios):.2f}")
+    if speedups:
+        print(f"speedup over chunk_kda, softplus gate ({len(speedups)} cases): min {min(speedups):.2f}, "
+              f"geometric mean {gmean(speedups):.2f}")
 
 
 def main():
@@ -173,7 +360,15 @@ def main():
                     help="time fla on these cases only (its first call per shape autotunes for minutes)")
     ap.add_argument("--stages", action="store_true", help="print torch_kda's time per kernel")
     ap.add_argument("--graphs", action="store_true", help="time CUDA graph replays (no host launch time)")
+    ap.add_argument("--gate", choices=GATES, default="bounded",
+                    help="bounded: lower_bound=-5; softplus: lower_bound=None (Kimi-Linear's gate)")
+    ap.add_argument("--both-gates", action="store_true",
+                    help="torch_kda with both gates and fla with softplus, per case in one row (overrides --gate)")
+    ap.add_argument("--softplus-params", choices=SOFTPLUS_PARAMS, default="same",
+                    help="same: the bounded case's A_log and dt_bias; strong: exp(A_log) ~ U(1, 16), dt_bias ~ N(0, 1)")
     args = ap.parse_args()
+    global softplus_kind
+    softplus_kind = args.softplus_params
 
     torch.manual_seed(0)
     print(f"GPU: {torch.cuda.get_device_name()}  torch {torch.__version__}")
@@ -188,40 +383,11 @@ def main():
         except ImportError as exc:
             print(f"fla not importable ({exc}): torch_kda only")
 
-    header = f"{'#':>3} {'case':<18} {'H':>3} {'torch_kda ms':>12} {'fla ms':>8} {'speedup':>8} {'floor ms':>9} {'x floor':>8}"
-    print(header)
-    speedups = []
     fla_cases = None if args.fla_cases is None else {int(x) for x in args.fla_cases.split(",")}
-    for idx in [int(x) for x in args.cases.split(",")]:
-        name, lengths, H = CASES[idx]
-        c = make_case(lengths, H)
-        ours_fn, theirs_fn = run_torch_kda(c), None
-        floor = floor_bytes(c) / bw * 1e3
-        with_fla = have_fla and (fla_cases is None or idx in fla_cases)
-        if with_fla:
-            theirs_fn = run_fla(c)
-        mark = ""
-        if args.graphs:
-            ours_fn, ok = graphed(ours_fn, "torch_kda")
-            mark += "" if ok else " (torch_kda eager)"
-            if with_fla:
-                theirs_fn, ok = graphed(theirs_fn, "fla")
-                mark += "" if ok else " (fla eager)"
-        ours = time_ms(ours_fn, args.repeats)
-        theirs = time_ms(theirs_fn, args.repeats) if with_fla else float("nan")
-        speedup = theirs / ours
-        if with_fla:
-            speedups.append(speedup)
-        row = f"{idx:>3} {name:<18} {H:>3} {ours:>12.3f} {theirs:>8.3f} {speedup:>8.2f} {floor:>9.3f} {ours / floor:>8.2f}"
-        if args.stages:
-            st = stage_ms(run_torch_kda(c))
-            row += f"   K1 {st.get('prepare', float('nan')):.3f} K2 {st.get('recurrence', float('nan')):.3f}"
-        print(row + mark)
-        del c
-        torch.cuda.empty_cache()
-    if speedups:
-        gmean = math.exp(sum(math.log(s) for s in speedups) / len(speedups))
-        print(f"speedup over chunk_kda ({len(speedups)} cases): min {min(speedups):.2f}, geometric mean {gmean:.2f}")
+    if args.both_gates:
+        both_gates(args, bw, have_fla, fla_cases)
+    else:
+        one_gate(args, bw, have_fla, fla_cases)
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@
 #include <ATen/MemoryOverlap.h>
 #include <c10/util/Exception.h>
 
+#include <cfloat>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -118,6 +119,16 @@ std::string shape_str(c10::SymIntArrayRef sizes) {
     s += (i ? ", " : "") + sym_str(sizes[i]);
   }
   return s + "]";
+}
+
+void check_A_log_values(const char* op, const at::Tensor& A_log, bool in_double) {
+  if (A_log.numel() == 0) {
+    return;
+  }
+  const double limit = in_double ? std::log(DBL_MAX) : std::log(FLT_MAX);
+  const double largest = A_log.max().item<double>();
+  TORCH_CHECK(largest <= limit, op, ": A_log must be at most ", float_str(limit), " so that exp(A_log) is finite in ",
+              in_double ? "float64" : "float32", ", got a largest value of ", float_str(largest));
 }
 
 bool debug_checks_enabled() {

@@ -84,6 +84,12 @@ std::string dtype_name(at::ScalarType s);
 // True when TORCH_KDA_CHECK=1: checks that need a device sync run on CUDA too.
 bool debug_checks_enabled();
 
+// Reads A_log (a device sync on CUDA) and checks that exp(A_log) is finite in
+// the dtype the gate is computed in (float64, or float32): beyond it, A = inf
+// turns the gate into NaN. The CPU kernels always check; CUDA under
+// debug_checks_enabled.
+void check_A_log_values(const char* op, const at::Tensor& A_log, bool in_double);
+
 // K^-0.5 unless the caller gave a scale.
 double resolved_scale(const Problem& p);
 

@@ -38,8 +38,8 @@ fp32 and bit-for-bit equal to the fp32 master weights. The script stops with an
 error if they are not.
 
 The gate is the bounded one, lower_bound * sigmoid(exp(A_log) (g + dt_bias)) with
---lower-bound -5 (the gate the CUDA kernels serve); --softplus-gate selects the
-softplus gate of Kimi-Linear (CPU only).
+--lower-bound -5; --softplus-gate selects the softplus gate of Kimi-Linear.
+Both run on the CPU and on CUDA.
 
 Devices: on CPU the model runs in fp32 (with --fsdp, in --dtype). On CUDA the
 operator needs head_dim 128 and bf16 q, k, v, g, beta, so there the head dim
@@ -294,7 +294,7 @@ def parse_args(argv=None):
         "--lower-bound", type=float, default=-5.0,
         help="the bounded gate's lower bound (< 0; CUDA serves [-5, 0)); default -5",
     )
-    p.add_argument("--softplus-gate", action="store_true", help="the softplus gate of Kimi-Linear instead (CPU only)")
+    p.add_argument("--softplus-gate", action="store_true", help="the softplus gate of Kimi-Linear instead")
     p.add_argument("--lr", type=float, default=5e-3)
     p.add_argument("--weight-decay", type=float, default=0.0)
     p.add_argument("--clip", type=float, default=1.0, help="gradient-norm clipping; 0 turns it off")

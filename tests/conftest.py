@@ -215,3 +215,29 @@ def nan_filled_empty():
     finally:
         torch.utils.deterministic.fill_uninitialized_memory = fill
         torch.use_deterministic_algorithms(det)
+
+
+def fla_chunk_kda(x, lower_bound):
+    """fla's chunk_kda on the inputs x (gate, L2 norm and beta sigmoid in its
+    kernel, the state V-first, dt_bias flat [H * K] as it takes it, its initial
+    state fp32). Its safe_gate is its bounded gate, which it refuses with the
+    softplus gate (lower_bound=None)."""
+    import os
+
+    os.environ.setdefault("FLA_FLASH_KDA", "0")
+    fla_kda = pytest.importorskip("fla.ops.kda")
+    init = x["initial_state"].float() if x["initial_state"] is not None else None
+    return fla_kda.chunk_kda(
+        x["q"], x["k"], x["v"], x["g"], x["beta"],
+        initial_state=init,
+        output_final_state=True,
+        use_qk_l2norm_in_kernel=True,
+        use_gate_in_kernel=True,
+        use_beta_sigmoid_in_kernel=True,
+        safe_gate=lower_bound is not None,
+        lower_bound=lower_bound,
+        state_v_first=True,
+        A_log=x["A_log"],
+        dt_bias=x["dt_bias"].flatten(),
+        cu_seqlens=x["cu_seqlens"],
+    )

@@ -3,7 +3,6 @@ chunk_kda, the CPU kernel, and the composition promises of SPEC section 6
 (CUDA graphs, torch.compile, opcheck). Skipped where CUDA is absent; run them
 on an H200 with scripts/gpu_check.sh.
 """
-import os
 
 import math
 
@@ -11,7 +10,7 @@ import pytest
 import torch
 
 import torch_kda
-from conftest import make_inputs, positional, rel, run_reference
+from conftest import fla_chunk_kda, make_inputs, positional, rel, run_reference
 
 pytestmark = [
     pytest.mark.cuda,
@@ -53,27 +52,6 @@ def errors(d, g, lower_bound=-5.0):
     torch.cuda.synchronize()
     ref_out, ref_final = run_reference(g, lower_bound=lower_bound)  # float64, on the GPU
     return rel(out, ref_out), rel(final, ref_final), out, final
-
-
-def fla_chunk_kda(g, lower_bound):
-    """fla's chunk_kda on the same inputs (gate, L2 norm and beta sigmoid in kernel)."""
-    os.environ.setdefault("FLA_FLASH_KDA", "0")
-    fla_kda = pytest.importorskip("fla.ops.kda")
-    init = g["initial_state"].float() if g["initial_state"] is not None else None
-    return fla_kda.chunk_kda(
-        g["q"], g["k"], g["v"], g["g"], g["beta"],
-        initial_state=init,
-        output_final_state=True,
-        use_qk_l2norm_in_kernel=True,
-        use_gate_in_kernel=True,
-        use_beta_sigmoid_in_kernel=True,
-        safe_gate=True,
-        lower_bound=lower_bound,
-        state_v_first=True,
-        A_log=g["A_log"],
-        dt_bias=g["dt_bias"].flatten(),
-        cu_seqlens=g["cu_seqlens"],
-    )
 
 
 # --------------------------------------------------------------------------
@@ -240,6 +218,18 @@ def test_k1_warps_knob_is_checked(monkeypatch):
             run_cuda(inputs)
     with pytest.raises(RuntimeError, match=f"kda.bwd: {bad}"):
         torch.ops.kda.bwd(grad_out, None, *positional(g), lower_bound=-5.0)
+
+
+def test_k1_one_warp_is_refused_for_the_softplus_gate(monkeypatch):
+    """The softplus gate's K1 has two warps only: asking for one raises rather
+    than silently running two."""
+    _, g = cuda_inputs(B=1, T=40, H=2)
+    grad_out = torch.randn(*g["v"].shape, device=DEV).to(torch.bfloat16)
+    monkeypatch.setenv("TORCH_KDA_K1_WARPS", "1")
+    with pytest.raises(RuntimeError, match="kda.fwd: TORCH_KDA_K1_WARPS=1 serves the bounded gate only"):
+        run_cuda(g, lower_bound=None)
+    with pytest.raises(RuntimeError, match="kda.bwd: TORCH_KDA_K1_WARPS=1 serves the bounded gate only"):
+        torch.ops.kda.bwd(grad_out, None, *positional(g), lower_bound=None)
 
 
 def test_fp32_state_does_not_drift_over_long_small_beta_sequences():
@@ -824,9 +814,7 @@ def test_cpu_and_cuda_agree():
 def test_cuda_limits_are_errors():
     _, g = cuda_inputs(B=1, T=8, H=2)
     args = positional(g)
-    with pytest.raises(RuntimeError, match="lower_bound must be given"):
-        torch_kda.kda(*args)
-    with pytest.raises(RuntimeError, match=r"lower_bound must be in \[-5, 0\)"):
+    with pytest.raises(RuntimeError, match=r"lower_bound must be in \[-5, 0\) or None"):
         torch_kda.kda(*args, lower_bound=-6.0)
     with pytest.raises(RuntimeError, match="q, k, v, g and beta must have dtype bfloat16"):
         torch_kda.kda(*(a.float() if a.dtype == torch.bfloat16 else a for a in args), lower_bound=-5.0)

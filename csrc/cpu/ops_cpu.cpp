@@ -63,6 +63,7 @@ std::tuple<Tensor, Tensor> fwd(const Tensor& q, const Tensor& k, const Tensor& v
                                bool output_final_state, const optional<Tensor>& cu_seqlens) {
   const char* op = "kda.fwd";
   Problem p = check_forward_args(op, q, k, v, g, beta, A_log, dt_bias, scale, lower_bound, initial_state, cu_seqlens);
+  check_A_log_values(op, A_log, accumulation_dtype(p) == at::kDouble);
   ForwardOutputs o = allocate_forward_outputs(p, q, output_final_state);
   forward_into(op, p, q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, o.out,
                output_final_state ? optional<Tensor>(o.final_state) : std::nullopt);
@@ -75,6 +76,7 @@ void fwd_inplace(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor
                  const optional<Tensor>& cu_seqlens) {
   const char* op = "kda.fwd_";
   Problem p = check_forward_args(op, q, k, v, g, beta, A_log, dt_bias, scale, lower_bound, initial_state, cu_seqlens);
+  check_A_log_values(op, A_log, accumulation_dtype(p) == at::kDouble);
   check_inplace_buffers(op, p, q, out, final_state, initial_state);
   check_outputs_disjoint(op, out, final_state);
   forward_into(op, p, q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, out, final_state);
@@ -87,6 +89,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> bwd(
     const optional<Tensor>& cu_seqlens, const optional<Tensor>& checkpoints, const optional<Tensor>& records) {
   const char* op = "kda.bwd";
   Problem p = check_forward_args(op, q, k, v, g, beta, A_log, dt_bias, scale, lower_bound, initial_state, cu_seqlens);
+  check_A_log_values(op, A_log, accumulation_dtype(p) == at::kDouble);
   check_backward_grads(op, p, q, grad_out, grad_final_state);
   // Checked as on CUDA, then not needed: this backward keeps every state it uses.
   check_saved(op, p, cu_seqlens.has_value(), q, checkpoints, records);

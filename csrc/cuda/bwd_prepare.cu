@@ -69,10 +69,35 @@ __device__ __forceinline__ void store_bf16(void* base, int64_t index, float x) {
   static_cast<__nv_bfloat16*>(base)[index] = __float2bfloat16_rn(x);
 }
 
+// exp(G_i - G_j) for the softplus gate, which admits no factor exp(-G_j)
+// (params.h): a product of the tokens' decays alpha_t = exp(lambda_t) over t in
+// (j, i], never a difference of cumulative sums. The factors of level h (as in
+// K1, fwd_prepare.cu Range): in blocks of 2h tokens with reference r = block
+// start + h - 1, token i > r gets prod alpha over (r, i] and token i <= r over
+// (i, r]; both are <= 1, and their product is exp(G_i - G_j) for i in the
+// block's second half and j in its first.
+__device__ __forceinline__ void level_factors(int h, const float (&alpha)[kChunk], float (&f)[kChunk]) {
+#pragma unroll
+  for (int b = 0; b < kChunk; b += 2 * h) {
+    const int r = b + h - 1;
+    float up = 1.f, down = 1.f;
+#pragma unroll
+    for (int n = 1; n <= h; ++n) {
+      up *= alpha[r + n];
+      f[r + n] = up;
+      f[r + 1 - n] = down;
+      down *= alpha[r + 1 - n];
+    }
+  }
+}
+
 // kChain: finish with the chain rule through the activations (PrepareBwdParams
 // `chain`); otherwise leave the activation gradients (the private test op).
-template <bool kChain>
+// kSoftplus: the softplus gate (FwdParams::softplus), whose pairs' decays are
+// products of the tokens' decays (level_factors) instead of exp(G_i) exp(-G_j).
+template <bool kChain, bool kSoftplus>
 __global__ void __launch_bounds__(kThreads) prepare_backward_kernel(const PrepareBwdParams bp) {
+  static_assert(kChain || !kSoftplus, "the private test op serves the bounded gate only");
   const FwdParams& p = bp.fwd;
   __shared__ __align__(16) float sT0[C][kPad];  // raw q; then k^ exp(G); then scratch
   __shared__ __align__(16) float sT1[C][kPad];  // raw k; then k^ exp(-G); then scratch
@@ -111,32 +136,64 @@ __global__ void __launch_bounds__(kThreads) prepare_backward_kernel(const Prepar
     }
     cp_async_commit();
   }
-  float G2[C], v[C];
-  load_chunk_inputs<kPad>(p, c, sT0, sT1, sBeta, sInvNorm, G2, v, kChain ? sG : nullptr);
+  float G2[C], lam2[C], v[C];
+  load_chunk_inputs<kPad, kSoftplus>(p, c, sT0, sT1, sBeta, sInvNorm, G2, lam2, v, kChain ? sG : nullptr);
 
   float qn[C], kn[C], E[C];
 #pragma unroll
   for (int i = 0; i < C; ++i) {
     qn[i] = sT0[i][d] * sInvNorm[0][i];
     kn[i] = sT1[i][d] * sInvNorm[1][i];
-    E[i] = fast_exp2(G2[i]);  // |G| <= 80: exp(G) and its reciprocal are finite
+    // Bounded: |G| <= 80, so exp(G) and its reciprocal are finite. Softplus:
+    // only exp(G) (G <= 0) is formed.
+    E[i] = fast_exp2(G2[i]);
   }
   const float gl = E[C - 1];
-  // Each thread rewrites only its own column below, and the norms' reads of
-  // other columns ended at load_chunk_inputs' last barrier: this one orders
-  // nothing that needs it (kept as run on the GPU; removable).
-  __syncthreads();
+  float alpha[C];  // softplus: the tokens' decays exp(lambda)
 #pragma unroll
   for (int i = 0; i < C; ++i) {
-    sT0[i][d] = kn[i] * E[i];
-    sT1[i][d] = kn[i] * fast_rcp(E[i]);
+    alpha[i] = kSoftplus ? fast_exp2(lam2[i]) : 0.f;
   }
-  cp_async_wait<0>();  // sRec: every thread's copies are in before the barrier
-  __syncthreads();
   {
     const int j = d % C, i0 = d / C, i1 = i0 + C / 2;
-    float p0, p1;
-    rows_times_rows(sT0, sT1, d, p0, p1, sParts);
+    float p0 = 0.f, p1 = 0.f;  // P's entries (i0, j), (i1, j)
+    if constexpr (kSoftplus) {
+      // P = sum over the levels of (k^ f_h) (k^ f_h)^T, each entry from the
+      // level of its highest differing bit (the others are finite and unread).
+      auto level_of = [](int x) { return x >= 8 ? 8 : x >= 4 ? 4 : x >= 2 ? 2 : 1; };
+      cp_async_wait<0>();  // sRec: every thread's copies are in before the barrier
+      auto level = [&](const int h) {
+        float f[C];
+        level_factors(h, alpha, f);
+        __syncthreads();  // the tile's and the parts' last readers are done
+#pragma unroll
+        for (int i = 0; i < C; ++i) {
+          sT0[i][d] = kn[i] * f[i];
+        }
+        __syncthreads();
+        float r0, r1;
+        rows_times_rows(sT0, sT0, d, r0, r1, sParts);
+        p0 = level_of(i0 ^ j) == h ? r0 : p0;
+        p1 = level_of(i1 ^ j) == h ? r1 : p1;
+      };
+      level(8);
+      level(4);
+      level(2);
+      level(1);
+    } else {
+      // Each thread rewrites only its own column below, and the norms' reads of
+      // other columns ended at load_chunk_inputs' last barrier: this one orders
+      // nothing that needs it (kept as run on the GPU; removable).
+      __syncthreads();
+#pragma unroll
+      for (int i = 0; i < C; ++i) {
+        sT0[i][d] = kn[i] * E[i];
+        sT1[i][d] = kn[i] * fast_rcp(E[i]);
+      }
+      cp_async_wait<0>();  // sRec: every thread's copies are in before the barrier
+      __syncthreads();
+      rows_times_rows(sT0, sT1, d, p0, p1, sParts);
+    }
     sP[i0][j] = j < i0 ? p0 : 0.f;
     sP[i1][j] = j < i1 ? p1 : 0.f;
     sA[i0][j] = j < i0 ? sBeta[i0] * p0 : 0.f;
@@ -246,35 +303,8 @@ __global__ void __launch_bounds__(kThreads) prepare_backward_kernel(const Prepar
   const float dgl_in = dr[kDRecGl + d];
   float dG[C];
   float dgl = dgl_in;
-  float ki[C];  // Ki column d: k^ exp(-G)
-#pragma unroll
-  for (int j = 0; j < C; ++j) {
-    ki[j] = kn[j] * fast_rcp(E[j]);
-  }
-#pragma unroll
-  for (int i = 0; i < C; ++i) {
-    const float ei = E[i], ei_inv = fast_rcp(ei);
-    float dKe = sBeta[i] * rw[i], dKi = 0.f, dQe = p.scale * dr[kDRecQs + i * D + d];
-#pragma unroll
-    for (int j = 0; j < i; ++j) {
-      dKe += sDAb[i][j] * ki[j];
-    }
-#pragma unroll
-    for (int j = 0; j <= i; ++j) {
-      dQe += sDPq[i][j] * ki[j];
-    }
-#pragma unroll
-    for (int j = i; j < C; ++j) {
-      if (j > i) {
-        dKi += sDAb[j][i] * (kn[j] * E[j]);
-      }
-      dKi += sDPq[j][i] * (qn[j] * E[j]);
-    }
-    const float dKd = dr[kDRecKd + i * D + d];
-    const float dq = ei * dQe;
-    const float dk = ei * dKe + ei_inv * dKi + gl * ei_inv * dKd;
-    dG[i] = ei * (qn[i] * dQe + kn[i] * dKe) - ei_inv * (kn[i] * dKi + gl * kn[i] * dKd);
-    dgl += ei_inv * kn[i] * dKd;
+  // dq and dk of row i, wherever they were formed.
+  auto put = [&](int i, float dq, float dk) {
     const int64_t idx = ((c.bos + i) * H + c.h) * D + d;
     if constexpr (kChain) {
       // dq, dk wait in the tiles (free since the dbeta sums) for their rows'
@@ -287,13 +317,81 @@ __global__ void __launch_bounds__(kThreads) prepare_backward_kernel(const Prepar
       bp.dqn[idx] = dq;
       bp.dkn[idx] = dk;
     }
+  };
+  if constexpr (kSoftplus) {
+    // The same sums with exp(G_i - G_j) as products of decays: along row i
+    // (j from i down) and along column i (j from i up), whose last product is
+    // exp(G_last - G_i), Kd's decay.
+    float dgl_terms = 0.f;
+#pragma unroll
+    for (int i = 0; i < C; ++i) {
+      float dKe = 0.f, dQe = 0.f, dKi = 0.f, e = 1.f;
+#pragma unroll
+      for (int j = i; j >= 0; --j) {
+        if (j < i) {
+          e *= alpha[j + 1];
+          dKe += sDAb[i][j] * (kn[j] * e);
+        }
+        dQe += sDPq[i][j] * (kn[j] * e);
+      }
+      e = 1.f;
+#pragma unroll
+      for (int j = i; j < C; ++j) {
+        if (j > i) {
+          e *= alpha[j];
+          dKi += sDAb[j][i] * (kn[j] * e);
+        }
+        dKi += sDPq[j][i] * (qn[j] * e);
+      }
+      const float kd = dr[kDRecKd + i * D + d] * e;
+      const float dq = E[i] * p.scale * dr[kDRecQs + i * D + d] + dQe;
+      const float dke = E[i] * sBeta[i] * rw[i] + dKe;
+      dG[i] = qn[i] * dq + kn[i] * dke - kn[i] * (dKi + kd);
+      dgl_terms += kn[i] * kd;
+      put(i, dq, dke + dKi + kd);
+    }
+    dG[C - 1] += gl * dgl + dgl_terms;
+  } else {
+    float ki[C];  // Ki column d: k^ exp(-G)
+#pragma unroll
+    for (int j = 0; j < C; ++j) {
+      ki[j] = kn[j] * fast_rcp(E[j]);
+    }
+#pragma unroll
+    for (int i = 0; i < C; ++i) {
+      const float ei = E[i], ei_inv = fast_rcp(ei);
+      float dKe = sBeta[i] * rw[i], dKi = 0.f, dQe = p.scale * dr[kDRecQs + i * D + d];
+#pragma unroll
+      for (int j = 0; j < i; ++j) {
+        dKe += sDAb[i][j] * ki[j];
+      }
+#pragma unroll
+      for (int j = 0; j <= i; ++j) {
+        dQe += sDPq[i][j] * ki[j];
+      }
+#pragma unroll
+      for (int j = i; j < C; ++j) {
+        if (j > i) {
+          dKi += sDAb[j][i] * (kn[j] * E[j]);
+        }
+        dKi += sDPq[j][i] * (qn[j] * E[j]);
+      }
+      const float dKd = dr[kDRecKd + i * D + d];
+      const float dq = ei * dQe;
+      const float dk = ei * dKe + ei_inv * dKi + gl * ei_inv * dKd;
+      dG[i] = ei * (qn[i] * dQe + kn[i] * dKe) - ei_inv * (kn[i] * dKi + gl * kn[i] * dKd);
+      dgl += ei_inv * kn[i] * dKd;
+      put(i, dq, dk);
+    }
+    dG[C - 1] += gl * dgl;
   }
-  dG[C - 1] += gl * dgl;
   // G = cumsum(lambda): dlambda_i = sum over j >= i of dG_j.
   if constexpr (kChain) {
-    // lambda = lower_bound * sigmoid(x), x = exp(A_log) (g + dt_bias): with dx =
-    // dlambda lower_bound s (1 - s), dg = A dx, ddt_bias sums A dx over the
-    // tokens and dA_log sums dx x.
+    // Bounded: lambda = lower_bound * sigmoid(x), x = exp(A_log) (g + dt_bias):
+    // with dx = dlambda lower_bound s (1 - s), dg = A dx, ddt_bias sums A dx
+    // over the tokens and dA_log sums dx x. Softplus: lambda = -A softplus(x),
+    // x = g + dt_bias: dg = dlambda (-A) sigmoid(x), ddt_bias sums dg and
+    // dA_log sums dlambda lambda.
     const float A = expf(p.A_log[c.h]);
     const float bias = p.dt_bias[c.h * D + d];
     float tail = 0.f, ddt = 0.f, dA = 0.f;
@@ -302,12 +400,25 @@ __global__ void __launch_bounds__(kThreads) prepare_backward_kernel(const Prepar
       tail += dG[i];
       if (i < c.len) {
         const int64_t idx = ((c.bos + i) * H + c.h) * D + d;
-        const float x = A * (sG[i][d] + bias);
-        const float s = fast_rcp(1.f + fast_exp2(-kLog2e * x));
-        const float darg = tail * p.lower_bound * s * (1.f - s);
-        store_bf16(bp.grads.dg, idx, darg * A);
-        ddt += darg * A;
-        dA += darg * x;
+        if constexpr (kSoftplus) {
+          // Every term of dlambda_i holds the token's own decay as a factor,
+          // so a decay that underflows to zero (lambda < -87) has dlambda_i = 0
+          // exactly; the suffix sum leaves there only the rounding of terms
+          // that cancel, which dA_log's lambda_i (up to -1e30) would amplify.
+          const float dlam = lam2[i] < -126.f ? 0.f : tail;
+          const float x = sG[i][d] + bias;
+          const float dx = -A * dlam * fast_rcp(1.f + fast_exp2(-kLog2e * x));
+          store_bf16(bp.grads.dg, idx, dx);
+          ddt += dx;
+          dA += dlam * lam2[i] * kLn2;
+        } else {
+          const float x = A * (sG[i][d] + bias);
+          const float s = fast_rcp(1.f + fast_exp2(-kLog2e * x));
+          const float darg = tail * p.lower_bound * s * (1.f - s);
+          store_bf16(bp.grads.dg, idx, darg * A);
+          ddt += darg * A;
+          dA += darg * x;
+        }
       }
     }
     const int64_t part = (c.slot - p.slot_begin) * H + c.h;
@@ -366,7 +477,10 @@ void launch_prepare_backward(const PrepareBwdParams& bp, cudaStream_t stream) {
   TORCH_CHECK(blocks <= INT32_MAX, "kda.bwd: ", std::to_string(slots), " chunks x ", std::to_string(bp.fwd.H),
               " heads is more blocks than one launch takes");
   constexpr int kSmem = kDRecFloats * 4;  // sRec; with the static part over the 48 KB default
-  auto* kernel = bp.chain ? prepare_backward_kernel<true> : prepare_backward_kernel<false>;
+  TORCH_CHECK(bp.chain || !bp.fwd.softplus, "kda: the activation gradients alone serve the bounded gate only");
+  auto* kernel = bp.fwd.softplus ? prepare_backward_kernel<true, true>
+                 : bp.chain      ? prepare_backward_kernel<true, false>
+                                 : prepare_backward_kernel<false, false>;
   C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem));
   kernel<<<static_cast<unsigned int>(blocks), kThreads, kSmem, stream>>>(bp);
   C10_CUDA_KERNEL_LAUNCH_CHECK();

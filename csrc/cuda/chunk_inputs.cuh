@@ -135,17 +135,18 @@ __device__ __forceinline__ void forward_substitute(const float (*sA)[kPitch], Rh
 }
 
 // Loads the chunk and computes G in base 2, G2 = G log2(e) (so exp(+-G) =
-// fast_exp2(+-G2), one instruction), sigmoid(beta) (sBeta), and the inverse
+// fast_exp2(+-G2), one instruction), with kSoftplus each token's own lam2 =
+// lambda log2(e) too, sigmoid(beta) (sBeta), and the inverse
 // norms of q's and k's rows (sInvNorm[0], [1]); sQ and sK keep the raw rows,
 // and sG, where given, the raw g (K1's backward reads it again in the gate's
 // chain rule; each thread writes and reads only its own column). Rows past the
 // sequence's end are zeros with lambda = 0 and beta = 0, so that G_last is the
 // last real row's G and the padding moves nothing. All threads of the block
 // call it (two barriers).
-template <int kPad>
+template <int kPad, bool kSoftplus>
 __device__ __forceinline__ void load_chunk_inputs(const FwdParams& p, const ChunkPlace& c, float (*sQ)[kPad],
                                                   float (*sK)[kPad], float* sBeta, float (*sInvNorm)[kChunk],
-                                                  float (&G2)[kChunk], float (&v)[kChunk],
+                                                  float (&G2)[kChunk], float (&lam2)[kChunk], float (&v)[kChunk],
                                                   float (*sG)[kHeadDim] = nullptr) {
   constexpr int C = kChunk, D = kHeadDim;
   const int64_t H = p.H;
@@ -181,12 +182,15 @@ __device__ __forceinline__ void load_chunk_inputs(const FwdParams& p, const Chun
     sBeta[d] = d < c.len ? 1.f / (1.f + expf(-load_bf16(p.beta, (c.bos + d) * H + c.h))) : 0.f;
   }
 
-  // Gate: lambda = lower_bound * sigmoid(x), x = exp(A_log) (g + dt_bias), in
-  // base 2: lambda log2(e) = lower_bound log2(e) / (1 + 2^(-x log2(e))). Every
-  // row is computed and the padding selected away, which is cheaper than a
-  // branch per row now that a row costs five instructions.
-  const float a2 = -expf(p.A_log[c.h]) * kLog2e;
-  const float b2 = a2 * p.dt_bias[c.h * D + d];
+  // Gate: bounded, lambda = lower_bound * sigmoid(x), x = exp(A_log) (g +
+  // dt_bias), in base 2: lambda log2(e) = lower_bound log2(e) / (1 + 2^(-x
+  // log2(e))); softplus, softplus_lam2 (device_utils.cuh). Every row is
+  // computed and the padding selected away, which is cheaper than a branch per
+  // row now that a row costs five instructions.
+  const float A = expf(p.A_log[c.h]);
+  const float a2 = -A * kLog2e;
+  const float bias = p.dt_bias[c.h * D + d];
+  const float b2 = a2 * bias;
   const float lb2 = p.lower_bound * kLog2e;
   float acc = 0.f;
 #pragma unroll
@@ -194,8 +198,9 @@ __device__ __forceinline__ void load_chunk_inputs(const FwdParams& p, const Chun
     if (sG != nullptr) {
       sG[i][d] = G2[i];
     }
-    const float lam2 = lb2 * fast_rcp(1.f + fast_exp2(fmaf(a2, G2[i], b2)));
-    acc += i < c.len ? lam2 : 0.f;
+    const float l2 = kSoftplus ? softplus_lam2(G2[i] + bias, A) : lb2 * fast_rcp(1.f + fast_exp2(fmaf(a2, G2[i], b2)));
+    lam2[i] = i < c.len ? l2 : 0.f;
+    acc += lam2[i];
     G2[i] = acc;  // now G_i log2(e), the cumulative log decay in base 2
   }
   __syncthreads();

@@ -84,6 +84,21 @@ __device__ __forceinline__ float fast_rcp(float x) {
 }
 
 constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kLn2 = 0.6931471805599453f;
+
+// The softplus gate's log decay in base 2, -A softplus(x) log2(e), for any
+// finite x: softplus(x) log2(e) = max(x, 0) log2(e) + log2(1 + 2^(-|x| log2(e))),
+// the last term by its series where 1 + e would round e's bits away. Zero
+// where softplus underflows and at least -1e30 (whose 2^ is zero as well), so
+// that an A beyond fp32's range (A_log > 88.7, which the ops reject where they
+// can check it) gives neither NaN nor an infinity that a split into bf16 parts
+// would turn into NaN.
+__device__ __forceinline__ float softplus_lam2(float x, float A) {
+  const float e = fast_exp2(-fabsf(x) * kLog2e);
+  const float l = e < 0.015625f ? e * (kLog2e - e * (0.5f * kLog2e - e * (kLog2e / 3.f))) : __log2f(1.f + e);
+  const float sp2 = fmaf(fmaxf(x, 0.f), kLog2e, l);
+  return sp2 > 0.f ? fmaxf(-A * sp2, -1e30f) : 0.f;
+}
 
 __device__ __forceinline__ int64_t min64(int64_t a, int64_t b) {
   return a < b ? a : b;

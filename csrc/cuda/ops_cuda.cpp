@@ -43,13 +43,11 @@ void check_cuda_limits(const char* op, const Problem& p, const Tensor& A_log, co
               dtype_name(A_log.scalar_type()));
   TORCH_CHECK(dt_bias.scalar_type() == at::kFloat, op, ": on CUDA, dt_bias must have dtype float32, got ",
               dtype_name(dt_bias.scalar_type()));
+  // The bounded gate's kernels factor exp(G_i - G_j) = exp(G_i) exp(-G_j),
+  // finite while 16 tokens decay by at most e^80 (params.h).
   TORCH_CHECK(
-      p.gate == Gate::kBounded,
-      op, ": on CUDA, lower_bound must be given (the bounded gate); the softplus gate (lower_bound=None) runs on the "
-      "CPU only for now");
-  TORCH_CHECK(
-      p.lower_bound >= -5.0,
-      op, ": on CUDA, lower_bound must be in [-5, 0), got ", float_str(p.lower_bound));
+      p.gate == Gate::kSoftplus || p.lower_bound >= -5.0,
+      op, ": on CUDA, lower_bound must be in [-5, 0) or None (the softplus gate), got ", float_str(p.lower_bound));
   TORCH_CHECK(
       p.state_dtype == at::kBFloat16 || p.state_dtype == at::kFloat,
       op, ": on CUDA, states must have dtype bfloat16 or float32, got ", dtype_name(p.state_dtype));
@@ -60,14 +58,26 @@ void check_cuda_limits(const char* op, const Problem& p, const Tensor& A_log, co
       op, ": on CUDA, scale must fit in float32, got ", float_str(resolved_scale(p)));
 }
 
+// K1's warps (TORCH_KDA_K1_WARPS), read before anything is enqueued; the
+// softplus gate's K1 exists with two warps only.
+int prepare_warps_for(const char* op, const Problem& p) {
+  const int warps = forced_prepare_warps(op);
+  TORCH_CHECK(warps == 2 || p.gate == Gate::kBounded, op,
+              ": TORCH_KDA_K1_WARPS=1 serves the bounded gate only; the softplus gate's K1 has two warps");
+  return warps;
+}
+
 Problem check_all(const char* op, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g,
                   const Tensor& beta, const Tensor& A_log, const Tensor& dt_bias, optional<double> scale,
                   optional<double> lower_bound, const optional<Tensor>& initial_state,
                   const optional<Tensor>& cu_seqlens) {
   Problem p = check_forward_args(op, q, k, v, g, beta, A_log, dt_bias, scale, lower_bound, initial_state, cu_seqlens);
   check_cuda_limits(op, p, A_log, dt_bias);
-  if (cu_seqlens.has_value() && debug_checks_enabled()) {
-    read_and_check_cu_seqlens(op, *cu_seqlens, concrete(p.T));
+  if (debug_checks_enabled()) {
+    if (cu_seqlens.has_value()) {
+      read_and_check_cu_seqlens(op, *cu_seqlens, concrete(p.T));
+    }
+    check_A_log_values(op, A_log, /*in_double=*/false);
   }
   return p;
 }
@@ -168,6 +178,7 @@ CallInputs call_inputs(const Problem& p, const Tensor& q, const Tensor& k, const
   fp.slot_begin = 0;
   fp.slot_end = bounds.num_slots;
   fp.scale = static_cast<float>(resolved_scale(p));
+  fp.softplus = p.gate == Gate::kSoftplus;
   fp.lower_bound = static_cast<float>(p.lower_bound);
   // Here, where the forward and the backward's recomputing passes both take
   // them: the backward's states are then the forward's.
@@ -237,7 +248,7 @@ void forward_into(const char* op, const Problem& p, const Tensor& q, const Tenso
   // The settings are read before K1 and K2 are enqueued, so a bad one leaves
   // no kernel behind that writes the caller's tensors.
   const RecurrenceBlock block = forced_recurrence_block(op);
-  params.prepare_warps = forced_prepare_warps(op);
+  params.prepare_warps = prepare_warps_for(op, p);
   int64_t window = window_slots(params, op, kept_records != nullptr);
   // Windows (forward_schedule.h) write outputs before they read every input:
   // only when no output shares memory with an input.
@@ -329,7 +340,7 @@ BackwardTuple backward_by_kernels(const Problem& p, const Tensor& grad_out, cons
   // Read before any kernel is enqueued: a bad value leaves none behind.
   const RecurrenceBlock block = forced_recurrence_block(op);
   const DsBlock ds_block = forced_ds_block(op);
-  const int prepare_warps = forced_prepare_warps(op);
+  const int prepare_warps = prepare_warps_for(op, p);
   Boundaries bounds = sequence_boundaries(op, p, q, cu_seqlens, stream);
   CallInputs in = call_inputs(p, q, k, v, g, beta, A_log, dt_bias, bounds);
   in.params.prepare_warps = prepare_warps;

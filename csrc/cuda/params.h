@@ -130,7 +130,12 @@ struct FwdParams {
   void* out = nullptr;
 
   float scale = 0.f;
-  float lower_bound = 0.f;  // bounded gate, in [-5, 0)
+  // The gate: softplus (lower_bound = None), or bounded with lower_bound in
+  // [-5, 0), where C = 16 keeps exp(-G) <= e^80 and K1 may factor exp(G_i -
+  // G_j) = exp(G_i) exp(-G_j); the softplus gate is unbounded below, so K1 and
+  // its backward form only exponents of sums over ranges of the chunk (<= 0).
+  bool softplus = false;
+  float lower_bound = 0.f;
 };
 
 // K1's backward (bwd_prepare.cu) reads, per (chunk slot, head), the gradients of
