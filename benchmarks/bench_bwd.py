@@ -14,7 +14,7 @@ the most the caching allocator held during one step, above what it held before
 the bounded case's A_log and dt_bias, as bench_fwd.py's --gate does; fla then runs
 without safe_gate, which it allows only with a lower bound.
 
-fla's first backward per shape autotunes for minutes; scripts/triton_cache.sh keeps
+fla's first backward per shape autotunes for minutes; tools/triton_cache.sh keeps
 its results between device calls.
 """
 import argparse

@@ -46,14 +46,6 @@ def test_one_checkpoint_and_record_per_chunk_slot(kw, slots, monkeypatch):
     assert records.dtype == torch.float32 and records.is_contiguous()
 
 
-@pytest.mark.parametrize("setting", ["7", "0", "1", "300"])
-def test_window_setting_does_not_change_the_checkpoints(setting, monkeypatch):
-    d = _meta_inputs(B=1, T=4000, H=96)
-    monkeypatch.setenv("TORCH_KDA_WINDOW_SLOTS", setting)
-    ckpt, records = _saved(d)
-    assert ckpt.shape == (250, 96, 128, 128) and records.shape == (250, 96, RECORD_FLOATS)
-
-
 # (TORCH_KDA_SAVE_STATES, TORCH_KDA_SAVE_RECORDS; None: unset) -> the slots of the
 # checkpoints and of the records that the forward keeps (300 tokens: 19 slots).
 @pytest.mark.parametrize("states,records,kept", [

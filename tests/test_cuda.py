@@ -1,7 +1,7 @@
 """The CUDA forward kernels (sm_90a) and the first CUDA backward against the float64 reference, fla's
 chunk_kda, the CPU kernel, and the composition promises of SPEC section 6
 (CUDA graphs, torch.compile, opcheck). Skipped where CUDA is absent; run them
-on an H200 with scripts/gpu_check.sh.
+on an H200 with tools/gpu_check.sh.
 """
 
 import math

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Warp-stall profile of one kernel on one case, for a machine with ncu, after
-# scripts/gpu_check.sh has built the extension:
-#   bash scripts/gpu_profile.sh NAME KERNEL_REGEX CASE [--backward]
+# tools/gpu_check.sh has built the extension:
+#   bash tools/gpu_profile.sh NAME KERNEL_REGEX CASE [--backward]
 # writes $OUT/NAME.txt: time, issue rate, and cycles per issued instruction by
 # stall reason (which of barriers, shared memory, L2/DRAM, dependent math the
 # kernel waits on), and the per-SASS-instruction stall samples as CSV.

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # A/B of an environment setting on the forward benchmark, in one device call,
-# after scripts/gpu_check.sh has built the extension:
-#   bash scripts/gpu_ab.sh VAR "A B ..." ROUNDS [bench_fwd.py arguments]
+# after tools/gpu_check.sh has built the extension:
+#   bash tools/gpu_ab.sh VAR "A B ..." ROUNDS [bench_fwd.py arguments]
 # runs benchmarks/bench_fwd.py with VAR set to each value in turn, ROUNDS times
 # over (alternating, so that a drift of the machine shows as a drift, not as a
 # difference), writes $OUT/ab_VAR=value_round.txt per run and prints each run's
@@ -16,9 +16,9 @@ for ((r = 1; r <= rounds; r++)); do
     log="${OUT:-/tmp}/ab_${var}=${v:-unset}_$r.txt"
     echo "== $var=${v:-unset} round $r"
     if [ -n "$v" ]; then
-      env "$var=$v" bash scripts/gpu_bench.sh "$@" > "$log" 2>&1
+      env "$var=$v" bash tools/gpu_bench.sh "$@" > "$log" 2>&1
     else
-      env -u "$var" bash scripts/gpu_bench.sh "$@" > "$log" 2>&1
+      env -u "$var" bash tools/gpu_bench.sh "$@" > "$log" 2>&1
     fi
     grep -E "^ *[0-9]+ |speedup over" "$log"
   done

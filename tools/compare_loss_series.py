@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Compare the loss series of two train_tiny_lm.py --loss-file records, step by step.
 
-    python scripts/compare_loss_series.py A.json B.json [--rtol 2e-2]
+    python tools/compare_loss_series.py A.json B.json [--rtol 2e-2]
 
 Prints both series, the largest absolute and relative difference, the median step
 time of each run (step 1, which compiles, left out) and exits 1 if any step differs

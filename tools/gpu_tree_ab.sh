@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # A/B of two builds (the working tree against an earlier commit) on the forward
 # or backward benchmark, in one device call:
-#   here:        bash scripts/gpu_tree_ab.sh prepare REV
+#   here:        bash tools/gpu_tree_ab.sh prepare REV
 #                  writes `git archive REV` into .abtree/ (git-ignored; the device
 #                  copy has no history), to be carried with the call
-#   the device:  bash scripts/gpu_tree_ab.sh run ROUNDS [bench_fwd.py arguments]
-#                  after scripts/gpu_check.sh has built the working tree: builds
-#                  .abtree in place, then runs scripts/gpu_bench.sh (BENCH as set)
+#   the device:  bash tools/gpu_tree_ab.sh run ROUNDS [bench_fwd.py arguments]
+#                  after tools/gpu_check.sh has built the working tree: builds
+#                  .abtree in place, then runs tools/gpu_bench.sh (BENCH as set)
 #                  ROUNDS times over for the baseline (.abtree, through PYTHONPATH)
 #                  and the working tree, alternating, and prints each run's rows;
 #                  logs in $OUT/tree_ab_{base,work}_ROUND.txt.
@@ -31,12 +31,15 @@ case "$cmd" in
     ( cd .abtree && TORCH_KDA_CUDA_ARCHS=${TORCH_KDA_CUDA_ARCHS:-90a} MAX_JOBS=${MAX_JOBS:-16} \
         python3 setup.py build_ext --inplace > "${OUT:-/tmp}/tree_ab_build.log" 2>&1 ) \
       || { tail -30 "${OUT:-/tmp}/tree_ab_build.log"; echo "baseline build failed"; exit 1; }
+    # Older commits keep the GPU scripts under scripts/.
+    base_bench=.abtree/tools/gpu_bench.sh
+    [ -f "$base_bench" ] || base_bench=.abtree/scripts/gpu_bench.sh
     for ((r = 1; r <= rounds; r++)); do
       echo "== baseline $(cat .abtree/REV 2>/dev/null) round $r"
-      PYTHONPATH=$PWD/.abtree bash .abtree/scripts/gpu_bench.sh "$@" > "${OUT:-/tmp}/tree_ab_base_$r.txt" 2>&1
+      PYTHONPATH=$PWD/.abtree bash "$base_bench" "$@" > "${OUT:-/tmp}/tree_ab_base_$r.txt" 2>&1
       grep -E "^ *[0-9]+ |speedup over|^ +[0-9.]+ ms" "${OUT:-/tmp}/tree_ab_base_$r.txt"
       echo "== working tree round $r"
-      bash scripts/gpu_bench.sh "$@" > "${OUT:-/tmp}/tree_ab_work_$r.txt" 2>&1
+      bash tools/gpu_bench.sh "$@" > "${OUT:-/tmp}/tree_ab_work_$r.txt" 2>&1
       grep -E "^ *[0-9]+ |speedup over|^ +[0-9.]+ ms" "${OUT:-/tmp}/tree_ab_work_$r.txt"
     done
     ;;

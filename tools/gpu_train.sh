@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The training example on the GPU(s), after scripts/gpu_check.sh has built the extension:
+# The training example on the GPU(s), after tools/gpu_check.sh has built the extension:
 # one GPU eager and compiled (tokens/s), then, given two GPUs, FSDP2 over NCCL with
 # torch.compile on one process and on two, and their loss series compared.
 set -uo pipefail
@@ -26,6 +26,6 @@ if [ "$ngpu" -ge 2 ]; then
     timeout ${TRAIN_TIMEOUT:-240} torchrun --standalone --nproc_per_node=$n examples/train_tiny_lm.py --device cuda --fsdp \
       --compile --steps "$FSDP_STEPS" --log-every 10 --loss-file "$DIR/fsdp_$n.json" 2>&1 | tr '\r' '\n' | grep -v "^$" | tail -14 || rc=1
   done
-  "$PY" scripts/compare_loss_series.py "$DIR/fsdp_1.json" "$DIR/fsdp_2.json" || rc=1
+  "$PY" tools/compare_loss_series.py "$DIR/fsdp_1.json" "$DIR/fsdp_2.json" || rc=1
 fi
 exit $rc
