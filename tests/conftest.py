@@ -241,3 +241,17 @@ def fla_chunk_kda(x, lower_bound):
         dt_bias=x["dt_bias"].flatten(),
         cu_seqlens=x["cu_seqlens"],
     )
+
+
+def capture_graph(step):
+    """A CUDA graph of step() (warmed up once on a side stream, as capture wants),
+    and what step returned during the capture."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        step()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outputs = step()
+    return graph, outputs

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import torch_kda
-from conftest import fla_chunk_kda, make_inputs, positional, rel, run_reference
+from conftest import capture_graph, fla_chunk_kda, make_inputs, positional, rel, run_reference
 
 pytestmark = [
     pytest.mark.cuda,
@@ -711,20 +711,6 @@ def test_deterministic():
 # --------------------------------------------------------------------------
 
 
-def capture_graph(step):
-    """A CUDA graph of step() (warmed up once on a side stream, as capture wants),
-    and what step returned during the capture."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        step()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        outputs = step()
-    return graph, outputs
-
-
 @pytest.mark.parametrize("window", ["0", "3"])
 def test_cuda_graph_capture_and_replay(window, monkeypatch):
     """window "3": the call runs in windows of 3 chunk slots, so the graph holds
@@ -753,12 +739,13 @@ def test_cuda_graph_capture_and_replay(window, monkeypatch):
         assert torch.equal(final, eager_final)
 
 
-def test_compile_reduce_overhead():
+@pytest.mark.parametrize("lower_bound", [-5.0, None], ids=["bounded", "softplus"])
+def test_compile_reduce_overhead(lower_bound):
     d, g = cuda_inputs(B=2, T=64, H=2, state_dtype=torch.float32)
 
     class Model(torch.nn.Module):
         def forward(self, q, k, v, gg, beta, A_log, dt_bias, h0):
-            o, s = torch_kda.kda(q, k, v, gg, beta, A_log, dt_bias, lower_bound=-5.0, initial_state=h0,
+            o, s = torch_kda.kda(q, k, v, gg, beta, A_log, dt_bias, lower_bound=lower_bound, initial_state=h0,
                                  output_final_state=True)
             return o.float() * 2, s
 

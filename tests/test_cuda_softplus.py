@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import torch_kda
-from conftest import INPUT_NAMES, fla_chunk_kda, make_inputs, nan_like, positional, rel, run_reference
+from conftest import INPUT_NAMES, capture_graph, fla_chunk_kda, make_inputs, nan_like, positional, rel, run_reference
 
 DEV = "cuda"
 D = 128  # K = V: the only size the CUDA kernels take
@@ -137,19 +137,6 @@ def grads_of(forward, x, w_out, w_final, dtype=None):
 
 def reference_grads(x, w_out, w_final, lower_bound=None):
     return grads_of(lambda y: run_reference(y, lower_bound=lower_bound), x, w_out, w_final, dtype=F64)
-
-
-def capture_graph(step):
-    """A CUDA graph of step(), warmed up once on a side stream as capture wants."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        step()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
-    return graph
 
 
 # --------------------------------------------------------------------------
@@ -481,7 +468,7 @@ def test_cuda_graph_capture_and_replay(window, monkeypatch):
         torch_kda.fwd(*positional(x)[:5], None, out, x["A_log"], x["dt_bias"], None,
                       initial_state=x["initial_state"], final_state=final, cu_seqlens=x["cu_seqlens"])
 
-    graph = capture_graph(step)
+    graph, _ = capture_graph(step)
     for case, lengths in (("random", [40, 0, 100, 17]), ("strong_decay", [1, 60, 60, 36])):
         fresh = softplus_inputs(case, seqlens=lengths, heads=2)
         for name in GRAD_NAMES + ("cu_seqlens",):
@@ -493,26 +480,6 @@ def test_cuda_graph_capture_and_replay(window, monkeypatch):
         eager_out, eager_final = run(fresh)
         assert torch.equal(out, eager_out), case
         assert torch.equal(final, eager_final), case
-
-
-@pytest.mark.cuda
-@pytest.mark.slow
-def test_compile_reduce_overhead():
-    x = softplus_inputs(B=2, T=64, heads=2)
-
-    class Model(torch.nn.Module):
-        def forward(self, q, k, v, gg, beta, A_log, dt_bias, h0):
-            o, s = torch_kda.kda(q, k, v, gg, beta, A_log, dt_bias, lower_bound=None, initial_state=h0,
-                                 output_final_state=True)
-            return o.float() * 2, s
-
-    model = Model()
-    args = (*positional(x), x["initial_state"])
-    compiled = torch.compile(model, mode="reduce-overhead", fullgraph=True)
-    for _ in range(3):
-        c_out, c_state = compiled(*args)
-    e_out, e_state = model(*args)
-    assert torch.equal(c_out, e_out) and torch.equal(c_state, e_state)
 
 
 @pytest.mark.cuda
