@@ -1,7 +1,7 @@
 """Accuracy of torch_kda's CUDA forward and of fla's chunk_kda on the same
 inputs, against a float64 token-by-token evaluation (torch_kda.reference, run
-on the GPU in float64). Cases: the random case and the hard cases of SPEC
-section 4. Prints a markdown table of rel = ||x - ref|| / ||ref||.
+on the GPU in float64). Cases: the random case and the hard cases (weak decay, small beta,
+several lower bounds, long sequences). Prints a markdown table of rel = ||x - ref|| / ||ref||.
 
     FLA_FLASH_KDA=0 python benchmarks/accuracy_cuda.py
 

@@ -5,7 +5,7 @@ S <- diag(exp(G_last)) S + Kd^T U, all in fp32 today. A tensor-core version roun
 operands of each product: to bf16, to tf32, or splits each into a bf16 high and low
 part and sums three bf16 products (hi*hi + hi*lo + lo*hi). This script runs the chunked
 recurrence with each choice (fp32 accumulation throughout) and prints out and state
-errors against float64, for the random case and the weak-decay case of SPEC section 4.
+errors against float64, for the random case and the weak-decay case.
 
     python benchmarks/precision_emulation.py [--T 4096]
 """

@@ -233,7 +233,7 @@ BackwardTuple backward_by_chunks(const char* op, const Problem& p, const Tensor&
                                  const Tensor& v, const Tensor& g, const Tensor& beta, const Tensor& A_log,
                                  const Tensor& dt_bias, const optional<Tensor>& initial_state,
                                  const optional<Tensor>& cu_seqlens) {
-  // SPEC 4 asks for fp32 products; a global TF32 setting must not reach them.
+  // The accumulation dtype is fp32 throughout; a global TF32 setting must not reach them.
   at::NoTF32Guard no_tf32;
   BackwardOutputs o = allocate_backward_outputs(p, q, k, v, g, beta, A_log, dt_bias, initial_state);
   // Only a varlen batch needs its offsets on the host (a device sync on CUDA).

@@ -4,7 +4,7 @@
 
 namespace kda {
 
-// Epsilon inside the L2 norm of q and k: x / sqrt(sum(x^2) + kNormEps) (SPEC 1.1).
+// Epsilon inside the L2 norm of q and k: x / sqrt(sum(x^2) + kNormEps) (as the model defines it).
 constexpr double kNormEps = 1e-6;
 
 }  // namespace kda

@@ -1,6 +1,6 @@
 """Shared fixtures and helpers of the torch_kda test suite.
 
-The tests hold their own float64 reference of SPEC section 1 (`reference_kda`),
+The tests hold their own float64 reference of the recurrence (`reference_kda`; README.md, "What it computes"),
 written token by token and independent of anything in torch_kda, so a wrong
 formula in the package cannot agree with itself.
 
@@ -14,7 +14,7 @@ import zlib
 import pytest
 import torch
 
-NORM_EPS = 1e-6  # SPEC 1.1: x / sqrt(sum(x^2) + 1e-6)
+NORM_EPS = 1e-6  # x / sqrt(sum(x^2) + 1e-6)
 
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -46,7 +46,7 @@ def _fresh_seed(request):
 
 
 # --------------------------------------------------------------------------
-# The reference: SPEC section 1, token by token, float64.
+# The reference: the recurrence, token by token, float64.
 # --------------------------------------------------------------------------
 
 

@@ -2,7 +2,7 @@
 no GPU is needed: their shapes (every chunk slot's starting state, bf16, and K1's
 record, fp32) on Meta tensors, TORCH_KDA_SAVE_STATES and TORCH_KDA_SAVE_RECORDS,
 and kda.bwd's checks of those it is given. Their values and what the backward
-does with them are tested on the GPU (tests/test_cuda.py)."""
+does with them are tested on the GPU (tests/test_cuda_backward.py)."""
 import expecttest
 import pytest
 import torch

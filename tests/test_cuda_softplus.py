@@ -1,6 +1,7 @@
 """The softplus gate (lower_bound=None) on the CUDA kernels, against
 the float64 token recurrence of conftest (reference_kda), fla's chunk_kda and
-the composition promises (CUDA graphs, torch.compile, opcheck).
+the composition promises (CUDA graphs, opcheck; torch.compile of both gates
+is in test_cuda_graphs_compile.py).
 
 The softplus gate is unbounded below: one token's log decay can be -1000 or
 less, so these inputs hold tokens whose decay underflows to zero (the state
@@ -450,7 +451,7 @@ def test_gradients_no_worse_than_fla(case):
 
 
 # --------------------------------------------------------------------------
-# Composition: CUDA graphs, torch.compile, opcheck
+# Composition: CUDA graphs, opcheck
 # --------------------------------------------------------------------------
 
 

@@ -1,4 +1,4 @@
-"""Every rejected input of SPEC section 5 (and every argument check of
+"""Every rejected input (the bad-input rules in docs/ARCHITECTURE.md; and every argument check of
 csrc/checks.cpp reachable on the CPU): it raises, and the message names the
 argument. Messages are expecttest inline snapshots; refresh them with
 EXPECTTEST_ACCEPT=1 python -m pytest tests/test_errors.py (and review them)."""

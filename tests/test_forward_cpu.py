@@ -202,7 +202,7 @@ def test_non_contiguous_inputs(varlen):
     "state_dtype,state_tol", [(torch.bfloat16, 5e-3), (torch.float32, 1e-4)], ids=["bf16_state", "fp32_state"]
 )
 def test_accuracy_target_random_case(state_dtype, state_tol):
-    # SPEC 4: bf16 inputs, lower_bound = -5, T >= 1024, K = V = 128.
+    # The random case's targets: bf16 inputs, lower_bound = -5, T >= 1024, K = V = 128.
     d = make_inputs(B=1, T=1024, H=2, K=128, V=128, dtype=torch.bfloat16, state_dtype=state_dtype)
     out, final = check_against_reference(d, 5e-3, state_tol, lower_bound=-5.0)
     assert final.dtype == state_dtype
@@ -213,7 +213,7 @@ def test_accuracy_target_random_case(state_dtype, state_tol):
     ["weak_decay_bounded", "weak_decay_softplus", "small_beta", "lb-0.1"],
 )
 def test_accuracy_hard_cases(case):
-    # SPEC 4 hard cases, kept short for the CPU: every one must stay inside 2e-2.
+    # The hard cases, kept short for the CPU: every one must stay inside 2e-2.
     d = make_inputs(B=1, T=1024, H=2, K=64, V=64, dtype=torch.bfloat16, state_dtype=torch.float32)
     lower_bound = -5.0
     if case == "weak_decay_bounded":

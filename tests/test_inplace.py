@@ -56,7 +56,7 @@ def _assert_inputs_unchanged(d, before):
 @pytest.mark.parametrize("state_dtype", [None, BF16, F32], ids=["no_state", "bf16_state", "fp32_state"])
 @pytest.mark.parametrize("varlen", [False, True], ids=["fixed", "varlen"])
 def test_fwd_writes_out_and_final_state(lower_bound, state_dtype, varlen):
-    # SPEC 3.1 shapes: bf16 activations, K = V = 128.
+    # flash_kda.fwd's shapes: bf16 activations, K = V = 128.
     if varlen:
         d = make_inputs(H=2, K=128, V=128, dtype=BF16, seqlens=[9, 0, 14], state_dtype=state_dtype)
     else:

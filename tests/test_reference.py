@@ -1,5 +1,5 @@
 """Checks of the tests' own reference (conftest.reference_kda) against second,
-independently written formulations of SPEC section 1: the chunked form, the
+independently written formulations of the recurrence (README.md, "What it computes"): the chunked form, the
 closed form of the first token, and the product form of the state update."""
 import pytest
 import torch
@@ -23,7 +23,7 @@ def _neumann_inverse16(L):
 
 
 def chunked_kda(q, k, v, g, beta, A_log, dt_bias, *, scale, lower_bound, initial_state, cu_seqlens, chunk):
-    """SPEC "Chunked form", one (sequence, head) at a time, float64.
+    """The chunked form (docs/ARCHITECTURE.md), one (sequence, head) at a time, float64.
 
     exp(G_i - G_j) is computed from the differences directly (safe for both gates).
     For chunk == 16 the inverse of (I + A_kk) is the Neumann product, otherwise a

@@ -1,4 +1,4 @@
-"""The operator schemas are stable API (SPEC 3.3): a change must be deliberate,
+"""The operator schemas are stable API (README.md lists them): a change must be deliberate,
 so each is snapshotted here. Refresh with EXPECTTEST_ACCEPT=1 after a deliberate change."""
 import expecttest
 import torch

@@ -39,13 +39,13 @@ else
 fi
 # GPU_CHECK_TIMEOUT (seconds) cuts the GPU tests short but leaves time to save
 # what fla autotuned (below), which a `timeout` around this script would not.
-timeout -k 10 "${GPU_CHECK_TIMEOUT:-0}" "$PY" -m pytest tests/test_cuda.py tests/test_cuda_softplus.py -v "${run_opts[@]}" --durations=8 "$@" 2>&1 | tee -a "$LOG" \
+timeout -k 10 "${GPU_CHECK_TIMEOUT:-0}" "$PY" -m pytest tests/test_cuda_*.py -v "${run_opts[@]}" --durations=8 "$@" 2>&1 | tee -a "$LOG" \
   | grep -E "^_{3,} test|PASSED|FAILED|ERROR|SKIPPED|rel |passed|failed|Error|assert" 
 gpu_rc=${PIPESTATUS[0]}
 triton_cache_save  # fla's autotuning in its comparison tests (minutes a shape for its backward)
 rest_rc=0
 if [ "${GPU_ONLY:-0}" != "1" ]; then
-  "$PY" -m pytest tests -q -x --ignore=tests/test_cuda.py --ignore=tests/test_cuda_softplus.py 2>&1 | tee -a "$LOG" | tail -3
+  "$PY" -m pytest tests -q -x --ignore-glob='tests/test_cuda_*.py' 2>&1 | tee -a "$LOG" | tail -3
   rest_rc=${PIPESTATUS[0]}
 fi
 echo "summary: GPU tests rc=$gpu_rc, other tests rc=$rest_rc (full log: $LOG)"

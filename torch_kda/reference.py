@@ -1,4 +1,4 @@
-"""Plain PyTorch evaluations of KDA (SPEC section 1), for documentation,
+"""Plain PyTorch evaluations of KDA (README.md, "What it computes"), for documentation,
 benchmarks' accuracy reports and debugging, and the hand-derived gradients of
 the chunked form (kda_chunked_backward), the blueprint for chunked backward
 kernels, and (chunk_record, chunk_step and their backwards) the forward kernels'
@@ -58,7 +58,7 @@ def kda_recurrent(q, k, v, g, beta, A_log, dt_bias, *, scale=None, lower_bound=N
 
 def kda_chunked(q, k, v, g, beta, A_log, dt_bias, *, scale=None, lower_bound=None, initial_state=None,
                 chunk_size=16):
-    """The chunked form of SPEC section 1, fixed length only. exp(G_i - G_j) is
+    """The chunked form of the recurrence, fixed length only. exp(G_i - G_j) is
     formed from differences, never from exp(-G) alone."""
     B, T, H, K = q.shape
     V = v.shape[-1]
