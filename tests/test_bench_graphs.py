@@ -1,10 +1,9 @@
 """benchmarks/bench_fwd.py's CUDA-graph helper keeps alive what the graph writes into.
 
 torch_kda.fwd writes into the caller's out and final_state, which bench_fwd's closure
-allocates outside the graph's private pool. Until the eighteenth session `graphed`
-returned the bare `graph.replay`, so the closure (the buffers' last owner) was freed while
-the replays still wrote into its buffers; with fla's graph captured next they faulted at
-8192 x 32 heads, and keeping the closure alive ended that. The CUDA parts are stood in for
+allocates outside the graph's private pool. Were `graphed` to return the bare
+`graph.replay`, the closure (the buffers' last owner) would be freed while the replays still
+write into its buffers; with fla's graph captured next that faulted at 8192 x 32 heads. The CUDA parts are stood in for
 here, so the test runs on any machine: it checks the ownership, not the fault.
 """
 import contextlib

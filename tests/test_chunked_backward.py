@@ -1,5 +1,5 @@
 """kda::_bwd_chunked (the backward over 16-token chunks written with ATen ops,
-which is what the CUDA backward runs) against kda::bwd's token-by-token CPU
+the same chunked math as the CUDA backward's kernels) against kda::bwd's token-by-token CPU
 kernel, in float64 on fresh random inputs: every gradient, fixed and variable
 length, with and without states, both gates."""
 import pytest

@@ -11,7 +11,7 @@ case "$procs" in
 esac
 export TORCH_KDA_CUDA_ARCHS=${TORCH_KDA_CUDA_ARCHS:-90a} MAX_JOBS=${MAX_JOBS:-16} FLA_FLASH_KDA=0 PYTHONUNBUFFERED=1
 LOG=${GPU_CHECK_LOG:-${OUT:-/tmp}/gpu_check.log}
-source tools/triton_cache.sh  # fla's autotune results from earlier calls, if carried
+source tools/triton_cache.sh  # fla's autotune results from earlier runs, if carried
 triton_cache_restore
 : > "$LOG"
 

@@ -113,9 +113,9 @@ void run_backward(const BackwardCall& call, const at::Tensor& like, int64_t wind
   }
 
   // All on the caller's stream, in order. K2 storing the states and the dS
-  // recurrence share only the records and were run side by side on two streams
-  // once (fifth session): both issue-bound, each ran slower, and the step was
-  // slower on four of five cases, so they run one after the other.
+  // recurrence share only the records, but side by side on two streams both
+  // (issue-bound) ran slower and the step was slower on four of five cases, so
+  // they run one after the other.
   p.chunk_states = recur ? states.data_ptr() : nullptr;
   p.lo_for_backward = true;  // the dS recurrence reads all of the records
   for (int64_t w = windows - 1; w >= 0; --w) {

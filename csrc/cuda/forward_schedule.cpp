@@ -14,14 +14,14 @@ namespace {
 // K1 of the next window on a side stream beside K2, to hide K1's time, but that
 // hid none (H200, 65536 x 16 heads: K2 +42 %, K1 +81 % side by side; both
 // kernels issue-bound, benchmarks/RESULTS.md), so they run in order. Nor did
-// K2 beside a persistent K1 on SMs of its own (twentieth session): packed two
+// K2 beside a persistent K1 on SMs of its own: packed two
 // blocks to an SM to leave K1 room, K2 steps 41 % slower (1.81 -> 2.55 ms at
 // 65536 x 16 heads), which ate the overlap. Each
 // window costs ~13 us beyond its share of the work (K1's last wave, K2's state
 // reload and its first stages from memory, two launches): sixteen windows of
 // 4096 tokens took the forward from 3.04-3.14 ms in one pass to 3.26 at 65536 x
 // 16 heads, and from 2.37-2.45 to 2.62-2.67 at 32768 x 32, where two windows of
-// the 1 GiB budget took 3.09-3.13 and 2.44-2.46 (H200, seventeenth session). So
+// the 1 GiB budget took 3.09-3.13 and 2.44-2.46 (H200). So
 // the call runs in as few equal windows as keep each one's workspace within the
 // budget. Only where K2 runs at most two warps per SM: with more (sequence,
 // head) pairs the carry grows with them and the one-pass workspace of a batch

@@ -917,7 +917,7 @@ void launch_recurrence(const FwdParams& p, cudaStream_t stream, RecurrenceBlock 
   // blocks take their state products on wgmma (4x1w, see Config). With bf16
   // products (a bf16 state) the steps are a third shorter and the two-way split
   // is faster at one warp per SM too (K2 1.947 -> 1.805 ms at 65536 x 16
-  // heads, 0.247 -> 0.230 at 8192 x 16; H200, nineteenth session).
+  // heads, 0.247 -> 0.230 at 8192 x 16; H200).
   if (block == RecurrenceBlock::kAuto) {
     const int64_t warps_per_sm = recurrence_warps_per_sm(p);
     block = warps_per_sm > 2                       ? RecurrenceBlock::k4x1w

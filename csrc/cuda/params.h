@@ -35,9 +35,9 @@ constexpr int kChunk = 16;     // tokens per chunk
 // The recurrence and the backward's record gradients form U0 = M v themselves,
 // from the chunk's v (bf16, exact) and M's two planes: 1 KB of M where U0 takes
 // 8 KB, and K1 then neither reads v nor writes U0 (in the forward 35 instead of
-// 46 KB of K1 traffic per chunk and head; for the backward's records, which wrote
-// U0 until the fifteenth session, K1 -20 % and the record gradients -6 % at 8192
-// x 96 heads, H200). 27,136 bytes a record.
+// 46 KB of K1 traffic per chunk and head; for the backward's records, against a
+// record that held U0, K1 -20 % and the record gradients -6 % at 8192 x 96
+// heads, H200). 27,136 bytes a record.
 // Qs and Aqk reach only the output, which is rounded to bf16: the forward's
 // recurrence multiplies by their hi planes alone (out 1.66e-3 -> ~2.3e-3 of
 // float64 where the state dominates it; the state's products keep bf16x3;
