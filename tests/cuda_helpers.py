@@ -2,11 +2,19 @@
 the gradient comparison, window and launch helpers. Not a test module."""
 import math
 
+import pytest
 import torch
 
 import torch_kda
 from conftest import make_inputs, positional, rel, run_reference
 
+# Every CUDA test module's marks: skipped without a GPU or without the CUDA kernels.
+CUDA_MARKS = [
+    pytest.mark.cuda,
+    pytest.mark.skipif(
+        not (torch.cuda.is_available() and torch_kda.cuda_built()), reason="needs a CUDA GPU and a CUDA build"
+    ),
+]
 DEV = "cuda"
 
 

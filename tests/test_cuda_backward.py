@@ -13,6 +13,7 @@ import torch
 import torch_kda
 from conftest import positional, rel
 from cuda_helpers import (
+    CUDA_MARKS,
     D,
     DEV,
     GRAD_NAMES,
@@ -27,12 +28,7 @@ from cuda_helpers import (
     window_floor,
 )
 
-pytestmark = [
-    pytest.mark.cuda,
-    pytest.mark.skipif(
-        not (torch.cuda.is_available() and torch_kda.cuda_built()), reason="needs a CUDA GPU and a CUDA build"
-    ),
-]
+pytestmark = CUDA_MARKS
 
 
 def test_backward_zeros_the_tokens_no_sequence_covers(monkeypatch):

@@ -7,9 +7,9 @@ op. Skipped where CUDA is absent; tools/gpu_check.sh runs them on an H200.
 import pytest
 import torch
 
-import torch_kda
 from conftest import positional, rel, run_reference
 from cuda_helpers import (
+    CUDA_MARKS,
     DEV,
     FP32_STATE_TOL,
     assert_checkpoints_are_prefix_states,
@@ -25,12 +25,7 @@ from cuda_helpers import (
     run_windowed,
 )
 
-pytestmark = [
-    pytest.mark.cuda,
-    pytest.mark.skipif(
-        not (torch.cuda.is_available() and torch_kda.cuda_built()), reason="needs a CUDA GPU and a CUDA build"
-    ),
-]
+pytestmark = CUDA_MARKS
 
 
 @pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])

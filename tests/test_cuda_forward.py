@@ -10,14 +10,9 @@ import torch
 
 import torch_kda
 from conftest import fla_chunk_kda, make_inputs, positional, rel, run_reference
-from cuda_helpers import D, DEV, FP32_STATE_TOL, cuda_inputs, errors, hard_case, run_cuda
+from cuda_helpers import CUDA_MARKS, D, DEV, FP32_STATE_TOL, cuda_inputs, errors, hard_case, run_cuda
 
-pytestmark = [
-    pytest.mark.cuda,
-    pytest.mark.skipif(
-        not (torch.cuda.is_available() and torch_kda.cuda_built()), reason="needs a CUDA GPU and a CUDA build"
-    ),
-]
+pytestmark = CUDA_MARKS
 
 
 @pytest.mark.parametrize("state_dtype,state_tol", [(torch.bfloat16, 5e-3), (torch.float32, 1e-3)])

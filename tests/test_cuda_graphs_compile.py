@@ -8,14 +8,9 @@ import torch
 
 import torch_kda
 from conftest import capture_graph, positional, rel
-from cuda_helpers import D, DEV, GRAD_NAMES, RECORD_FLOATS, cuda_inputs, run_cuda
+from cuda_helpers import CUDA_MARKS, D, DEV, GRAD_NAMES, RECORD_FLOATS, cuda_inputs, run_cuda
 
-pytestmark = [
-    pytest.mark.cuda,
-    pytest.mark.skipif(
-        not (torch.cuda.is_available() and torch_kda.cuda_built()), reason="needs a CUDA GPU and a CUDA build"
-    ),
-]
+pytestmark = CUDA_MARKS
 
 
 @pytest.mark.parametrize("window", ["0", "3"])

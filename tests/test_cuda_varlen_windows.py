@@ -10,6 +10,7 @@ import torch
 import torch_kda
 from conftest import fla_chunk_kda, positional, rel, run_reference
 from cuda_helpers import (
+    CUDA_MARKS,
     D,
     DEV,
     FP32_STATE_TOL,
@@ -22,12 +23,7 @@ from cuda_helpers import (
     run_windowed,
 )
 
-pytestmark = [
-    pytest.mark.cuda,
-    pytest.mark.skipif(
-        not (torch.cuda.is_available() and torch_kda.cuda_built()), reason="needs a CUDA GPU and a CUDA build"
-    ),
-]
+pytestmark = CUDA_MARKS
 
 
 def test_varlen_agrees_with_fla_chunk_kda():
