@@ -275,15 +275,15 @@ def one_gate(args, bw, have_fla, fla_cases):
         print("gate: softplus (lower_bound=None), fla without safe_gate")
     header = f"{'#':>3} {'case':<18} {'H':>3} {'torch_kda ms':>12} {'fla ms':>8} {'speedup':>8} {'floor ms':>9} {'x floor':>8}"
     print(header)
-    speedups = []
+    speedups, rows = [], []
     for idx in [int(x) for x in args.cases.split(",")]:
         name, lengths, H = CASES[idx]
         c = make_case(lengths, H, args.gate)
         floor = floor_bytes(c) / bw * 1e3
         with_fla = have_fla and (fla_cases is None or idx in fla_cases)
         ours_fn, theirs_fn = run_torch_kda(c), run_fla(c) if with_fla else None
-        # A library that refuses the softplus gate gives a row of nan, not a stop.
-        ours_fn, mark = prepare(ours_fn, "torch_kda", args.graphs, probe=softplus)
+        # fla may refuse a gate (a row of nan, not a stop); torch_kda serves both.
+        ours_fn, mark = prepare(ours_fn, "torch_kda", args.graphs, probe=False)
         if with_fla:
             theirs_fn, note = prepare(theirs_fn, "fla", args.graphs, probe=softplus)
             mark += note
@@ -296,12 +296,42 @@ def one_gate(args, bw, have_fla, fla_cases):
         if args.stages and ours_fn is not None:
             row += "   " + stages_note(c)
         print(row + mark)
+        rows.append(dict(case=idx, name=name, H=H, torch_kda_ms=ours, fla_ms=theirs if with_fla else None,
+                         floor_ms=floor))
         del c
         torch.cuda.empty_cache()
     if speedups:
         gate = ", softplus gate" if softplus else ""
         print(f"speedup over chunk_kda ({len(speedups)} cases{gate}): min {min(speedups):.2f}, "
               f"geometric mean {gmean(speedups):.2f}")
+    return rows
+
+
+def run_metadata(args, bw):
+    """What a table made from this run must say: date, GPU, software, build, command."""
+    import datetime
+    import subprocess
+    import sys
+
+    def git(*cmd):
+        try:
+            return subprocess.run(["git", *cmd], capture_output=True, text=True, check=True).stdout.strip()
+        except (OSError, subprocess.CalledProcessError):
+            return None
+
+    try:
+        import fla
+
+        fla_version = getattr(fla, "__version__", "unknown")
+    except ImportError:
+        fla_version = None
+    commit = git("rev-parse", "--short", "HEAD")
+    if commit is not None and git("status", "--porcelain", "--untracked-files=no"):
+        commit += " (with local changes)"
+    return dict(date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d"),
+                gpu=torch.cuda.get_device_name(), torch=torch.__version__, fla=fla_version, commit=commit,
+                command="python benchmarks/bench_fwd.py " + " ".join(sys.argv[1:]), gate=args.gate,
+                copy_bandwidth_tb_s=round(bw / 1e12, 3))
 
 
 def both_gates(args, bw, have_fla, fla_cases):
@@ -321,7 +351,7 @@ def both_gates(args, bw, have_fla, fla_cases):
         bounded_fn, softplus_fn = run_torch_kda(cb), run_torch_kda(cs)
         theirs_fn = run_fla(cs) if with_fla else None
         bounded_fn, mark = prepare(bounded_fn, "torch_kda bounded", args.graphs, probe=False)
-        softplus_fn, note = prepare(softplus_fn, "torch_kda softplus", args.graphs, probe=True)
+        softplus_fn, note = prepare(softplus_fn, "torch_kda softplus", args.graphs, probe=False)
         mark += note
         if with_fla:
             theirs_fn, note = prepare(theirs_fn, "fla softplus", args.graphs, probe=True)
@@ -364,9 +394,14 @@ def main():
                     help="bounded: lower_bound=-5; softplus: lower_bound=None (Kimi-Linear's gate)")
     ap.add_argument("--both-gates", action="store_true",
                     help="torch_kda with both gates and fla with softplus, per case in one row (overrides --gate)")
+    ap.add_argument("--json", default=None,
+                    help="also write the rows and the run's date, GPU, software, commit and command here "
+                         "(one gate; benchmarks/render_results.py makes the README's table and chart from it)")
     ap.add_argument("--softplus-params", choices=SOFTPLUS_PARAMS, default="same",
                     help="same: the bounded case's A_log and dt_bias; strong: exp(A_log) ~ U(1, 16), dt_bias ~ N(0, 1)")
     args = ap.parse_args()
+    if args.json and args.both_gates:
+        ap.error("--json writes one gate's table: leave out --both-gates")
     global softplus_kind
     softplus_kind = args.softplus_params
 
@@ -387,7 +422,13 @@ def main():
     if args.both_gates:
         both_gates(args, bw, have_fla, fla_cases)
     else:
-        one_gate(args, bw, have_fla, fla_cases)
+        rows = one_gate(args, bw, have_fla, fla_cases)
+        if args.json:
+            import json
+
+            with open(args.json, "w") as f:
+                json.dump(dict(run=run_metadata(args, bw), rows=rows), f, indent=1, allow_nan=True)
+            print(f"wrote {args.json}")
 
 
 if __name__ == "__main__":
