@@ -330,7 +330,7 @@ def run_metadata(args, bw):
         commit += " (with local changes)"
     return dict(date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d"),
                 gpu=torch.cuda.get_device_name(), torch=torch.__version__, fla=fla_version, commit=commit,
-                command="python benchmarks/bench_fwd.py " + " ".join(sys.argv[1:]), gate=args.gate,
+                command=" ".join(["python benchmarks/bench_fwd.py", *sys.argv[1:]]), gate=args.gate,
                 copy_bandwidth_tb_s=round(bw / 1e12, 3))
 
 
