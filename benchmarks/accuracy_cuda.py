@@ -35,7 +35,7 @@ os.environ.setdefault("FLA_FLASH_KDA", "0")
 import torch  # noqa: E402
 
 import torch_kda  # noqa: E402
-from torch_kda.reference import kda_recurrent  # noqa: E402
+from torch_kda.naive import kda_naive  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_fwd import fla_gate_args, skipped, softplus_params  # noqa: E402
@@ -96,7 +96,7 @@ def bounded_table():
             d = make(state_dtype=state_dtype, **shape, **extra)
             out, final = torch_kda.kda(d["q"], d["k"], d["v"], d["g"], d["beta"], d["A_log"], d["dt_bias"],
                                        lower_bound=lb, initial_state=d["h0"], output_final_state=True)
-            r_out, r_final = kda_recurrent(*(d[n].double() for n in ("q", "k", "v", "g", "beta", "A_log",
+            r_out, r_final = kda_naive(*(d[n].double() for n in ("q", "k", "v", "g", "beta", "A_log",
                                                                       "dt_bias")),
                                            lower_bound=lb, initial_state=d["h0"].double())
             try:
@@ -166,7 +166,7 @@ def make_softplus(seed, cu, lengths, change):
 
 
 def reference(x, cu):
-    return kda_recurrent(*(x[n].double() for n in INPUTS[:-1]), lower_bound=None, initial_state=x["h0"].double(),
+    return kda_naive(*(x[n].double() for n in INPUTS[:-1]), lower_bound=None, initial_state=x["h0"].double(),
                          cu_seqlens=cu)
 
 

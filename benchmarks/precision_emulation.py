@@ -13,7 +13,8 @@ import argparse
 
 import torch
 
-from torch_kda.reference import activations, kda_recurrent
+from torch_kda.naive import kda_naive
+from torch_kda.reference import activations
 
 BF16 = torch.bfloat16
 C = 16
@@ -84,7 +85,7 @@ def main():
         if case == "weak decay":
             A_log.fill_(2.0)
             dt_bias.fill_(-8.0)
-        ref_out, ref_state = kda_recurrent(
+        ref_out, ref_state = kda_naive(
             *(x.double()[None, :, None] for x in (q, k, v, g, beta)), A_log.double(), dt_bias.double(),
             lower_bound=-5.0, initial_state=h0.double()[None, None])
         ref_out, ref_state = ref_out[0, :, 0], ref_state[0, 0]

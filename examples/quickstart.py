@@ -9,7 +9,7 @@
 4. a backward pass, with gradients checked against float64 autograd
 
 Forward and backward results are compared with a plain float64 token-by-token
-evaluation of the KDA recurrence (torch_kda.reference), printing the relative error
+evaluation of the KDA recurrence (torch_kda.naive), printing the relative error
 ||x - ref|| / ||ref||; the varlen and in-place calls are compared with the plain calls
 they must reproduce.
 The script exits with status 1 if any check fails.
@@ -21,17 +21,17 @@ import time
 import torch
 
 import torch_kda
-from torch_kda.reference import kda_recurrent
+from torch_kda.naive import kda_naive
 
 LOWER_BOUND = -5.0  # bounded gate: lambda = lower_bound * sigmoid(exp(A_log) * (g + dt_bias))
 FAILURES = []
 
 
 def reference_kda(q, k, v, g, beta, A_log, dt_bias, scale, lower_bound, state):
-    """One sequence through torch_kda.reference (plain PyTorch, token by token), in
+    """One sequence through torch_kda.naive (plain PyTorch, token by token), in
     float64. q, k, g [T, H, K]; v [T, H, V]; beta [T, H] (logits); state [H, V, K].
     Returns out [T, H, V] and the final state [H, V, K]. Differentiable."""
-    out, final = kda_recurrent(
+    out, final = kda_naive(
         *(x.double()[None] for x in (q, k, v, g, beta)), A_log.double(), dt_bias.double(),
         scale=scale, lower_bound=lower_bound, initial_state=state.double()[None],
     )

@@ -7,7 +7,8 @@ import torch._dynamo
 import torch._dynamo.testing
 import torch.nn.functional as F
 
-from conftest import reference_kda, rel, sequence_bounds
+from conftest import reference_kda, rel
+from torch_kda.naive import sequence_bounds
 from torch_kda.nn import KDAState, KimiDeltaAttention
 
 F64 = torch.float64

@@ -1,12 +1,12 @@
-"""torch_kda.reference (the package's plain evaluations, used by the quickstart and the
-benchmarks, and the hand-derived gradients of the chunked form, the blueprint for
-chunked backward kernels) against the suite's own float64 token-by-token reference."""
+"""torch_kda.reference (the chunked form in the kernels' terms: the chunked forward, its
+hand-derived gradients, the per-chunk record and step) against the float64
+token-by-token reference, torch_kda.naive."""
 import pytest
 import torch
 
 from conftest import make_inputs, positional, reference_kda, rel
 from torch_kda import reference
-from torch_kda.reference import kda_chunked, kda_chunked_backward, kda_recurrent
+from torch_kda.reference import kda_chunked, kda_chunked_backward
 
 
 def _strong_decay(d):
@@ -23,10 +23,10 @@ def test_package_forward_references(lower_bound, strong, chunk_size):
     if strong:
         _strong_decay(d)
     ref_out, ref_final = reference_kda(*positional(d), lower_bound=lower_bound, initial_state=d["initial_state"])
-    for fn, kw in ((kda_recurrent, {}), (kda_chunked, {"chunk_size": chunk_size})):
-        out, final = fn(*positional(d), lower_bound=lower_bound, initial_state=d["initial_state"], **kw)
-        assert rel(out, ref_out) <= 1e-12, fn.__name__
-        assert rel(final, ref_final) <= 1e-12, fn.__name__
+    out, final = kda_chunked(*positional(d), lower_bound=lower_bound, initial_state=d["initial_state"],
+                             chunk_size=chunk_size)
+    assert rel(out, ref_out) <= 1e-12
+    assert rel(final, ref_final) <= 1e-12
 
 
 @pytest.mark.parametrize("lower_bound,strong", [(-5.0, False), (-0.1, False), (None, False), (None, True)])
@@ -72,13 +72,9 @@ def _chunk_inputs(C, K=8, V=6, lower_bound=-5.0):
     return qn, kn, v, lam, b
 
 
-def _one_sequence(T, H, K, V, strong=False):
-    """float64 inputs of one sequence and an initial state. strong: g + dt_bias ~ 20, so
-    with lower_bound -5 the sigmoid saturates and lambda ~ -5 on every channel (the
-    cumulative log decay reaches -320 over 64 tokens: exp(-G) overflows fp32)."""
+def _one_sequence(T, H, K, V):
+    """float64 inputs of one sequence and an initial state."""
     q, k, v, g = (torch.randn(1, T, H, d, dtype=torch.float64) for d in (K, K, V, K))
-    if strong:
-        g = 20.0 + torch.rand_like(g)
     beta, A_log, dt_bias = (torch.randn(1, T, H, dtype=torch.float64), torch.rand(H, dtype=torch.float64),
                             torch.rand(H, K, dtype=torch.float64))
     return q, k, v, g, beta, A_log, dt_bias, torch.randn(1, H, V, K, dtype=torch.float64)
@@ -90,7 +86,7 @@ def test_chunk_records_compose_to_the_recurrence(lower_bound):
     partial chunk included)."""
     T, H, K = 37, 2, 8
     q, k, v, g, beta, A_log, dt_bias, h0 = _one_sequence(T, H, K, V=6)
-    ref_out, ref_final = reference.kda_recurrent(q, k, v, g, beta, A_log, dt_bias, lower_bound=lower_bound,
+    ref_out, ref_final = reference_kda(q, k, v, g, beta, A_log, dt_bias, lower_bound=lower_bound,
                                                  initial_state=h0)
     qn, kn, lam, b = reference.activations(q, k, g, beta, A_log, dt_bias, lower_bound)
     scale = K ** -0.5
@@ -104,43 +100,6 @@ def test_chunk_records_compose_to_the_recurrence(lower_bound):
             out[0, s:e, h], S, _ = reference.chunk_step(S, rec)
         assert torch.allclose(S, ref_final[0, h], rtol=1e-10, atol=1e-12)
     assert torch.allclose(out, ref_out, rtol=1e-10, atol=1e-12)
-
-
-@pytest.mark.parametrize("C", [64, 48, 37])
-@pytest.mark.parametrize("strong", [False, True])
-def test_blocked_records_compose_to_the_recurrence(C, strong):
-    """64-token (and ragged) chunks built from 16-token blocks, stepped with
-    chunk_step, are the token-by-token recurrence in float64; in float32 every
-    record entry stays finite, also where the log decay over a chunk reaches -320
-    (the 16-token record's exp(-G) would overflow there), and the outputs keep
-    fp32 accuracy."""
-    T, H, K = 130, 2, 8
-    lower_bound = -5.0
-    q, k, v, g, beta, A_log, dt_bias, h0 = _one_sequence(T, H, K, V=6, strong=strong)
-    ref_out, ref_final = reference.kda_recurrent(q, k, v, g, beta, A_log, dt_bias, lower_bound=lower_bound,
-                                                 initial_state=h0)
-    scale = K ** -0.5
-    for dtype, tol in ((torch.float64, 1e-10), (torch.float32, 5e-6)):
-        qn, kn, lam, b = (t.to(dtype) for t in reference.activations(q, k, g, beta, A_log, dt_bias, lower_bound))
-        x = v.to(dtype)
-        out = torch.full_like(ref_out, float("nan"))
-        finals = []
-        for h in range(H):
-            S = h0[0, h].to(dtype).clone()
-            for s in range(0, T, C):
-                e = min(T, s + C)
-                rec = reference.chunk_record_blocked(qn[0, s:e, h], kn[0, s:e, h], x[0, s:e, h], lam[0, s:e, h],
-                                                     b[0, s:e, h], scale)
-                assert all(torch.isfinite(t).all() for t in rec.values()), (dtype, s)
-                o, S, _ = reference.chunk_step(S, rec)
-                out[0, s:e, h] = o.double()
-            finals.append(S.double())
-        assert rel(out, ref_out) <= tol, dtype
-        assert rel(torch.stack(finals), ref_final[0]) <= tol, dtype
-    if strong:
-        # The case this is for: the log decay over one 64-token chunk passes fp32's range.
-        G = reference.activations(q, k, g, beta, A_log, dt_bias, lower_bound)[2][0, :64].cumsum(0)
-        assert G.min() < -300 and not torch.isfinite(torch.exp(-G.float())).all()
 
 
 @pytest.mark.parametrize("C", [16, 5])

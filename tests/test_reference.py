@@ -1,10 +1,12 @@
-"""Checks of the tests' own reference (conftest.reference_kda) against second,
+"""Checks of the reference (torch_kda.naive) against second,
 independently written formulations of the recurrence (README.md, "What it computes"): the chunked form, the
 closed form of the first token, and the product form of the state update."""
 import pytest
 import torch
 
-from conftest import make_inputs, positional, reference_gate, rel, run_reference, sequence_bounds
+from conftest import make_inputs, positional, rel, run_reference
+from torch_kda.naive import gate as reference_gate
+from torch_kda.naive import sequence_bounds
 
 F64 = torch.float64
 

@@ -1,59 +1,18 @@
-"""Plain PyTorch evaluations of KDA (README.md, "What it computes"), for documentation,
-benchmarks' accuracy reports and debugging, and the hand-derived gradients of
-the chunked form (kda_chunked_backward), the blueprint for chunked backward
-kernels, and (chunk_record, chunk_step and their backwards) the forward kernels'
-per-chunk record with the backward of one chunk step written in its terms;
-chunk_record_blocked, the same record for longer chunks built from 16-token blocks
-without an exponential that overflows fp32. Slow on purpose: one token (or one chunk) at a time, in whatever dtype
-the caller passes (use float64 for a reference). The test suite keeps its own
-independent copy of the math.
+"""The chunked form of KDA in plain PyTorch, in the terms of the CUDA kernels: the
+chunked forward (kda_chunked), the hand-derived gradients of the chunked form
+(kda_chunked_backward), and the kernels' per-chunk record (chunk_record), one chunk
+step (chunk_step) and their backwards, which the GPU tests check the kernels'
+pieces against. One chunk at a time, in whatever dtype the caller passes (float64
+for a reference). The token-by-token reference is torch_kda.naive.
 """
 import torch
-import torch.nn.functional as F
+
+from torch_kda.naive import gate, l2norm
 
 
 def activations(q, k, g, beta, A_log, dt_bias, lower_bound):
-    """L2-normalised q and k, the log decay lambda (<= 0) and sigmoid(beta)."""
-    qn = q / torch.sqrt((q * q).sum(-1, keepdim=True) + 1e-6)
-    kn = k / torch.sqrt((k * k).sum(-1, keepdim=True) + 1e-6)
-    A = torch.exp(A_log.to(q.dtype))[:, None]
-    x = g + dt_bias.to(q.dtype)
-    if lower_bound is None:
-        lam = -A * F.softplus(x)
-    else:
-        lam = lower_bound * torch.sigmoid(A * x)
-    return qn, kn, lam, torch.sigmoid(beta)
-
-
-def _sequences(B, T, cu_seqlens):
-    if cu_seqlens is None:
-        return [(b, 0, T) for b in range(B)]
-    bounds = [int(x) for x in cu_seqlens.tolist()]
-    return [(0, bounds[n], bounds[n + 1]) for n in range(len(bounds) - 1)]
-
-
-def kda_recurrent(q, k, v, g, beta, A_log, dt_bias, *, scale=None, lower_bound=None, initial_state=None,
-                  cu_seqlens=None):
-    """Token-by-token recurrence. Returns (out [B, T, H, V], final_state [N, H, V, K])."""
-    B, T, H, K = q.shape
-    V = v.shape[-1]
-    scale = K ** -0.5 if scale is None else scale
-    qn, kn, lam, b = activations(q, k, g, beta, A_log, dt_bias, lower_bound)
-    out = torch.zeros(B, T, H, V, dtype=q.dtype, device=q.device)
-    seqs = _sequences(B, T, cu_seqlens)
-    final = torch.zeros(len(seqs), H, V, K, dtype=q.dtype, device=q.device)
-    for n, (row, start, end) in enumerate(seqs):
-        S = torch.zeros(H, K, V, dtype=q.dtype, device=q.device)
-        if initial_state is not None:
-            S = initial_state[n].to(q.dtype).transpose(-1, -2).clone()
-        for t in range(start, end):
-            S = S * torch.exp(lam[row, t])[..., None]
-            pred = torch.einsum("hkv,hk->hv", S, kn[row, t])
-            u = b[row, t][:, None] * (v[row, t] - pred)
-            S = S + kn[row, t][..., None] * u[:, None, :]
-            out[row, t] = scale * torch.einsum("hkv,hk->hv", S, qn[row, t])
-        final[n] = S.transpose(-1, -2)
-    return out, final
+    """L2-normalised q and k, the log decay lambda (<= 0) and sigmoid(beta), in q's dtype."""
+    return l2norm(q), l2norm(k), gate(g, A_log.to(q.dtype), dt_bias.to(q.dtype), lower_bound), torch.sigmoid(beta)
 
 
 def kda_chunked(q, k, v, g, beta, A_log, dt_bias, *, scale=None, lower_bound=None, initial_state=None,
@@ -222,62 +181,6 @@ def chunk_record(qn, kn, v, lam, b, scale):
     t = _record_terms(qn, kn, v, lam, b)
     return dict(Qs=scale * t["Qe"], W=t["W"], Kd=t["gl"] * t["Ei"] * kn, Aqk=scale * (t["Qe"] @ t["Ki"].T) * t["incl"],
                 U0=t["U0"], gl=t["gl"])
-
-
-def chunk_record_blocked(qn, kn, v, lam, b, scale, block=16):
-    """chunk_record for a long chunk (64 tokens, say) built from blocks of `block`
-    tokens, in the same terms (so chunk_step takes it unchanged), with every
-    exponential that is formed at most 1 or, within a block, at most exp(80) at
-    lower_bound = -5: a plan for a recurrence with fewer, longer steps (issue 4),
-    whose cumulative log decays over 64 tokens reach -320, where exp(-G) overflows
-    fp32 and exp(G) underflows to zero.
-    - Inside a diagonal block, G is taken from the block's start (as K1 does for a
-      16-token chunk): exp(G') and exp(-G') stay finite.
-    - For rows in block a and columns in an earlier block c, exp(G_i - G_j) =
-      exp(G_i - G_r) exp(G_r - G_j) with r the last token of block c: both
-      exponents <= 0, the second >= -5 * (block - 1); the first may underflow,
-      where the true product is below fp32's range too.
-    - (I + A)^-1 by block forward substitution from the diagonal blocks' solves.
-    Qs, W and Kd take exp(G) and exp(G_last - G) over the whole chunk, both <= 1."""
-    C = qn.shape[0]
-    G = lam.cumsum(0)
-    starts = list(range(0, C, block))
-    A = torch.zeros(C, C, dtype=qn.dtype, device=qn.device)
-    Aqk = torch.zeros(C, C, dtype=qn.dtype, device=qn.device)
-    for ai, a0 in enumerate(starts):
-        a1 = min(C, a0 + block)
-        base = G[a0 - 1] if a0 > 0 else torch.zeros_like(G[0])
-        Gb = G[a0:a1] - base  # within the block: |Gb| <= 5 * block
-        Ke, Ki, Qe = torch.exp(Gb) * kn[a0:a1], torch.exp(-Gb) * kn[a0:a1], torch.exp(Gb) * qn[a0:a1]
-        n = a1 - a0
-        strict = torch.tril(torch.ones(n, n, dtype=torch.bool, device=qn.device), -1)
-        incl = torch.tril(torch.ones(n, n, dtype=torch.bool, device=qn.device))
-        A[a0:a1, a0:a1] = b[a0:a1, None] * (Ke @ Ki.T) * strict
-        Aqk[a0:a1, a0:a1] = scale * (Qe @ Ki.T) * incl
-        for c0 in starts[:ai]:
-            c1 = c0 + block
-            r = G[c1 - 1]  # the last token of block c
-            left_k = torch.exp(G[a0:a1] - r) * kn[a0:a1]
-            left_q = torch.exp(G[a0:a1] - r) * qn[a0:a1]
-            right = torch.exp(r - G[c0:c1]) * kn[c0:c1]
-            A[a0:a1, c0:c1] = b[a0:a1, None] * (left_k @ right.T)
-            Aqk[a0:a1, c0:c1] = scale * (left_q @ right.T)
-    # X = (I + A)^-1 Y by blocks: X_a = (I + A_aa)^-1 (Y_a - sum_{c < a} A_ac X_c).
-    eye = torch.eye(C, dtype=qn.dtype, device=qn.device)
-    IA = eye + A
-    E = torch.exp(G)
-
-    def solve(Y):
-        X = torch.zeros_like(Y)
-        for a0 in starts:
-            a1 = min(C, a0 + block)
-            R = Y[a0:a1] - IA[a0:a1, :a0] @ X[:a0]
-            X[a0:a1] = torch.linalg.solve_triangular(IA[a0:a1, a0:a1], R, upper=False, unitriangular=True)
-        return X
-
-    gl = E[-1]
-    return dict(Qs=scale * E * qn, W=solve(b[:, None] * E * kn), Kd=torch.exp(G[-1] - G) * kn, Aqk=Aqk,
-                U0=solve(b[:, None] * v), gl=gl)
 
 
 def chunk_step(S, rec):
