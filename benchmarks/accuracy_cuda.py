@@ -146,7 +146,7 @@ def make_softplus(seed, cu, lengths, change):
         h0=torch.randn(N, H, D, D, device=DEV).to(bf),
         cu=None if cu is None else torch.tensor(cu, dtype=torch.int64, device=DEV),
     )
-    d["A_log"], d["dt_bias"] = softplus_params(H, DEV)
+    d["A_log"], d["dt_bias"] = softplus_params(H, DEV, "strong")
     kind, frac = change or (None, None)
     if kind == "spec":
         # Weak decay everywhere: lambda ~ -exp(-8) * exp(g - 8), alpha ~ 1 at every token.

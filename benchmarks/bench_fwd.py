@@ -111,7 +111,7 @@ def copy_bandwidth():
     return 2 * n / (ms * 1e-3)
 
 
-def make_case(lengths, H, gate="bounded"):
+def make_case(lengths, H, gate="bounded", softplus_params_kind="same"):
     T = sum(lengths)
     N = len(lengths)
     dev, bf = "cuda", torch.bfloat16
@@ -128,7 +128,7 @@ def make_case(lengths, H, gate="bounded"):
              gate="bounded", lower_bound=LOWER_BOUND)
     # The bounded parameters are drawn either way, so that a softplus run sees the
     # same q, k, v, g, beta and initial state as a bounded run of the same seed.
-    return with_gate(c, gate)
+    return with_gate(c, gate, softplus_params_kind)
 
 
 # The softplus gate's parameters (--softplus-params): "same", the bounded
@@ -137,10 +137,9 @@ def make_case(lengths, H, gate="bounded"):
 # channel (about 9 nats a token: most chunks decay by more than 2^-100, where
 # K1 forms its products level by level).
 SOFTPLUS_PARAMS = ("same", "strong")
-softplus_kind = "same"
 
 
-def softplus_params(H, device, kind="strong"):
+def softplus_params(H, device, kind):
     if kind == "same":
         return torch.rand(H, device=device), torch.rand(H, D, device=device)
     A_log = torch.empty(H, device=device).uniform_(1.0, 16.0).log()
@@ -148,7 +147,7 @@ def softplus_params(H, device, kind="strong"):
     return A_log, dt_bias
 
 
-def with_gate(c, gate):
+def with_gate(c, gate, softplus_params_kind="same"):
     """c with the parameters of `gate`; the other tensors are shared, not copied."""
     if gate not in GATES:
         raise ValueError(f"gate must be one of {GATES}, got {gate!r}")
@@ -156,9 +155,9 @@ def with_gate(c, gate):
         return c
     if gate == "bounded":
         raise ValueError("a softplus case has no bounded parameters: make the case with the bounded gate")
-    if softplus_kind == "same":
+    if softplus_params_kind == "same":
         return dict(c, gate="softplus", lower_bound=None)
-    A_log, dt_bias = softplus_params(c["H"], c["q"].device, softplus_kind)
+    A_log, dt_bias = softplus_params(c["H"], c["q"].device, softplus_params_kind)
     return dict(c, A_log=A_log, dt_bias=dt_bias, gate="softplus", lower_bound=None)
 
 
@@ -278,7 +277,7 @@ def one_gate(args, bw, have_fla, fla_cases):
     speedups, rows = [], []
     for idx in [int(x) for x in args.cases.split(",")]:
         name, lengths, H = CASES[idx]
-        c = make_case(lengths, H, args.gate)
+        c = make_case(lengths, H, args.gate, args.softplus_params)
         floor = floor_bytes(c) / bw * 1e3
         with_fla = have_fla and (fla_cases is None or idx in fla_cases)
         ours_fn, theirs_fn = run_torch_kda(c), run_fla(c) if with_fla else None
@@ -345,7 +344,7 @@ def both_gates(args, bw, have_fla, fla_cases):
     for idx in [int(x) for x in args.cases.split(",")]:
         name, lengths, H = CASES[idx]
         cb = make_case(lengths, H)
-        cs = with_gate(cb, "softplus")
+        cs = with_gate(cb, "softplus", args.softplus_params)
         floor = floor_bytes(cb) / bw * 1e3
         with_fla = have_fla and (fla_cases is None or idx in fla_cases)
         bounded_fn, softplus_fn = run_torch_kda(cb), run_torch_kda(cs)
@@ -402,8 +401,6 @@ def main():
     args = ap.parse_args()
     if args.json and args.both_gates:
         ap.error("--json writes one gate's table: leave out --both-gates")
-    global softplus_kind
-    softplus_kind = args.softplus_params
 
     torch.manual_seed(0)
     print(f"GPU: {torch.cuda.get_device_name()}  torch {torch.__version__}")

@@ -31,6 +31,17 @@ RecurrenceArgs<T> recurrence_args(const Problem& p, const Activations& a, std::v
   return r;
 }
 
+// The shared argument checks, then the values the CPU can read at no cost:
+// exp(A_log) must be finite in the accumulation dtype.
+Problem check_cpu_args(const char* op, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g,
+                       const Tensor& beta, const Tensor& A_log, const Tensor& dt_bias, optional<double> scale,
+                       optional<double> lower_bound, const optional<Tensor>& initial_state,
+                       const optional<Tensor>& cu_seqlens) {
+  Problem p = check_forward_args(op, q, k, v, g, beta, A_log, dt_bias, scale, lower_bound, initial_state, cu_seqlens);
+  check_A_log_values(op, A_log, accumulation_dtype(p) == at::kDouble);
+  return p;
+}
+
 // Computes the forward and writes it into `out` and, if given, `final_state`.
 // Results go through temporaries, so the destinations may be any strided
 // tensors and may even overlap the inputs.
@@ -62,8 +73,7 @@ std::tuple<Tensor, Tensor> fwd(const Tensor& q, const Tensor& k, const Tensor& v
                                optional<double> lower_bound, const optional<Tensor>& initial_state,
                                bool output_final_state, const optional<Tensor>& cu_seqlens) {
   const char* op = "kda.fwd";
-  Problem p = check_forward_args(op, q, k, v, g, beta, A_log, dt_bias, scale, lower_bound, initial_state, cu_seqlens);
-  check_A_log_values(op, A_log, accumulation_dtype(p) == at::kDouble);
+  Problem p = check_cpu_args(op, q, k, v, g, beta, A_log, dt_bias, scale, lower_bound, initial_state, cu_seqlens);
   ForwardOutputs o = allocate_forward_outputs(p, q, output_final_state);
   forward_into(op, p, q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, o.out,
                output_final_state ? optional<Tensor>(o.final_state) : std::nullopt);
@@ -75,8 +85,7 @@ void fwd_inplace(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor
                  optional<double> scale, optional<double> lower_bound, const optional<Tensor>& initial_state,
                  const optional<Tensor>& cu_seqlens) {
   const char* op = "kda.fwd_";
-  Problem p = check_forward_args(op, q, k, v, g, beta, A_log, dt_bias, scale, lower_bound, initial_state, cu_seqlens);
-  check_A_log_values(op, A_log, accumulation_dtype(p) == at::kDouble);
+  Problem p = check_cpu_args(op, q, k, v, g, beta, A_log, dt_bias, scale, lower_bound, initial_state, cu_seqlens);
   check_inplace_buffers(op, p, q, out, final_state, initial_state);
   check_outputs_disjoint(op, out, final_state);
   forward_into(op, p, q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, out, final_state);
@@ -88,8 +97,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> bwd(
     optional<double> scale, optional<double> lower_bound, const optional<Tensor>& initial_state,
     const optional<Tensor>& cu_seqlens, const optional<Tensor>& checkpoints, const optional<Tensor>& records) {
   const char* op = "kda.bwd";
-  Problem p = check_forward_args(op, q, k, v, g, beta, A_log, dt_bias, scale, lower_bound, initial_state, cu_seqlens);
-  check_A_log_values(op, A_log, accumulation_dtype(p) == at::kDouble);
+  Problem p = check_cpu_args(op, q, k, v, g, beta, A_log, dt_bias, scale, lower_bound, initial_state, cu_seqlens);
   check_backward_grads(op, p, q, grad_out, grad_final_state);
   // Checked as on CUDA, then not needed: this backward keeps every state it uses.
   check_saved(op, p, cu_seqlens.has_value(), q, checkpoints, records);
