@@ -64,7 +64,7 @@ def _sources(pattern):
 
 
 cxx_flags = ["-O3", "-fopenmp-simd"]  # torch picks the C++ standard it needs
-sources = _sources("csrc/*.cpp") + _sources("csrc/cpu/*.cpp") + _sources("meta/*.cpp")
+sources = _sources("csrc/*.cpp") + _sources("csrc/cpu/*.cpp") + _sources("csrc/testing/*.cpp") + _sources("meta/*.cpp")
 define_macros = []
 include_dirs = [os.path.join(ROOT, "csrc")]
 
@@ -75,7 +75,7 @@ if os.environ.get("TORCH_KDA_REQUIRE_CUDA", "0") == "1" and not _want_cuda():
     )
 
 if _want_cuda():
-    sources += _sources("csrc/cuda/*.cpp") + _sources("csrc/cuda/*.cu")
+    sources += _sources("csrc/cuda/**/*.cpp") + _sources("csrc/cuda/**/*.cu") + _sources("csrc/testing/cuda/*.cpp")
     define_macros.append(("TORCH_KDA_WITH_CUDA", None))
     include_dirs += _extra_cuda_includes(_cuda_home())
     nvcc_flags = ["-O3", "--expt-relaxed-constexpr", "-lineinfo"] + _gencode_flags()

@@ -7,8 +7,6 @@ kernel starts), and the kernels' timeline from the profiler: each launch, its
 duration and the gap before it.
 
     python benchmarks/host_timeline.py [--cases 7,12,10,1]
-
-TORCH_KDA_WINDOW_SLOTS and the other settings apply as in any call.
 """
 import argparse
 import os
@@ -42,7 +40,6 @@ def main():
     ap.add_argument("--show", type=int, default=6, help="kernels listed per case (first and last)")
     args = ap.parse_args()
     print(f"GPU: {torch.cuda.get_device_name()}  torch {torch.__version__}  torch_kda from {torch_kda.__file__}")
-    print(f"TORCH_KDA_WINDOW_SLOTS={os.environ.get('TORCH_KDA_WINDOW_SLOTS', '(unset)')}")
     for idx in [int(x) for x in args.cases.split(",")]:
         name, lengths, H = bench_fwd.CASES[idx]
         c = bench_fwd.make_case(lengths, H)

@@ -1,7 +1,7 @@
 // The token-parallel parts of KDA, written with ATen ops in the accumulation
 // dtype (so any device runs them): L2 normalisation, the gate, the beta
 // sigmoid, and the chain rule back through them. The CPU kernels and the
-// chunked backward (chunked_backward.h) share them.
+// chunked backward (testing/chunked_backward.h) share them.
 #pragma once
 
 #include "kda.h"

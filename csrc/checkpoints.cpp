@@ -1,8 +1,5 @@
 #include "checkpoints.h"
 
-#include <algorithm>
-#include <cstdlib>
-#include <cstring>
 #include <string>
 #include <vector>
 
@@ -12,10 +9,6 @@
 
 namespace kda {
 namespace {
-
-// Backward windows hold at least this much scratch: fewer, longer windows.
-constexpr int64_t kWindowScratch = int64_t{1} << 30;
-constexpr int64_t kMinWindowSlots = 16;
 
 c10::SymInt saved_slots(const Problem& p, bool varlen) {
   const c10::SymInt C = cuda::kChunk;
@@ -27,31 +20,16 @@ c10::SymInt saved_slots(const Problem& p, bool varlen) {
 
 }  // namespace
 
-int64_t backward_window_floor(int64_t H) {
-  return std::max(kWindowScratch / (std::max<int64_t>(H, 1) * cuda::kBwdSlotScratchBytes), kMinWindowSlots);
-}
-
-bool save_states_enabled(const char* op) {
-  const char* env = std::getenv("TORCH_KDA_SAVE_STATES");
-  if (env == nullptr || *env == '\0' || std::strcmp(env, "1") == 0) {
-    return true;
+Save parse_save(const char* op, c10::string_view save) {
+  if (save == "states_and_records") {
+    return Save::kStatesAndRecords;
   }
-  TORCH_CHECK(std::strcmp(env, "0") == 0, op, ": TORCH_KDA_SAVE_STATES must be 0 or 1, got '", env, "'");
-  return false;
-}
-
-bool save_records_enabled(const char* op, bool states) {
-  const char* env = std::getenv("TORCH_KDA_SAVE_RECORDS");
-  if (env == nullptr || *env == '\0') {
-    return states;
+  if (save == "states") {
+    return Save::kStates;
   }
-  if (std::strcmp(env, "0") == 0) {
-    return false;
-  }
-  TORCH_CHECK(std::strcmp(env, "1") == 0, op, ": TORCH_KDA_SAVE_RECORDS must be 0 or 1, got '", env, "'");
-  TORCH_CHECK(states, op, ": TORCH_KDA_SAVE_RECORDS=1 needs the states kept, but TORCH_KDA_SAVE_STATES=0 "
-              "(the records are kept only with the states)");
-  return true;
+  TORCH_CHECK(save == "none", op, ": save must be one of 'states_and_records', 'states', 'none', got '",
+              std::string(save), "'");
+  return Save::kNone;
 }
 
 namespace {
@@ -82,9 +60,9 @@ bool given(const std::optional<at::Tensor>& t) {
 
 }  // namespace
 
-SavedForBackward allocate_saved(const char* op, const Problem& p, const at::Tensor& q, bool varlen) {
-  const bool states = save_states_enabled(op);
-  const bool records = save_records_enabled(op, states);
+SavedForBackward allocate_saved(const Problem& p, const at::Tensor& q, bool varlen, Save save) {
+  const bool states = save != Save::kNone;
+  const bool records = save == Save::kStatesAndRecords;
   const c10::SymInt slots = states ? saved_slots(p, varlen) : c10::SymInt(0);  // records only with states
   return {at::empty_symint(checkpoints_shape(p, slots), q.options().dtype(at::kBFloat16)),
           at::empty_symint(records_shape(p, records ? slots : c10::SymInt(0)), q.options().dtype(at::kFloat))};

@@ -1,6 +1,6 @@
 // What kda._fwd_checkpointed keeps for the CUDA backward: the state at the
 // start of every chunk slot, in bf16 as the backward's record gradients read it
-// (cuda/backward_schedule.h), so that the backward runs no recurrence pass of
+// (cuda/backward/schedule.h), so that the backward runs no recurrence pass of
 // its own; and K1's records of every chunk slot (cuda/params.h), so that it
 // runs no K1 for them either. Shared by the real and the Meta kernels, so that
 // the shapes agree by construction.
@@ -11,30 +11,26 @@
 #include <cstdint>
 #include <optional>
 
+#include <c10/util/string_view.h>
+
 #include "kda.h"
 
 namespace kda {
 
-// The backward's window when the call is long enough to need windows: as few
-// slots as hold kWindowScratch of scratch (at least 16), for H heads.
-int64_t backward_window_floor(int64_t H);
+// What kda._fwd_checkpointed keeps, its `save` argument:
+//   "states_and_records": the chunk-start states (2 KiB per token and head)
+//     and the records (1.66 KiB per token and head); the backward runs no
+//     recurrence pass and no K1 of its own for them. The fastest backward.
+//   "states": the states alone; the backward runs K1 for the records.
+//   "none": neither; the backward recomputes both (with one more forward
+//     pass where it runs in windows). The least memory between the two.
+enum class Save { kStatesAndRecords, kStates, kNone };
 
-// Whether kda._fwd_checkpointed keeps the states: yes unless TORCH_KDA_SAVE_STATES=0
-// (2 KiB per token and head held from the forward to the backward; without
-// them the backward recomputes them, with one more forward pass where it runs
-// in windows). Raises on another value.
-bool save_states_enabled(const char* op);
+// `save` as the enum; any other string raises, naming `op` and the choices.
+Save parse_save(const char* op, c10::string_view save);
 
-// Whether kda._fwd_checkpointed also keeps the records (27,136 bytes per chunk
-// slot and head, 1.66 KiB per token and head): yes with the states unless
-// TORCH_KDA_SAVE_RECORDS=0; never without the states (the backward's passes
-// that recompute the states recompute the records too), and
-// TORCH_KDA_SAVE_RECORDS=1 with TORCH_KDA_SAVE_STATES=0 raises, as does any
-// other value.
-bool save_records_enabled(const char* op, bool states);
-
-// kda._fwd_checkpointed's two extra outputs, as the two settings above ask
-// (read here, raising with `op` on a bad value); functions of the shapes alone.
+// kda._fwd_checkpointed's two extra outputs, as `save` asks; functions of the
+// shapes and `save` alone.
 //   checkpoints: bf16 [slots, H, 128, 128] on q's device, slot s the state at
 //     the start of chunk slot s (as the CUDA kernels number the slots: B *
 //     ceil(T / 16) for fixed length, min(T, ceil(T / 16) + N) with cu_seqlens;
@@ -47,7 +43,7 @@ struct SavedForBackward {
   at::Tensor checkpoints;
   at::Tensor records;
 };
-SavedForBackward allocate_saved(const char* op, const Problem& p, const at::Tensor& q, bool varlen);
+SavedForBackward allocate_saved(const Problem& p, const at::Tensor& q, bool varlen, Save save);
 
 // What a backward call was given of these: each absent, empty, or what
 // allocate_saved gives for the same shapes, contiguous; records only with

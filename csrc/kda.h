@@ -6,6 +6,7 @@
 #include <ATen/ATen.h>
 
 #include <optional>
+#include <tuple>
 
 #include "constants.h"
 
@@ -119,5 +120,9 @@ BackwardOutputs allocate_backward_outputs(
     const at::Tensor& A_log,
     const at::Tensor& dt_bias,
     const std::optional<at::Tensor>& initial_state);
+
+// kda::bwd's eight outputs, in the schema's order.
+using BackwardTuple = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor,
+                                 at::Tensor, at::Tensor>;
 
 }  // namespace kda

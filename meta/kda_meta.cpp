@@ -27,11 +27,12 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> fwd_checkpointed(const Tensor& q, con
                                                     const Tensor& beta, const Tensor& A_log, const Tensor& dt_bias,
                                                     optional<double> scale, optional<double> lower_bound,
                                                     const optional<Tensor>& initial_state, bool output_final_state,
-                                                    const optional<Tensor>& cu_seqlens) {
+                                                    const optional<Tensor>& cu_seqlens, c10::string_view save) {
   Problem p = check_forward_args("kda.fwd", q, k, v, g, beta, A_log, dt_bias, scale, lower_bound, initial_state,
                                  cu_seqlens);
+  const Save what = parse_save("kda.fwd", save);
   ForwardOutputs o = allocate_forward_outputs(p, q, output_final_state);
-  SavedForBackward saved = allocate_saved("kda.fwd", p, q, cu_seqlens.has_value());
+  SavedForBackward saved = allocate_saved(p, q, cu_seqlens.has_value(), what);
   return {o.out, o.final_state, saved.checkpoints, saved.records};
 }
 

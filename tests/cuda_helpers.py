@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import torch_kda
+from torch_kda.testing import forced
 from conftest import make_inputs, positional, rel, run_reference
 
 # Every CUDA test module's marks: skipped without a GPU or without the CUDA kernels.
@@ -65,21 +66,6 @@ def hard_case(name, d, g):
     d["A_log"], d["dt_bias"], d["beta"] = (g[n].cpu() for n in ("A_log", "dt_bias", "beta"))
 
 
-def record_values(records):
-    """The values of the backward's records (csrc/cuda/params.h: per chunk and head,
-    bf16 planes Qs, W hi, W lo, Kd hi, Kd lo, Aqk, Qs lo, Aqk lo, fp32 gl, M hi, M lo):
-    Qs, W, Kd, Aqk and M as hi + lo, and gl, each in float64 on the CPU."""
-    b = records.view(torch.uint8).reshape(-1, 27136).cpu()
-
-    def plane(at, n, dtype=torch.bfloat16):
-        return b[:, at:at + n].contiguous().view(dtype).double()
-
-    P, Q = 16 * 128 * 2, 16 * 16 * 2
-    return [plane(0, P) + plane(20480 + Q, P), plane(P, P) + plane(2 * P, P), plane(3 * P, P) + plane(4 * P, P),
-            plane(20480, Q) + plane(20480 + Q + P, Q), plane(25600, 512, torch.float32),
-            plane(26112, Q) + plane(26112 + Q, Q)]
-
-
 def assert_each_sequence_alone_is_bitwise(g, out, final):
     """Each sequence of the varlen batch g, run alone, gives bitwise the batch's out and final state."""
     cu = g["cu_seqlens"].tolist()
@@ -94,12 +80,10 @@ def assert_each_sequence_alone_is_bitwise(g, out, final):
         assert torch.equal(f[0], final[n]), n
 
 
-def run_windowed(g, window, monkeypatch, **kw):
-    monkeypatch.setenv("TORCH_KDA_WINDOW_SLOTS", str(window))
-    try:
+def run_windowed(g, window, **kw):
+    """run_cuda in windows of `window` chunk slots (0: one pass), the other choices automatic."""
+    with forced(window_slots=window):
         return run_cuda(g, **kw)
-    finally:
-        monkeypatch.delenv("TORCH_KDA_WINDOW_SLOTS")
 
 
 WINDOW_CASES = {

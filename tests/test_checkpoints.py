@@ -1,7 +1,7 @@
 """kda._fwd_checkpointed's checkpoints and records (csrc/checkpoints.h), where
 no GPU is needed: their shapes (every chunk slot's starting state, bf16, and K1's
-record, fp32) on Meta tensors, TORCH_KDA_SAVE_STATES and TORCH_KDA_SAVE_RECORDS,
-and kda.bwd's checks of those it is given. Their values and what the backward
+record, fp32) on Meta tensors, its `save` argument and torch_kda.kda's
+save_for_backward keyword, and kda.bwd's checks of those it is given. Their values and what the backward
 does with them are tested on the GPU (tests/test_cuda_backward.py)."""
 import expecttest
 import pytest
@@ -21,8 +21,8 @@ def _meta_inputs(**kw):
 RECORD_FLOATS = 6784  # 27,136 bytes a record (csrc/cuda/params.h)
 
 
-def _saved(d):
-    out = torch.ops.kda._fwd_checkpointed(*positional(d), None, -5.0, d["initial_state"], False, d["cu_seqlens"])
+def _saved(d, **kw):
+    out = torch.ops.kda._fwd_checkpointed(*positional(d), None, -5.0, d["initial_state"], False, d["cu_seqlens"], **kw)
     return out[2], out[3]
 
 
@@ -36,9 +36,7 @@ def _checkpoints(d):
     (dict(B=1, T=8192, H=32), 512), (dict(B=1, T=16 * 500 + 1, H=8), 501), (dict(B=2, T=300, H=2), 38),
     (dict(B=1, T=0, H=2), 0), (dict(seqlens=[300], H=2), 20), (dict(seqlens=[100, 200], H=2), 21),
     (dict(seqlens=[5, 0, 3], H=4), 4), (dict(seqlens=[1, 1, 1, 1, 1], H=2), 5)])
-def test_one_checkpoint_and_record_per_chunk_slot(kw, slots, monkeypatch):
-    monkeypatch.delenv("TORCH_KDA_SAVE_STATES", raising=False)
-    monkeypatch.delenv("TORCH_KDA_SAVE_RECORDS", raising=False)
+def test_one_checkpoint_and_record_per_chunk_slot(kw, slots):
     ckpt, records = _saved(_meta_inputs(**kw))
     assert ckpt.shape == (slots, kw["H"], 128, 128)
     assert ckpt.dtype == torch.bfloat16 and ckpt.is_contiguous()
@@ -46,43 +44,35 @@ def test_one_checkpoint_and_record_per_chunk_slot(kw, slots, monkeypatch):
     assert records.dtype == torch.float32 and records.is_contiguous()
 
 
-# (TORCH_KDA_SAVE_STATES, TORCH_KDA_SAVE_RECORDS; None: unset) -> the slots of the
-# checkpoints and of the records that the forward keeps (300 tokens: 19 slots).
-@pytest.mark.parametrize("states,records,kept", [
-    (None, None, (19, 19)), ("1", None, (19, 19)), ("0", None, (0, 0)), ("0", "0", (0, 0)),
-    (None, "0", (19, 0)), ("1", "0", (19, 0)), (None, "1", (19, 19)), ("1", "1", (19, 19))])
-def test_save_settings(states, records, kept, monkeypatch):
-    for name, value in (("TORCH_KDA_SAVE_STATES", states), ("TORCH_KDA_SAVE_RECORDS", records)):
-        if value is None:
-            monkeypatch.delenv(name, raising=False)
-        else:
-            monkeypatch.setenv(name, value)
-    ckpt, rec = _saved(_meta_inputs(B=1, T=300, H=2))
+# `save` (None: the default) -> the slots of the checkpoints and of the records
+# that the forward keeps (300 tokens: 19 slots).
+@pytest.mark.parametrize("save,kept", [
+    (None, (19, 19)), ("states_and_records", (19, 19)), ("states", (19, 0)), ("none", (0, 0))])
+def test_save_argument(save, kept):
+    kw = {} if save is None else {"save": save}
+    ckpt, rec = _saved(_meta_inputs(B=1, T=300, H=2), **kw)
     assert ckpt.shape == (kept[0], 2, 128, 128) and rec.shape == (kept[1], 2, RECORD_FLOATS)
 
 
-class TestSaveSettingsAreChecked(expecttest.TestCase):
-    def _error(self, **env):
-        """The first line of the error the forward raises with these settings (None: unset)."""
-        d = _meta_inputs(B=1, T=30, H=2)
-        with pytest.MonkeyPatch.context() as mp:
-            for name, value in env.items():
-                if value is None:
-                    mp.delenv(name, raising=False)
-                else:
-                    mp.setenv(name, value)
-            with self.assertRaises(RuntimeError) as e:
-                _saved(d)
-        return str(e.exception).splitlines()[0]
+def test_save_is_not_read_from_the_environment(monkeypatch):
+    """No environment variable changes what the forward keeps: only the argument does."""
+    monkeypatch.setenv("TORCH_KDA_SAVE_STATES", "0")
+    monkeypatch.setenv("TORCH_KDA_SAVE_RECORDS", "0")
+    ckpt, rec = _saved(_meta_inputs(B=1, T=300, H=2))
+    assert ckpt.shape[0] == 19 and rec.shape[0] == 19
 
-    def test_bad_value(self):
-        self.assertExpectedInline(self._error(TORCH_KDA_SAVE_STATES="yes", TORCH_KDA_SAVE_RECORDS=None), """kda.fwd: TORCH_KDA_SAVE_STATES must be 0 or 1, got 'yes'""")
 
-    def test_bad_records_value(self):
-        self.assertExpectedInline(self._error(TORCH_KDA_SAVE_STATES=None, TORCH_KDA_SAVE_RECORDS="2"), """kda.fwd: TORCH_KDA_SAVE_RECORDS must be 0 or 1, got '2'""")
+class TestSaveIsChecked(expecttest.TestCase):
+    def test_bad_save_argument(self):
+        with self.assertRaises(RuntimeError) as e:
+            _saved(_meta_inputs(B=1, T=30, H=2), save="records")
+        self.assertExpectedInline(str(e.exception).splitlines()[0], """kda.fwd: save must be one of 'states_and_records', 'states', 'none', got 'records'""")
 
-    def test_records_without_states(self):
-        self.assertExpectedInline(self._error(TORCH_KDA_SAVE_STATES="0", TORCH_KDA_SAVE_RECORDS="1"), """kda.fwd: TORCH_KDA_SAVE_RECORDS=1 needs the states kept, but TORCH_KDA_SAVE_STATES=0 (the records are kept only with the states)""")
+    def test_bad_save_for_backward_keyword(self):
+        d = make_inputs(B=1, T=30, H=2, K=16, V=16)
+        with self.assertRaises(ValueError) as e:
+            torch_kda.kda(*positional(d), lower_bound=-5.0, save_for_backward="all")
+        self.assertExpectedInline(str(e.exception), """torch_kda.kda: save_for_backward must be one of 'states_and_records', 'states', 'none', got 'all'""")
 
 
 class TestBackwardChecksCheckpoints(expecttest.TestCase):

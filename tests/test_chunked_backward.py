@@ -1,4 +1,4 @@
-"""kda::_bwd_chunked (the backward over 16-token chunks written with ATen ops,
+"""kda_testing::bwd_chunked (the backward over 16-token chunks written with ATen ops,
 the same chunked math as the CUDA backward's kernels) against kda::bwd's token-by-token CPU
 kernel, in float64 on fresh random inputs: every gradient, fixed and variable
 length, with and without states, both gates."""
@@ -22,7 +22,7 @@ def both(d, grad_final, lower_bound, scale=None):
         H, K, V = d["q"].shape[2], d["q"].shape[3], d["v"].shape[3]
         gf = torch.randn(N, H, V, K, dtype=d["v"].dtype)
     ref = torch.ops.kda.bwd(grad_out, gf, *positional(d), **kw)
-    got = torch.ops.kda._bwd_chunked(grad_out, gf, *positional(d), **kw)
+    got = torch.ops.kda_testing.bwd_chunked(grad_out, gf, *positional(d), **kw)
     return ref, got
 
 
@@ -60,7 +60,7 @@ def test_varlen_gradients_stay_inside_their_sequence():
     d = make_inputs(seqlens=[20, 13, 40], H=2, K=4, V=3, dtype=F64, state_dtype=F64)
     grad_out = torch.zeros(*d["v"].shape, dtype=F64)
     grad_out[:, 20:33] = torch.randn(1, 13, 2, 3, dtype=F64)
-    dq, dk, dv, dg, dbeta, _, _, dinit = torch.ops.kda._bwd_chunked(
+    dq, dk, dv, dg, dbeta, _, _, dinit = torch.ops.kda_testing.bwd_chunked(
         grad_out, None, *positional(d), lower_bound=-2.0, initial_state=d["initial_state"], cu_seqlens=d["cu_seqlens"])
     for t in (dq, dk, dv, dg, dbeta):
         assert torch.count_nonzero(t[:, :20]) == 0 and torch.count_nonzero(t[:, 33:]) == 0
@@ -83,7 +83,7 @@ def test_fp32_inputs_are_computed_in_fp32():
     grad_out = torch.randn(1, 200, 2, 32, dtype=F64)
     gf = torch.randn(1, 2, 32, 32, dtype=F64)
     ref = torch.ops.kda.bwd(grad_out, gf, *positional(d64), lower_bound=-5.0, initial_state=d64["initial_state"])
-    got = torch.ops.kda._bwd_chunked(grad_out.float(), gf.float(), *positional(d32), lower_bound=-5.0,
+    got = torch.ops.kda_testing.bwd_chunked(grad_out.float(), gf.float(), *positional(d32), lower_bound=-5.0,
                                      initial_state=d32["initial_state"])
     for name, r, x in zip(NAMES, ref, got):
         assert x.dtype == torch.float32, name
@@ -103,13 +103,13 @@ def test_inputs_are_not_modified():
     grad_out = torch.randn(*d["v"].shape, dtype=F64)
     gf = torch.randn(2, 1, 1, 1, dtype=F64)
     before = [t.clone() for t in (grad_out, gf, *(x for x in positional(d)), d["initial_state"])]
-    torch.ops.kda._bwd_chunked(grad_out, gf, *positional(d), lower_bound=-1.0, initial_state=d["initial_state"])
+    torch.ops.kda_testing.bwd_chunked(grad_out, gf, *positional(d), lower_bound=-1.0, initial_state=d["initial_state"])
     after = (grad_out, gf, *(x for x in positional(d)), d["initial_state"])
     for b, a in zip(before, after):
         assert torch.equal(b, a)
 
 
-@pytest.mark.parametrize("op", ["bwd", "_bwd_chunked"])
+@pytest.mark.parametrize("op", ["kda.bwd", "kda_testing.bwd_chunked"])
 def test_backward_with_nan_filled_scratch_is_unchanged(op):
     """The CPU backwards with every uninitialised allocation NaN-filled (their
     outputs and scratch): the same gradients bit for bit, on a varlen batch with an
@@ -120,7 +120,8 @@ def test_backward_with_nan_filled_scratch_is_unchanged(op):
     grad_out = torch.randn(*d["v"].shape, dtype=F64)
     gf = torch.randn(*d["initial_state"].shape, dtype=F64)
     kw = dict(lower_bound=-5.0, initial_state=d["initial_state"], cu_seqlens=d["cu_seqlens"])
-    fn = getattr(torch.ops.kda, op)
+    namespace, name = op.split(".")
+    fn = getattr(getattr(torch.ops, namespace), name)
     want = fn(grad_out, gf, *positional(d), **kw)
     with nan_filled_empty():
         probe = torch.empty(3, dtype=F64)

@@ -6,11 +6,13 @@ runs them on an H200.
 """
 
 import math
+import re
 
 import pytest
 import torch
 
 import torch_kda
+from torch_kda.testing import forced
 from conftest import positional, rel
 from cuda_helpers import (
     CUDA_MARKS,
@@ -108,7 +110,7 @@ def test_backward_misaligned_grad_final_state():
 
 @pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16, None])
 @pytest.mark.parametrize("case", list(WINDOW_CASES))
-def test_backward_windows_are_bitwise_one_pass(case, state_dtype, monkeypatch):
+def test_backward_windows_are_bitwise_one_pass(case, state_dtype):
     """The backward in windows of slots (a forward pass for the window-start
     checkpoints, then the windows from the last to the first, with dS waiting
     between them in fp32) gives the one-pass gradients bit for bit; sequences
@@ -123,12 +125,9 @@ def test_backward_windows_are_bitwise_one_pass(case, state_dtype, monkeypatch):
     grad_out = torch.randn(*g["v"].shape, device=DEV).to(torch.bfloat16)
     for gf in (torch.randn(*state_shape, device=DEV), None):
         def grads(window):
-            monkeypatch.setenv("TORCH_KDA_WINDOW_SLOTS", str(window))
-            try:
+            with forced(window_slots=window):
                 return torch.ops.kda.bwd(grad_out, gf, *positional(g), lower_bound=-5.0,
                                          initial_state=g["initial_state"], cu_seqlens=g["cu_seqlens"])
-            finally:
-                monkeypatch.delenv("TORCH_KDA_WINDOW_SLOTS")
         want = grads(0)
         for window in windows:
             got = grads(window)
@@ -136,8 +135,8 @@ def test_backward_windows_are_bitwise_one_pass(case, state_dtype, monkeypatch):
                 assert torch.equal(x, y), (window, gf is None, name)
 
 
-def test_backward_window_setting_makes_windows(monkeypatch):
-    """The setting really cuts the backward: 2 x 300 tokens are 38 slots, so windows
+def test_backward_window_setting_makes_windows():
+    """forced(window_slots=...) really cuts the backward: 2 x 300 tokens are 38 slots, so windows
     of 7 slots are 6 launches of the dS recurrence (one per window); 0 is one pass."""
     _, g = cuda_inputs(B=2, T=300, H=2, state_dtype=torch.float32)
     grad_out = torch.randn(*g["v"].shape, device=DEV).to(torch.bfloat16)
@@ -149,17 +148,16 @@ def test_backward_window_setting_makes_windows(monkeypatch):
         names = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
         return sum("ds_recurrence_kernel" in n for n in names)
 
-    monkeypatch.setenv("TORCH_KDA_WINDOW_SLOTS", "7")
-    assert ds_launches() == 6
-    monkeypatch.setenv("TORCH_KDA_WINDOW_SLOTS", "0")
-    assert ds_launches() == 1
+    with forced(window_slots=7):
+        assert ds_launches() == 6
+    with forced(window_slots=0):
+        assert ds_launches() == 1
 
 
-def test_backward_windows_engage_and_bound_memory(monkeypatch):
+def test_backward_windows_engage_and_bound_memory():
     """Long few-head calls get windows without any setting: less memory than the
     one-pass scratch (7.75 KB per token and head: 1984 MiB here),
     the one-pass gradients."""
-    monkeypatch.delenv("TORCH_KDA_WINDOW_SLOTS", raising=False)
     _, g = cuda_inputs(B=1, T=16384, H=16, state_dtype=torch.float32)
     grad_out = torch.randn(*g["v"].shape, device=DEV).to(torch.bfloat16)
     kw = dict(lower_bound=-5.0, initial_state=g["initial_state"])
@@ -172,16 +170,16 @@ def test_backward_windows_engage_and_bound_memory(monkeypatch):
     one_pass_scratch = 16384 * 16 * 7936
     print(f"\nbackward peak {peak / 2**20:.0f} MiB (one-pass scratch alone {one_pass_scratch / 2**20:.0f} MiB)", end="")
     assert peak < one_pass_scratch * 3 / 4
-    monkeypatch.setenv("TORCH_KDA_WINDOW_SLOTS", "0")
-    want = torch.ops.kda.bwd(grad_out, None, *positional(g), **kw)
+    with forced(window_slots=0):
+        want = torch.ops.kda.bwd(grad_out, None, *positional(g), **kw)
     for name, x, y in zip(GRAD_NAMES, got, want):
         assert torch.equal(x, y), name
 
 
 @pytest.mark.parametrize("window,T,H,windows,state_dtype", [
-    (None, 10000, 16, 2, torch.float32), (None, 4000, 96, 3, torch.float32), ("7", 4000, 96, 36, torch.float32),
-    ("0", 300, 2, 1, torch.float32), (None, 4000, 96, 3, torch.bfloat16), (None, 10000, 16, 2, torch.bfloat16)])
-def test_forward_checkpoints_serve_the_backward_bitwise(window, T, H, windows, state_dtype, monkeypatch):
+    (None, 10000, 16, 2, torch.float32), (None, 4000, 96, 3, torch.float32), (7, 4000, 96, 36, torch.float32),
+    (0, 300, 2, 1, torch.float32), (None, 4000, 96, 3, torch.bfloat16), (None, 10000, 16, 2, torch.bfloat16)])
+def test_forward_checkpoints_serve_the_backward_bitwise(window, T, H, windows, state_dtype):
     """kda._fwd_checkpointed returns fwd's outputs bit for bit, the state at
     every chunk slot's start in bf16 (bitwise a prefix forward's final state,
     rounded) and K1's records, in one pass unless windows are forced. kda.bwd
@@ -189,35 +187,32 @@ def test_forward_checkpoints_serve_the_backward_bitwise(window, T, H, windows, s
     pass without them: K1 once per window, against twice but once), given the
     records too no K1 for the records either, and gives the gradients it gives
     without them, bit for bit, also when called again: the checkpoints and
-    records are left as they were. TORCH_KDA_WINDOW_SLOTS moves the windows (7
+    records are left as they were. forced(window_slots=7) moves the windows (7
     slots: 36 of them) but not the checkpoints. With a bf16 state (bf16 products; at 96
     heads the 4x1w shape, at 16 the 2x2) too: the backward's own passes recompute the
     forward's states."""
-    if window is None:
-        monkeypatch.delenv("TORCH_KDA_WINDOW_SLOTS", raising=False)
-    else:
-        monkeypatch.setenv("TORCH_KDA_WINDOW_SLOTS", window)
-    _, g = cuda_inputs(B=1, T=T, H=H, state_dtype=state_dtype)
-    init = g["initial_state"]
-    (out, final, ckpt, records), k1_fwd, _ = kernel_launches(
-        lambda: torch.ops.kda._fwd_checkpointed(*positional(g), None, -5.0, init, True, None))
-    assert k1_fwd == (36 if window == "7" else 1)
-    want_out, want_final = torch.ops.kda.fwd(*positional(g), None, -5.0, init, True, None)
-    assert torch.equal(out, want_out) and torch.equal(final, want_final)
-    assert ckpt.shape == (math.ceil(T / 16), H, D, D) and ckpt.dtype == torch.bfloat16
-    assert records.shape == (math.ceil(T / 16), H, RECORD_FLOATS) and records.dtype == torch.float32
-    assert_checkpoints_are_prefix_states(g, ckpt)
+    with forced(window_slots=window):
+        _, g = cuda_inputs(B=1, T=T, H=H, state_dtype=state_dtype)
+        init = g["initial_state"]
+        (out, final, ckpt, records), k1_fwd, _ = kernel_launches(
+            lambda: torch.ops.kda._fwd_checkpointed(*positional(g), None, -5.0, init, True, None))
+        assert k1_fwd == (36 if window == 7 else 1)
+        want_out, want_final = torch.ops.kda.fwd(*positional(g), None, -5.0, init, True, None)
+        assert torch.equal(out, want_out) and torch.equal(final, want_final)
+        assert ckpt.shape == (math.ceil(T / 16), H, D, D) and ckpt.dtype == torch.bfloat16
+        assert records.shape == (math.ceil(T / 16), H, RECORD_FLOATS) and records.dtype == torch.float32
+        assert_checkpoints_are_prefix_states(g, ckpt)
 
-    grad_out = torch.randn(*g["v"].shape, device=DEV).to(torch.bfloat16)
-    gf = torch.randn_like(init)
-    kw = dict(lower_bound=-5.0, initial_state=init)
-    saved, saved_records = ckpt.clone(), records.clone()
-    want, k1_without, k2_without = kernel_launches(lambda: torch.ops.kda.bwd(grad_out, gf, *positional(g), **kw))
-    got, k1_with, k2_with = kernel_launches(
-        lambda: torch.ops.kda.bwd(grad_out, gf, *positional(g), checkpoints=ckpt, **kw))
-    both, k1_both, k2_both = kernel_launches(
-        lambda: torch.ops.kda.bwd(grad_out, gf, *positional(g), checkpoints=ckpt, records=records, **kw))
-    again = torch.ops.kda.bwd(grad_out, gf, *positional(g), checkpoints=ckpt, records=records, **kw)
+        grad_out = torch.randn(*g["v"].shape, device=DEV).to(torch.bfloat16)
+        gf = torch.randn_like(init)
+        kw = dict(lower_bound=-5.0, initial_state=init)
+        saved, saved_records = ckpt.clone(), records.clone()
+        want, k1_without, k2_without = kernel_launches(lambda: torch.ops.kda.bwd(grad_out, gf, *positional(g), **kw))
+        got, k1_with, k2_with = kernel_launches(
+            lambda: torch.ops.kda.bwd(grad_out, gf, *positional(g), checkpoints=ckpt, **kw))
+        both, k1_both, k2_both = kernel_launches(
+            lambda: torch.ops.kda.bwd(grad_out, gf, *positional(g), checkpoints=ckpt, records=records, **kw))
+        again = torch.ops.kda.bwd(grad_out, gf, *positional(g), checkpoints=ckpt, records=records, **kw)
     assert (k1_with, k2_with) == (windows, 0)
     assert (k1_both, k2_both) == (0, 0)
     assert k1_without == k2_without == 2 * windows - 1
@@ -226,8 +221,8 @@ def test_forward_checkpoints_serve_the_backward_bitwise(window, T, H, windows, s
         assert torch.equal(x, y) and torch.equal(z, y) and torch.equal(w, y), name
 
 
-@pytest.mark.parametrize("window", ["0", "5"])
-def test_forward_checkpoints_serve_a_varlen_backward_bitwise(window, monkeypatch):
+@pytest.mark.parametrize("window", [0, 5])
+def test_forward_checkpoints_serve_a_varlen_backward_bitwise(window):
     """A varlen batch (an empty sequence, partial chunks): kda._fwd_checkpointed's
     checkpoints and records (min(T, ceil(T / 16) + N) slots, the last N zeroed
     before the forward, so that the outputs hold no uninitialised memory:
@@ -236,97 +231,105 @@ def test_forward_checkpoints_serve_a_varlen_backward_bitwise(window, monkeypatch
     (the states alone) and no K1 for the records either (both)."""
     from conftest import nan_filled_empty
 
-    monkeypatch.setenv("TORCH_KDA_WINDOW_SLOTS", window)
-    _, g = cuda_inputs(seqlens=[37, 0, 100, 16], H=3, state_dtype=torch.float32)
-    init = g["initial_state"]
-    with nan_filled_empty():
-        out, final, ckpt, records = torch.ops.kda._fwd_checkpointed(*positional(g), None, -5.0, init, True,
-                                                                    g["cu_seqlens"])
-    assert ckpt.shape == (min(153, math.ceil(153 / 16) + 4), 3, D, D)  # 14 slots, 3 + 7 + 1 chunks
-    assert records.shape == (14, 3, RECORD_FLOATS)
-    assert not torch.isnan(ckpt.float()).any() and not torch.isnan(records).any()
-    assert torch.equal(ckpt[11:], torch.zeros_like(ckpt[11:]))
-    assert torch.equal(records[11:], torch.zeros_like(records[11:]))
-    want_out, want_final = torch.ops.kda.fwd(*positional(g), None, -5.0, init, True, g["cu_seqlens"])
-    assert torch.equal(out, want_out) and torch.equal(final, want_final)
-    grad_out = torch.randn(*g["v"].shape, device=DEV).to(torch.bfloat16)
-    gf = torch.randn_like(init)
-    kw = dict(lower_bound=-5.0, initial_state=init, cu_seqlens=g["cu_seqlens"])
-    want = torch.ops.kda.bwd(grad_out, gf, *positional(g), **kw)
-    got, _, k2 = kernel_launches(lambda: torch.ops.kda.bwd(grad_out, gf, *positional(g), checkpoints=ckpt, **kw))
-    both, k1_both, k2_both = kernel_launches(
-        lambda: torch.ops.kda.bwd(grad_out, gf, *positional(g), checkpoints=ckpt, records=records, **kw))
+    with forced(window_slots=window):
+        _, g = cuda_inputs(seqlens=[37, 0, 100, 16], H=3, state_dtype=torch.float32)
+        init = g["initial_state"]
+        with nan_filled_empty():
+            out, final, ckpt, records = torch.ops.kda._fwd_checkpointed(*positional(g), None, -5.0, init, True,
+                                                                        g["cu_seqlens"])
+        assert ckpt.shape == (min(153, math.ceil(153 / 16) + 4), 3, D, D)  # 14 slots, 3 + 7 + 1 chunks
+        assert records.shape == (14, 3, RECORD_FLOATS)
+        assert not torch.isnan(ckpt.float()).any() and not torch.isnan(records).any()
+        assert torch.equal(ckpt[11:], torch.zeros_like(ckpt[11:]))
+        assert torch.equal(records[11:], torch.zeros_like(records[11:]))
+        want_out, want_final = torch.ops.kda.fwd(*positional(g), None, -5.0, init, True, g["cu_seqlens"])
+        assert torch.equal(out, want_out) and torch.equal(final, want_final)
+        grad_out = torch.randn(*g["v"].shape, device=DEV).to(torch.bfloat16)
+        gf = torch.randn_like(init)
+        kw = dict(lower_bound=-5.0, initial_state=init, cu_seqlens=g["cu_seqlens"])
+        want = torch.ops.kda.bwd(grad_out, gf, *positional(g), **kw)
+        got, _, k2 = kernel_launches(lambda: torch.ops.kda.bwd(grad_out, gf, *positional(g), checkpoints=ckpt, **kw))
+        both, k1_both, k2_both = kernel_launches(
+            lambda: torch.ops.kda.bwd(grad_out, gf, *positional(g), checkpoints=ckpt, records=records, **kw))
     assert k2 == 0 and (k1_both, k2_both) == (0, 0)
     for name, x, y, z in zip(GRAD_NAMES, got, want, both):
         assert torch.equal(x, y) and torch.equal(z, y), name
 
 
-def test_save_states_off_keeps_nothing(monkeypatch):
-    """TORCH_KDA_SAVE_STATES=0: the forward keeps no states and no records
-    (empty outputs) and torch_kda.kda's backward recomputes them (K2 and K1 run
-    there); TORCH_KDA_SAVE_RECORDS=0 keeps the states alone (K1 runs there);
-    the same gradients bit for bit as with both kept (neither runs)."""
+def test_save_settings_keep_what_they_name():
+    """What _fwd_checkpointed keeps for the backward (`save`, torch_kda.kda's
+    save_for_backward): "none" no states and no records (empty outputs), and
+    torch_kda.kda's backward recomputes them (K2 and K1 run there); "states"
+    the states alone (K1 runs there); "states_and_records", the default, both
+    (neither runs); the same gradients bit for bit with each."""
     _, g = cuda_inputs(B=1, T=300, H=2, state_dtype=torch.float32)
     names = ("q", "k", "v", "g", "beta", "A_log", "dt_bias")
 
-    def grads_and_launches(states, records):
-        monkeypatch.setenv("TORCH_KDA_SAVE_STATES", states)
-        monkeypatch.setenv("TORCH_KDA_SAVE_RECORDS", records)
+    def grads_and_launches(save):
         leaves = {n: g[n].detach().clone().requires_grad_() for n in names}
-        out, _ = torch_kda.kda(*(leaves[n] for n in names), lower_bound=-5.0, initial_state=g["initial_state"])
+        out, _ = torch_kda.kda(*(leaves[n] for n in names), lower_bound=-5.0, initial_state=g["initial_state"],
+                               save_for_backward=save)
         _, k1, k2 = kernel_launches(lambda: out.backward(torch.ones_like(out)))
         return [leaves[n].grad for n in names], (k1, k2)
 
-    monkeypatch.setenv("TORCH_KDA_SAVE_STATES", "0")
-    monkeypatch.delenv("TORCH_KDA_SAVE_RECORDS", raising=False)
-    _, _, ckpt, records = torch.ops.kda._fwd_checkpointed(*positional(g), None, -5.0, None, False, None)
+    args = (*positional(g), None, -5.0, None, False, None)
+    _, _, ckpt, records = torch.ops.kda._fwd_checkpointed(*args, save="none")
     assert ckpt.shape == (0, 2, D, D) and records.shape == (0, 2, RECORD_FLOATS)
-    monkeypatch.setenv("TORCH_KDA_SAVE_STATES", "1")
-    monkeypatch.setenv("TORCH_KDA_SAVE_RECORDS", "0")
-    _, _, ckpt, records = torch.ops.kda._fwd_checkpointed(*positional(g), None, -5.0, None, False, None)
+    _, _, ckpt, records = torch.ops.kda._fwd_checkpointed(*args, save="states")
     assert ckpt.shape == (19, 2, D, D) and records.shape == (0, 2, RECORD_FLOATS)
-    off, launches_off = grads_and_launches("0", "")
-    states, launches_states = grads_and_launches("1", "0")
-    on, launches_on = grads_and_launches("1", "1")
+    for kw in (dict(save="states_and_records"), {}):
+        _, _, ckpt, records = torch.ops.kda._fwd_checkpointed(*args, **kw)
+        assert ckpt.shape == (19, 2, D, D) and records.shape == (19, 2, RECORD_FLOATS), kw
+    off, launches_off = grads_and_launches("none")
+    states, launches_states = grads_and_launches("states")
+    on, launches_on = grads_and_launches("states_and_records")
     assert (launches_off, launches_states, launches_on) == ((1, 1), (1, 0), (0, 0))
     for name, x, y, z in zip(names, off, states, on):
         assert torch.equal(x, z) and torch.equal(y, z), name
 
 
-@pytest.mark.parametrize("ds_block", ["", "4x1", "4x2", "8x2"])
-@pytest.mark.parametrize("window", ["0", "5"])
-def test_backward_with_nan_filled_scratch_is_unchanged(ds_block, window, monkeypatch):
+def test_bad_save_setting_raises():
+    """A `save` outside the three raises: ValueError from torch_kda.kda, naming
+    its keyword, RuntimeError from the op, naming it."""
+    _, g = cuda_inputs(B=1, T=40, H=2, state_dtype=torch.float32)
+    leaves = [t.detach().clone().requires_grad_() for t in positional(g)]
+    choices = "'states_and_records', 'states', 'none', got 'all'"
+    with pytest.raises(ValueError, match=re.escape(f"torch_kda.kda: save_for_backward must be one of {choices}")):
+        torch_kda.kda(*leaves, lower_bound=-5.0, initial_state=g["initial_state"], save_for_backward="all")
+    with pytest.raises(RuntimeError, match=re.escape(f"kda.fwd: save must be one of {choices}")):
+        torch.ops.kda._fwd_checkpointed(*positional(g), None, -5.0, None, False, None, save="all")
+
+
+@pytest.mark.parametrize("ds_block", ["auto", "4x1", "4x2", "2x2"])
+@pytest.mark.parametrize("window", [0, 5])
+def test_backward_with_nan_filled_scratch_is_unchanged(ds_block, window):
     """kda.bwd with every uninitialised allocation NaN-filled (its outputs and all
     the scratch between its kernels: records, chunk states, dS1, record gradients,
     carries), in one pass and in windows, in the dS recurrence's automatic shape and
-    three forced ones: the gradients bit for bit those of a normal call, so no kernel
+    the three forced ones: the gradients bit for bit those of a normal call, so no kernel
     reads an element another did not write."""
     from conftest import nan_filled_empty
 
-    monkeypatch.setenv("TORCH_KDA_DS_BLOCK", ds_block)
-    monkeypatch.setenv("TORCH_KDA_WINDOW_SLOTS", window)
-    _, g = cuda_inputs(seqlens=[37, 0, 100, 16], H=3, state_dtype=torch.float32)
-    grad_out = torch.randn(*g["v"].shape, device=DEV).to(torch.bfloat16)
-    gf = torch.randn(*g["initial_state"].shape, device=DEV)
-    kw = dict(lower_bound=-5.0, initial_state=g["initial_state"], cu_seqlens=g["cu_seqlens"])
-    want = torch.ops.kda.bwd(grad_out, gf, *positional(g), **kw)
-    with nan_filled_empty():
-        probe = torch.empty(3, device=DEV)
-        got = torch.ops.kda.bwd(grad_out, gf, *positional(g), **kw)
+    with forced(ds_block=ds_block, window_slots=window):
+        _, g = cuda_inputs(seqlens=[37, 0, 100, 16], H=3, state_dtype=torch.float32)
+        grad_out = torch.randn(*g["v"].shape, device=DEV).to(torch.bfloat16)
+        gf = torch.randn(*g["initial_state"].shape, device=DEV)
+        kw = dict(lower_bound=-5.0, initial_state=g["initial_state"], cu_seqlens=g["cu_seqlens"])
+        want = torch.ops.kda.bwd(grad_out, gf, *positional(g), **kw)
+        with nan_filled_empty():
+            probe = torch.empty(3, device=DEV)
+            got = torch.ops.kda.bwd(grad_out, gf, *positional(g), **kw)
     assert torch.isnan(probe).all()
     for name, x, y in zip(GRAD_NAMES, got, want):
         assert torch.equal(x, y), name
 
 
-def test_autograd_uses_the_forward_checkpoints(monkeypatch):
+def test_autograd_uses_the_forward_checkpoints():
     """torch_kda.kda with a gradient wanted on CUDA keeps the chunk-start states
     and the records, and its backward (in 3 windows) runs no K2 and no K1 for
     the records: the gradients of kda.bwd without them, bit for bit, again on a
     second backward through the same graph, and with a gradient into the final
     state alone (out's then zero)."""
-    monkeypatch.delenv("TORCH_KDA_WINDOW_SLOTS", raising=False)
-    monkeypatch.delenv("TORCH_KDA_SAVE_STATES", raising=False)
-    monkeypatch.delenv("TORCH_KDA_SAVE_RECORDS", raising=False)
     _, g = cuda_inputs(B=1, T=4000, H=96, state_dtype=torch.float32)
     assert math.ceil(250 / window_floor(96)) == 3
     names = ("q", "k", "v", "g", "beta", "A_log", "dt_bias")
@@ -384,7 +387,7 @@ def test_backward_varlen_gradients_stay_inside_their_sequence():
 
 @pytest.mark.parametrize("case", ["random", "weak_decay"])
 def test_prepare_backward_matches_reference(case):
-    """K1's backward alone (kda._prepare_bwd) against reference.chunk_record_backward
+    """K1's backward alone (kda_testing.prepare_bwd) against reference.chunk_record_backward
     in float64, chunk by chunk, on random record gradients; the last chunk of each
     sequence is partial (the padding rows' gradients must not leak into it). Weak
     decay keeps exp(G_last) near 1, where the decay terms weigh most."""
@@ -395,8 +398,8 @@ def test_prepare_backward_matches_reference(case):
     hard_case(case, d, g)
     nch = (T + 15) // 16
     d_record = torch.randn(B * nch, H, 8576, device=DEV)
-    got = torch.ops.kda._prepare_bwd(g["q"], g["k"], g["v"], g["g"], g["beta"], g["A_log"], g["dt_bias"], d_record,
-                                     None, -5.0)
+    got = torch.ops.kda_testing.prepare_bwd(g["q"], g["k"], g["v"], g["g"], g["beta"], g["A_log"], g["dt_bias"],
+                                            d_record, None, -5.0)
     torch.cuda.synchronize()
     x = {n: g[n].double().cpu() for n in ("q", "k", "v", "g", "beta", "A_log", "dt_bias")}
     qn, kn, lam, b = reference.activations(x["q"], x["k"], x["g"], x["beta"], x["A_log"], x["dt_bias"], -5.0)
@@ -423,12 +426,11 @@ def test_prepare_backward_matches_reference(case):
         assert err <= 2e-5, name  # fp32 against float64: ~1e-6 in a CPU emulation of the kernel
 
 
-@pytest.mark.parametrize("case, ds_block", [("random", ""), ("weak_decay", ""), ("random", "1x1"), ("random", "2x1"),
-                                            ("random", "4x1"), ("weak_decay", "2x2"), ("random", "4x2"),
-                                            ("random", "8x2")])
-def test_sweep_backward_matches_reference(case, ds_block, monkeypatch):
-    """The backward sweep alone (kda._sweep_bwd, after K1), in the dS recurrence's
-    automatic block shape or one forced by TORCH_KDA_DS_BLOCK, from chunk-start states
+@pytest.mark.parametrize("case, ds_block", [("random", "auto"), ("weak_decay", "auto"), ("random", "4x1"),
+                                            ("weak_decay", "2x2"), ("random", "4x2")])
+def test_sweep_backward_matches_reference(case, ds_block):
+    """The backward sweep alone (kda_testing.sweep_bwd, after K1), in the dS recurrence's
+    automatic block shape or a forced one (torch_kda.testing.forced), from chunk-start states
     given in bf16 (as K2 stores them for it), against reference.chunk_step_backward
     chained over the chunks in float64: dS at every chunk's end (which the dS
     recurrence carries in fp32 and stores in bf16), every record gradient (zero on
@@ -440,7 +442,6 @@ def test_sweep_backward_matches_reference(case, ds_block, monkeypatch):
     dS1 diag(exp(G_last)) in d_initial."""
     from torch_kda import reference
 
-    monkeypatch.setenv("TORCH_KDA_DS_BLOCK", ds_block)
     B, T, H = 2, 37, 2
     d, g = cuda_inputs(B=B, T=T, H=H, state_dtype=torch.float32)
     hard_case(case, d, g)
@@ -462,9 +463,10 @@ def test_sweep_backward_matches_reference(case, ds_block, monkeypatch):
                 states[bb * nch + ci, h] = S.to(torch.bfloat16)
                 saved[bb, h, ci] = rec
                 _, S, _ = reference.chunk_step(S, rec)
-    d_record, d_initial, d_states = torch.ops.kda._sweep_bwd(
-        g["q"], g["k"], g["v"], g["g"], g["beta"], g["A_log"], g["dt_bias"], states.to(DEV), grad_out,
-        grad_final, None, -5.0)
+    with forced(ds_block=ds_block):
+        d_record, d_initial, d_states = torch.ops.kda_testing.sweep_bwd(
+            g["q"], g["k"], g["v"], g["g"], g["beta"], g["A_log"], g["dt_bias"], states.to(DEV), grad_out,
+            grad_final, None, -5.0)
     torch.cuda.synchronize()
     assert d_states.dtype == torch.bfloat16
     got_ds = d_states.double().cpu()

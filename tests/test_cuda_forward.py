@@ -68,9 +68,8 @@ def test_bf16_state_takes_bf16_products_over_long_sequences():
 def test_every_block_width_matches_reference(H):
     """The recurrence picks its block shape by N * H over the SM count; on a 132-SM
     H200, H = 16 splits each row group's key columns over four warps, 32 over two,
-    64, 96 and 256 run four full-width warps per block (256: two waves). Eight- and
-    two-warp full-width blocks run only when forced
-    (test_forced_block_shapes_match_reference)."""
+    64, 96 and 256 run four full-width warps per block (256: two waves). Each shape
+    forced on one problem: test_forced_block_shapes_match_reference."""
     d, g = cuda_inputs(B=1, T=200, H=H, state_dtype=torch.float32)
     e_out, e_state, _, _ = errors(d, g)
     print(f"\nH={H} on {torch.cuda.get_device_properties(0).multi_processor_count} SMs: out rel {e_out:.2e}, state rel {e_state:.2e}")

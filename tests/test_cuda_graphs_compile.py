@@ -7,38 +7,39 @@ import pytest
 import torch
 
 import torch_kda
+from torch_kda.testing import forced
 from conftest import capture_graph, positional, rel
 from cuda_helpers import CUDA_MARKS, D, DEV, GRAD_NAMES, RECORD_FLOATS, cuda_inputs, run_cuda
 
 pytestmark = CUDA_MARKS
 
 
-@pytest.mark.parametrize("window", ["0", "3"])
-def test_cuda_graph_capture_and_replay(window, monkeypatch):
-    """window "3": the call runs in windows of 3 chunk slots, so the graph holds
+@pytest.mark.parametrize("window", [0, 3])
+def test_cuda_graph_capture_and_replay(window):
+    """window 3: the call runs in windows of 3 chunk slots, so the graph holds
     several launches of each kernel and the carry between them."""
-    monkeypatch.setenv("TORCH_KDA_WINDOW_SLOTS", window)
-    d, g = cuda_inputs(seqlens=[40, 0, 100, 17], H=2, state_dtype=torch.float32)
-    out = torch.empty(1, 157, 2, D, dtype=torch.bfloat16, device=DEV)
-    final = torch.empty(4, 2, D, D, dtype=torch.float32, device=DEV)
+    with forced(window_slots=window):
+        d, g = cuda_inputs(seqlens=[40, 0, 100, 17], H=2, state_dtype=torch.float32)
+        out = torch.empty(1, 157, 2, D, dtype=torch.bfloat16, device=DEV)
+        final = torch.empty(4, 2, D, D, dtype=torch.float32, device=DEV)
 
-    def step():
-        torch_kda.fwd(g["q"], g["k"], g["v"], g["g"], g["beta"], None, out, g["A_log"], g["dt_bias"], -5.0,
-                      initial_state=g["initial_state"], final_state=final, cu_seqlens=g["cu_seqlens"])
+        def step():
+            torch_kda.fwd(g["q"], g["k"], g["v"], g["g"], g["beta"], None, out, g["A_log"], g["dt_bias"], -5.0,
+                          initial_state=g["initial_state"], final_state=final, cu_seqlens=g["cu_seqlens"])
 
-    graph, _ = capture_graph(step)
+        graph, _ = capture_graph(step)
 
-    for lengths in ([40, 0, 100, 17], [1, 60, 60, 36]):
-        d2, g2 = cuda_inputs(seqlens=lengths, H=2, state_dtype=torch.float32)
-        for name in ("q", "k", "v", "g", "beta", "A_log", "dt_bias", "initial_state", "cu_seqlens"):
-            g[name].copy_(g2[name])
-        out.fill_(float("nan"))
-        final.fill_(float("nan"))
-        graph.replay()
-        torch.cuda.synchronize()
-        eager_out, eager_final = run_cuda(g2)
-        assert torch.equal(out, eager_out)
-        assert torch.equal(final, eager_final)
+        for lengths in ([40, 0, 100, 17], [1, 60, 60, 36]):
+            d2, g2 = cuda_inputs(seqlens=lengths, H=2, state_dtype=torch.float32)
+            for name in ("q", "k", "v", "g", "beta", "A_log", "dt_bias", "initial_state", "cu_seqlens"):
+                g[name].copy_(g2[name])
+            out.fill_(float("nan"))
+            final.fill_(float("nan"))
+            graph.replay()
+            torch.cuda.synchronize()
+            eager_out, eager_final = run_cuda(g2)
+            assert torch.equal(out, eager_out)
+            assert torch.equal(final, eager_final)
 
 
 @pytest.mark.parametrize("lower_bound", [-5.0, None], ids=["bounded", "softplus"])
@@ -113,31 +114,31 @@ def test_opcheck_cuda_fwd_checkpointed():
         )
 
 
-@pytest.mark.parametrize("window", ["0", "3"])
-def test_backward_cuda_graph_capture_and_replay(window, monkeypatch):
+@pytest.mark.parametrize("window", [0, 3])
+def test_backward_cuda_graph_capture_and_replay(window):
     """The backward captured in a CUDA graph, in one pass and in windows of 3 slots
     (the checkpoint pass, its copies and the carries in the graph), replays the eager
     gradients for new incoming gradients."""
-    monkeypatch.setenv("TORCH_KDA_WINDOW_SLOTS", window)
-    _, g = cuda_inputs(seqlens=[40, 0, 100, 17], H=2, state_dtype=torch.float32)
-    grad_out = torch.randn(*g["v"].shape, device=DEV).to(torch.bfloat16)
-    gf = torch.randn(*g["initial_state"].shape, device=DEV)
-    kw = dict(lower_bound=-5.0, initial_state=g["initial_state"], cu_seqlens=g["cu_seqlens"])
+    with forced(window_slots=window):
+        _, g = cuda_inputs(seqlens=[40, 0, 100, 17], H=2, state_dtype=torch.float32)
+        grad_out = torch.randn(*g["v"].shape, device=DEV).to(torch.bfloat16)
+        gf = torch.randn(*g["initial_state"].shape, device=DEV)
+        kw = dict(lower_bound=-5.0, initial_state=g["initial_state"], cu_seqlens=g["cu_seqlens"])
 
-    def step():
-        return torch.ops.kda.bwd(grad_out, gf, *positional(g), **kw)
+        def step():
+            return torch.ops.kda.bwd(grad_out, gf, *positional(g), **kw)
 
-    graph, got = capture_graph(step)
-    for _ in range(2):
-        grad_out.copy_(torch.randn(*g["v"].shape, device=DEV).to(torch.bfloat16))
-        gf.copy_(torch.randn_like(gf))
-        for t in got:
-            t.fill_(float("nan"))
-        graph.replay()
-        torch.cuda.synchronize()
-        want = step()
-        for name, x, y in zip(GRAD_NAMES, got, want):
-            assert torch.equal(x, y), (window, name)
+        graph, got = capture_graph(step)
+        for _ in range(2):
+            grad_out.copy_(torch.randn(*g["v"].shape, device=DEV).to(torch.bfloat16))
+            gf.copy_(torch.randn_like(gf))
+            for t in got:
+                t.fill_(float("nan"))
+            graph.replay()
+            torch.cuda.synchronize()
+            want = step()
+            for name, x, y in zip(GRAD_NAMES, got, want):
+                assert torch.equal(x, y), (window, name)
 
 
 def test_opcheck_cuda_with_gradients():

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 import torch_kda
+from torch_kda.testing import forced
 from conftest import INPUT_NAMES, capture_graph, fla_chunk_kda, make_inputs, nan_like, positional, rel, run_reference
 
 DEV = "cuda"
@@ -259,22 +260,22 @@ def test_inplace_fwd_writes_every_element(state_dtype):
 
 
 @pytest.mark.cuda
-def test_varlen_equals_separate_calls_bitwise(monkeypatch):
+def test_varlen_equals_separate_calls_bitwise():
     """Each sequence alone gives bitwise the varlen batch's result: the padding rows
     of a partial chunk (their gates can reset or freeze the state as well as any)
     never reach the next sequence. One block shape, forced, for both calls: across
     shapes the low bits may differ."""
-    monkeypatch.setenv("TORCH_KDA_RECURRENCE_BLOCK", "4x4")
     x = softplus_inputs("strong_decay", seqlens=[5, 16, 0, 31, 1, 47], heads=2)
-    out, final = run(x)
-    cu = x["cu_seqlens"].tolist()
-    for n in range(len(cu) - 1):
-        s, e = cu[n], cu[n + 1]
-        part = {**x, **{name: x[name][:, s:e] for name in ("q", "k", "v", "g", "beta")},
-                "initial_state": x["initial_state"][n : n + 1], "cu_seqlens": None}
-        o, f = run(part)
-        assert torch.equal(o, out[:, s:e]), n
-        assert torch.equal(f[0], final[n]), n
+    with forced(recurrence_block="4x4"):
+        out, final = run(x)
+        cu = x["cu_seqlens"].tolist()
+        for n in range(len(cu) - 1):
+            s, e = cu[n], cu[n + 1]
+            part = {**x, **{name: x[name][:, s:e] for name in ("q", "k", "v", "g", "beta")},
+                    "initial_state": x["initial_state"][n : n + 1], "cu_seqlens": None}
+            o, f = run(part)
+            assert torch.equal(o, out[:, s:e]), n
+            assert torch.equal(f[0], final[n]), n
 
 
 # --------------------------------------------------------------------------
@@ -456,31 +457,31 @@ def test_gradients_no_worse_than_fla(case):
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("window", ["0", "3"])
-def test_cuda_graph_capture_and_replay(window, monkeypatch):
-    """window "3": the call runs in windows of 3 chunk slots, so the graph holds
+@pytest.mark.parametrize("window", [0, 3])
+def test_cuda_graph_capture_and_replay(window):
+    """window 3: the call runs in windows of 3 chunk slots, so the graph holds
     several launches of each kernel and the carry between them."""
-    monkeypatch.setenv("TORCH_KDA_WINDOW_SLOTS", window)
-    x = softplus_inputs(seqlens=[40, 0, 100, 17], heads=2)
-    out = torch.empty(1, 157, 2, D, dtype=BF16, device=DEV)
-    final = torch.empty(4, 2, D, D, dtype=F32, device=DEV)
+    with forced(window_slots=window):
+        x = softplus_inputs(seqlens=[40, 0, 100, 17], heads=2)
+        out = torch.empty(1, 157, 2, D, dtype=BF16, device=DEV)
+        final = torch.empty(4, 2, D, D, dtype=F32, device=DEV)
 
-    def step():
-        torch_kda.fwd(*positional(x)[:5], None, out, x["A_log"], x["dt_bias"], None,
-                      initial_state=x["initial_state"], final_state=final, cu_seqlens=x["cu_seqlens"])
+        def step():
+            torch_kda.fwd(*positional(x)[:5], None, out, x["A_log"], x["dt_bias"], None,
+                          initial_state=x["initial_state"], final_state=final, cu_seqlens=x["cu_seqlens"])
 
-    graph, _ = capture_graph(step)
-    for case, lengths in (("random", [40, 0, 100, 17]), ("strong_decay", [1, 60, 60, 36])):
-        fresh = softplus_inputs(case, seqlens=lengths, heads=2)
-        for name in GRAD_NAMES + ("cu_seqlens",):
-            x[name].copy_(fresh[name])
-        out.fill_(float("nan"))
-        final.fill_(float("nan"))
-        graph.replay()
-        torch.cuda.synchronize()
-        eager_out, eager_final = run(fresh)
-        assert torch.equal(out, eager_out), case
-        assert torch.equal(final, eager_final), case
+        graph, _ = capture_graph(step)
+        for case, lengths in (("random", [40, 0, 100, 17]), ("strong_decay", [1, 60, 60, 36])):
+            fresh = softplus_inputs(case, seqlens=lengths, heads=2)
+            for name in GRAD_NAMES + ("cu_seqlens",):
+                x[name].copy_(fresh[name])
+            out.fill_(float("nan"))
+            final.fill_(float("nan"))
+            graph.replay()
+            torch.cuda.synchronize()
+            eager_out, eager_final = run(fresh)
+            assert torch.equal(out, eager_out), case
+            assert torch.equal(final, eager_final), case
 
 
 @pytest.mark.cuda

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import torch_kda
+from torch_kda.testing import forced
 from conftest import fla_chunk_kda, positional, rel, run_reference
 from cuda_helpers import (
     CUDA_MARKS,
@@ -43,16 +44,16 @@ def test_varlen_matches_reference(cu_dtype):
     assert e_out <= 5e-3 and e_state <= 1e-3
 
 
-def test_varlen_equals_separate_calls_bitwise(monkeypatch):
+def test_varlen_equals_separate_calls_bitwise():
     """Each sequence computed alone gives bitwise the varlen result: the padded
     tail rows of a partial chunk never leak into the next sequence. (Both calls
     run one block shape, forced: across shapes the low bits may differ, see
     docs/ARCHITECTURE.md.)"""
-    monkeypatch.setenv("TORCH_KDA_RECURRENCE_BLOCK", "4x4")
     seqlens = [5, 16, 0, 31, 1, 47]
     d, g = cuda_inputs(seqlens=seqlens, H=2)
-    out, final = run_cuda(g)
-    assert_each_sequence_alone_is_bitwise(g, out, final)
+    with forced(recurrence_block="4x4"):
+        out, final = run_cuda(g)
+        assert_each_sequence_alone_is_bitwise(g, out, final)
 
 
 def test_thousands_of_sequences_match_cpu_kernel():
@@ -96,7 +97,7 @@ def test_long_sequence_split_equals_whole():
 
 @pytest.mark.parametrize("state_dtype", [torch.bfloat16, torch.float32, None])
 @pytest.mark.parametrize("case", list(WINDOW_CASES))
-def test_windows_are_bitwise_one_pass(case, state_dtype, monkeypatch):
+def test_windows_are_bitwise_one_pass(case, state_dtype):
     """Windows split the call but not the arithmetic: the states wait between
     windows in fp32, as they do on chip, so every window size gives the
     one-pass result bit for bit; sequences start, end and are empty at and
@@ -105,37 +106,37 @@ def test_windows_are_bitwise_one_pass(case, state_dtype, monkeypatch):
     d, g = cuda_inputs(state_dtype=state_dtype or torch.float32, **kw)
     if state_dtype is None:
         g["initial_state"] = None
-    one_out, one_final = run_windowed(g, 0, monkeypatch)
+    one_out, one_final = run_windowed(g, 0)
     for window in windows:
-        out, final = run_windowed(g, window, monkeypatch)
+        out, final = run_windowed(g, window)
         assert torch.equal(out, one_out), window
         assert torch.equal(final, one_final), window
 
 
-def test_window_setting_makes_windows(monkeypatch):
-    """The setting really cuts the call: 2 x 300 tokens are 38 slots, so windows of
-    7 slots are 6 launches of each kernel; 0 is one pass."""
+def test_window_setting_makes_windows():
+    """forced(window_slots=...) really cuts the call: 2 x 300 tokens are 38 slots,
+    so windows of 7 slots are 6 launches of each kernel; 0 is one pass."""
     d, g = cuda_inputs(B=2, T=300, H=2)
-    monkeypatch.setenv("TORCH_KDA_WINDOW_SLOTS", "7")
-    assert kernel_launches(lambda: run_cuda(g))[1:] == (6, 6)
-    monkeypatch.setenv("TORCH_KDA_WINDOW_SLOTS", "0")
-    assert kernel_launches(lambda: run_cuda(g))[1:] == (1, 1)
+    with forced(window_slots=7):
+        assert kernel_launches(lambda: run_cuda(g))[1:] == (6, 6)
+    with forced(window_slots=0):
+        assert kernel_launches(lambda: run_cuda(g))[1:] == (1, 1)
 
 
-def test_outputs_overlapping_inputs_keep_one_pass(monkeypatch):
+def test_outputs_overlapping_inputs_keep_one_pass():
     """out may share memory with the inputs (one pass reads every input before it
     writes): with windows forced, a later window's K1 would read q where an earlier
     window's K2 had written out, so the call stays in one pass."""
     T, S, H = 200, 64, 2
     d, g = cuda_inputs(B=1, T=T, H=H, state_dtype=torch.float32)
-    clean_out, clean_final = run_windowed(g, 0, monkeypatch)
+    clean_out, clean_final = run_windowed(g, 0)
     buf = torch.empty(1, T + S, H, D, dtype=torch.bfloat16, device=DEV)
     buf[:, :T] = g["q"]
     q_view, out_view = buf[:, :T], buf[:, S:]
     final = torch.full_like(clean_final, float("nan"))
-    monkeypatch.setenv("TORCH_KDA_WINDOW_SLOTS", "2")
-    torch_kda.fwd(q_view, g["k"], g["v"], g["g"], g["beta"], None, out_view, g["A_log"], g["dt_bias"], -5.0,
-                  initial_state=g["initial_state"], final_state=final)
+    with forced(window_slots=2):
+        torch_kda.fwd(q_view, g["k"], g["v"], g["g"], g["beta"], None, out_view, g["A_log"], g["dt_bias"], -5.0,
+                      initial_state=g["initial_state"], final_state=final)
     torch.cuda.synchronize()
     assert torch.equal(out_view, clean_out)
     assert torch.equal(final, clean_final)
@@ -176,16 +177,16 @@ def test_misaligned_v_is_staged():
     assert torch.equal(got_out, want_out) and torch.equal(got_final, want_final)
 
 
-def test_windows_write_every_element_and_allow_inplace_state(monkeypatch):
+def test_windows_write_every_element_and_allow_inplace_state():
     """Poisoned outputs, and final_state given as the initial state's own buffer:
     window 0 reads it, the last window writes it."""
     d, g = cuda_inputs(seqlens=[3, 40, 0, 45, 19], H=2, state_dtype=torch.float32)
     ref_out, ref_final = run_reference(d, lower_bound=-5.0)
     state = g["initial_state"].clone()
     out = torch.full((1, 107, 2, D), float("nan"), dtype=torch.bfloat16, device=DEV)
-    monkeypatch.setenv("TORCH_KDA_WINDOW_SLOTS", "2")
-    torch_kda.fwd(g["q"], g["k"], g["v"], g["g"], g["beta"], None, out, g["A_log"], g["dt_bias"], -5.0,
-                  initial_state=state, final_state=state, cu_seqlens=g["cu_seqlens"])
+    with forced(window_slots=2):
+        torch_kda.fwd(g["q"], g["k"], g["v"], g["g"], g["beta"], None, out, g["A_log"], g["dt_bias"], -5.0,
+                      initial_state=state, final_state=state, cu_seqlens=g["cu_seqlens"])
     torch.cuda.synchronize()
     assert torch.isfinite(out.float()).all()
     assert rel(out.cpu(), ref_out) <= 5e-3
@@ -193,46 +194,35 @@ def test_windows_write_every_element_and_allow_inplace_state(monkeypatch):
 
 
 @pytest.mark.parametrize("T,H", [(65536, 16), (32768, 32)])
-def test_automatic_windows_match_reference(T, H, monkeypatch):
+def test_automatic_windows_match_reference(T, H):
     """Few heads and many tokens: a one-pass workspace of 1.8 GB, so the call
     runs in windows by itself (test_automatic_windows_bound_memory); same bits
     as one pass, and the reference's values."""
-    monkeypatch.delenv("TORCH_KDA_WINDOW_SLOTS", raising=False)
     d, g = cuda_inputs(B=1, T=T, H=H, state_dtype=torch.float32)
     e_out, e_state, out, final = errors(d, g)
     print(f"H={H} in windows: out rel {e_out:.2e}, state rel {e_state:.2e}")
     assert e_out <= 5e-3 and e_state <= FP32_STATE_TOL
-    one_out, one_final = run_windowed(g, 0, monkeypatch)
+    one_out, one_final = run_windowed(g, 0)
     assert torch.equal(out, one_out) and torch.equal(final, one_final)
 
 
-def test_automatic_windows_bound_memory(monkeypatch):
-    monkeypatch.delenv("TORCH_KDA_WINDOW_SLOTS", raising=False)
+def test_automatic_windows_bound_memory():
     T, H = 65536, 16
     d, g = cuda_inputs(B=1, T=T, H=H, state_dtype=torch.float32)
     one_pass_workspace = (T // 16) * H * 27136
     peaks = {}
-    for window in (None, 0):
-        if window is not None:
-            monkeypatch.setenv("TORCH_KDA_WINDOW_SLOTS", str(window))
-        torch.cuda.synchronize()
-        base = torch.cuda.memory_allocated()
-        torch.cuda.reset_peak_memory_stats()
-        run_cuda(g)
-        torch.cuda.synchronize()
-        peaks[window] = torch.cuda.max_memory_allocated() - base
+    for window in (None, 0):  # None: the automatic windows
+        with forced(window_slots=window):
+            torch.cuda.synchronize()
+            base = torch.cuda.memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
+            run_cuda(g)
+            torch.cuda.synchronize()
+            peaks[window] = torch.cuda.max_memory_allocated() - base
     print(f"peak: automatic {peaks[None] / 2**20:.0f} MiB, one pass {peaks[0] / 2**20:.0f} MiB")
     assert peaks[0] >= one_pass_workspace
     # Two equal windows of 2048 slots (0.89 GB each; one window of all 4096 is over 1 GiB) and the
     # fp32 carry, where one pass holds 1.78 GB; the rest (out) is the same.
     carry = H * D * D * 4
     assert peaks[None] <= peaks[0] - one_pass_workspace + 2**30 + carry
-    monkeypatch.delenv("TORCH_KDA_WINDOW_SLOTS")
     assert kernel_launches(lambda: run_cuda(g))[1:] == (2, 2)
-
-
-def test_window_setting_is_checked(monkeypatch):
-    d, g = cuda_inputs(B=1, T=40, H=2)
-    monkeypatch.setenv("TORCH_KDA_WINDOW_SLOTS", "three")
-    with pytest.raises(RuntimeError, match="TORCH_KDA_WINDOW_SLOTS must be a non-negative integer, got 'three'"):
-        run_cuda(g)

@@ -18,8 +18,8 @@ class TestSchemas(expecttest.TestCase):
 
     def test_fwd_checkpointed_schema(self):
         # Not API (what torch_kda.kda calls on CUDA when a gradient is wanted), but
-        # its arguments must stay fwd's: autograd's setup_context reads them alike.
-        self.assertExpectedInline(str(torch.ops.kda._fwd_checkpointed.default._schema), """kda::_fwd_checkpointed(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor A_log, Tensor dt_bias, float? scale=None, float? lower_bound=None, Tensor? initial_state=None, bool output_final_state=False, Tensor? cu_seqlens=None) -> (Tensor out, Tensor final_state, Tensor checkpoints, Tensor records)""")
+        # its first arguments must stay fwd's: autograd's setup_context reads them alike.
+        self.assertExpectedInline(str(torch.ops.kda._fwd_checkpointed.default._schema), """kda::_fwd_checkpointed(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor A_log, Tensor dt_bias, float? scale=None, float? lower_bound=None, Tensor? initial_state=None, bool output_final_state=False, Tensor? cu_seqlens=None, str save="states_and_records") -> (Tensor out, Tensor final_state, Tensor checkpoints, Tensor records)""")
 
     def test_overloads(self):
         # One overload per operator: callers and the autograd registration use .default.

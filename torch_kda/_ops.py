@@ -28,6 +28,9 @@ def _check_scalar(name, value):
     return float(value)
 
 
+_SAVE_CHOICES = ("states_and_records", "states", "none")
+
+
 def kda(
     q,
     k,
@@ -42,6 +45,7 @@ def kda(
     initial_state=None,
     output_final_state=False,
     cu_seqlens=None,
+    save_for_backward="states_and_records",
 ):
     """Kimi Delta Attention, differentiable.
 
@@ -56,6 +60,14 @@ def kda(
     On CUDA that dtype also sets the recurrence's precision: a bfloat16 state takes
     the state's products in bf16 (out and state ~3e-3 of float64, like fla's
     chunk_kda), a float32 state, or none, in bf16x3 (state ~5e-6).
+
+    save_for_backward (CUDA, when a gradient is wanted): what the forward keeps
+    for the backward. "states_and_records" (the fastest backward) keeps the
+    state at every 16-token chunk's start (2 KiB per token and head) and the
+    chunks' prepared operands (1.66 KiB); "states" the states alone (the
+    backward recomputes the operands); "none" neither (the least memory). The
+    results are the same bits with each. The CPU backward recomputes from the
+    inputs whatever this says.
     """
     if not isinstance(output_final_state, bool):
         raise TypeError(f"torch_kda.kda: output_final_state must be a bool, got {type(output_final_state).__name__}")
@@ -73,6 +85,11 @@ def kda(
         output_final_state,
         cu_seqlens,
     )
+    if save_for_backward not in _SAVE_CHOICES:
+        raise ValueError(
+            f"torch_kda.kda: save_for_backward must be one of {', '.join(map(repr, _SAVE_CHOICES))}, "
+            f"got {save_for_backward!r}"
+        )
     # (Anything that is not a tensor goes to fwd, whose checks name it.)
     differentiable = (q, k, v, g, beta, A_log, dt_bias, initial_state)
     if (
@@ -81,10 +98,7 @@ def kda(
         and torch.is_grad_enabled()
         and any(isinstance(t, torch.Tensor) and t.requires_grad for t in differentiable)
     ):
-        # Keeps every chunk-start state (bf16, 2 KiB per token and head) and
-        # K1's records (1.66 KiB per token and head), so that the CUDA
-        # backward need not recompute them.
-        out, final_state, _, _ = torch.ops.kda._fwd_checkpointed(*args)
+        out, final_state, _, _ = torch.ops.kda._fwd_checkpointed(*args, save=save_for_backward)
     else:
         out, final_state = torch.ops.kda.fwd.default(*args)
     return out, (final_state if output_final_state else None)
@@ -135,7 +149,8 @@ def cuda_built():
 
 
 def _save(ctx, inputs, checkpoints, records):
-    (q, k, v, g, beta, A_log, dt_bias, scale, lower_bound, initial_state, _output_final_state, cu_seqlens) = inputs
+    # kda::fwd's twelve arguments; _fwd_checkpointed's `save` follows them.
+    (q, k, v, g, beta, A_log, dt_bias, scale, lower_bound, initial_state, _output_final_state, cu_seqlens) = inputs[:12]
     ctx.save_for_backward(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, checkpoints, records)
     ctx.scale = scale
     ctx.lower_bound = lower_bound
@@ -158,10 +173,10 @@ def _setup_context_checkpointed(ctx, inputs, output):
 def _backward_checkpointed(ctx, grad_out, grad_final_state, _grad_checkpoints, _grad_records):
     if grad_out is None:
         if grad_final_state is None:
-            return (None,) * 12
+            return (None,) * 13
         q, v = ctx.saved_tensors[0], ctx.saved_tensors[2]
         grad_out = torch.zeros(v.shape, dtype=q.dtype, device=q.device)
-    return _backward(ctx, grad_out, grad_final_state)
+    return _backward(ctx, grad_out, grad_final_state) + (None,)  # none for `save`
 
 
 def _backward(ctx, grad_out, grad_final_state):

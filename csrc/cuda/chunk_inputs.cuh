@@ -3,7 +3,7 @@
 // chunk's inputs (raw q and k rows into shared tiles, g and v into registers),
 // beta's sigmoid, the gate and its cumulative sum G, and the rows' inverse L2
 // norms, in one 128-thread block per (chunk slot, head), thread d owning channel
-// d (the forward's K1 works on mma fragments instead: fwd_prepare.cu).
+// d (the forward's K1 works on mma fragments instead: forward/prepare_chunks.cu).
 #pragma once
 
 #include "cuda/device_utils.cuh"

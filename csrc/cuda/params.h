@@ -93,7 +93,7 @@ struct FwdParams {
 
   // The launch's window of chunk slots [slot_begin, slot_end): K1 prepares
   // these, K2 advances every state through them. One window spans the call;
-  // several let K1 fill window w + 1 while K2 walks window w (forward_schedule.h).
+  // several let K1 fill window w + 1 while K2 walks window w (forward/schedule.h).
   int64_t slot_begin = 0;
   int64_t slot_end = 0;
   float* workspace = nullptr;   // [slot_end - slot_begin, H] records of kWsChunkBytes
@@ -108,9 +108,6 @@ struct FwdParams {
   // K1 also writes the lo planes of Qs and Aqk (the backward's dS recurrence
   // reads them; the forward's recurrence does not).
   bool lo_for_backward = false;
-  // K1's warps per (chunk, head), 1 or 2 (TORCH_KDA_K1_WARPS, read by the op
-  // before anything is enqueued).
-  int prepare_warps = 2;
 
   // States [N, H, V, K] (V-first), both in one dtype, bf16 or fp32; null when absent.
   const void* initial_state = nullptr;
@@ -138,7 +135,7 @@ struct FwdParams {
   float lower_bound = 0.f;
 };
 
-// K1's backward (bwd_prepare.cu) reads, per (chunk slot, head), the gradients of
+// K1's backward (backward/input_gradients.cu) reads, per (chunk slot, head), the gradients of
 // the chunk's record that the backward sweep leaves, fp32, each row-major, in
 // this order: dQs, dW, dKd [16][128], dAqk [16][16], dU0 [16][128], dgl [128]
 // (torch_kda/reference.py chunk_step_backward, summed over the value rows).
@@ -153,7 +150,7 @@ constexpr int kDRecFloats = kDRecGl + kHeadDim;
 // What the backward's kernels pass each other per (chunk slot, head): the
 // record, the state at the chunk's start and dS at its end (bf16: they reach
 // only the record gradients' products; the recurrences carry both in fp32), and
-// the record's gradients (backward_schedule.h).
+// the record's gradients (backward/schedule.h).
 constexpr int64_t kBwdStateBytes = kHeadDim * kHeadDim * 2;
 constexpr int64_t kBwdSlotScratchBytes = kWsChunkBytes + 2 * kBwdStateBytes + kDRecFloats * 4;
 
@@ -188,7 +185,7 @@ struct PrepareBwdParams {
   bool chain = false;  // write `grads` instead of the activation gradients
 };
 
-// The backward sweep (bwd_sweep.cu): from the chunk-start states and the
+// The backward sweep (backward/ds_recurrence.cu, record_gradients.cu): from the chunk-start states and the
 // forward's records to the record gradients (above) and the initial state's
 // gradient, in two kernels: the dS recurrence, backward over each sequence's
 // chunks, which leaves dS at every chunk's end in d_states, then the record

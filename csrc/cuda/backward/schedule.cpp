@@ -1,78 +1,26 @@
-#include "cuda/backward_schedule.h"
+#include "cuda/backward/schedule.h"
 
 #include <ATen/ops/empty.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAStream.h>
 
 #include <algorithm>
-#include <cmath>
-#include <cstdlib>
-
-#include "checkpoints.h"
-#include "cuda/forward_schedule.h"
 
 namespace kda::cuda {
 namespace {
 
 // One fp32 state (the checkpoints and the carries; the scratch states are bf16).
 constexpr int64_t kFp32StateBytes = kHeadDim * kHeadDim * 4;
-// Below this a pass over the whole call is kept: windows cost a second forward
-// (for the checkpoints; measured 7.6 against 6.2 ms per step at 8192 tokens x
-// 32 heads, H200) and a few launches per window.
-constexpr int64_t kOnePassScratch = int64_t{256} << 20;
-// Windows are cut from the call's slots, so with several sequences a window
-// holds few of them and the sequential kernels lose their parallelism across
-// sequences (8 x 8192 tokens x 32 heads: 41 -> 66 ms per step). Calls of
-// several sequences keep one pass up to this much scratch: speed over memory
-// where the memory is there: at most a quarter of the device's. (Windows along
-// each sequence would serve both.)
-constexpr int64_t kOnePassScratchSeveralSequences = int64_t{32} << 30;
-// With the forward's chunk-start states a window costs no forward pass, only
-// the dS recurrence's parallelism across the sequences it holds: calls of
-// several sequences then run in as few equal windows as hold at most this
-// much scratch each (8 x 8192 tokens x 32 heads: two windows of four
-// sequences, 19.15 GiB of one pass down to ~13 GiB at the step's peak).
-constexpr int64_t kWindowScratchSeveralSequences = int64_t{8} << 30;
 
 }  // namespace
 
-int64_t backward_window_slots(const FwdParams& p, int64_t device_memory, bool saved_states, bool saved_records) {
-  if (const char* env = std::getenv("TORCH_KDA_WINDOW_SLOTS"); env != nullptr && *env != '\0') {
-    return window_slots(p, "kda.bwd");  // the forward's reading of it (checks the value)
-  }
-  const int64_t per_slot =
-      p.H * (kBwdSlotScratchBytes - (saved_states ? kBwdStateBytes : 0) - (saved_records ? kWsChunkBytes : 0));
-  if (saved_states && p.N > 1) {
-    const int64_t limit = std::min(kWindowScratchSeveralSequences, device_memory / 4);
-    const int64_t windows = std::max<int64_t>(1, (p.num_slots * per_slot + limit - 1) / limit);
-    return (p.num_slots + windows - 1) / windows;
-  }
-  const int64_t one_pass_limit =
-      p.N > 1 ? std::min(kOnePassScratchSeveralSequences, device_memory / 4) : kOnePassScratch;
-  if (p.num_slots * per_slot <= one_pass_limit) {
-    return p.num_slots;
-  }
-  if (saved_states) {  // no checkpoints to balance against
-    const int64_t w = backward_window_floor(p.H);
-    return w >= p.num_slots ? p.num_slots : w;
-  }
-  // Windows hold about 1 GiB of scratch or more (fewer, longer windows: the
-  // checkpoint pass covers all windows but the last). Scratch grows with the
-  // window, the checkpoints (a state per sequence and head for each window)
-  // with the number of windows: their sum is least at sqrt(slots * checkpoint
-  // / per_slot), which calls for longer windows only past ~10^6 tokens.
-  const double checkpoint = static_cast<double>(p.N) * p.H * kFp32StateBytes;
-  const auto balanced = static_cast<int64_t>(std::ceil(std::sqrt(p.num_slots * checkpoint / per_slot)));
-  const int64_t w = std::max(balanced, backward_window_floor(p.H));
-  return w >= p.num_slots ? p.num_slots : w;
-}
-
-void run_backward(const BackwardCall& call, const at::Tensor& like, int64_t window, RecurrenceBlock block,
-                  DsBlock ds_block, const void* saved_states, const float* saved_records) {
+void run_backward(const BackwardCall& call, const at::Tensor& like, const BackwardPlan& plan,
+                  const void* saved_states, const float* saved_records) {
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(like.device().index()).stream();
   const auto f32 = like.options().dtype(at::kFloat);
   FwdParams p = call.fwd;
   const int64_t S = p.num_slots, H = p.H, N = p.N, D = kHeadDim;
+  int64_t window = plan.window;
   if (window <= 0 || window > S) {
     window = S;
   }
@@ -106,7 +54,7 @@ void run_backward(const BackwardCall& call, const at::Tensor& like, int64_t wind
       p.slot_begin = w * window;
       p.slot_end = std::min(S, p.slot_begin + window);
       launch_prepare(p, stream);
-      launch_recurrence(p, stream, block);
+      launch_recurrence(p, stream, plan.recurrence);
       C10_CUDA_CHECK(cudaMemcpyAsync(checkpoints[w].data_ptr(), p.carry, N * H * kFp32StateBytes,
                                      cudaMemcpyDeviceToDevice, stream));
     }
@@ -132,7 +80,7 @@ void run_backward(const BackwardCall& call, const at::Tensor& like, int64_t wind
       // K2 reads the state of a sequence that runs on from an earlier window
       // from the checkpoint (and writes it back there at the end: not read again).
       p.carry = w > 0 ? checkpoints[w - 1].data_ptr<float>() : (carry.defined() ? carry.data_ptr<float>() : nullptr);
-      launch_recurrence(p, stream, block);
+      launch_recurrence(p, stream, plan.recurrence);
     }
 
     SweepBwdParams sp;
@@ -146,7 +94,8 @@ void run_backward(const BackwardCall& call, const at::Tensor& like, int64_t wind
     sp.d_record = d_record.data_ptr<float>();
     sp.d_carry = d_carry.defined() ? d_carry.data_ptr<float>() : nullptr;
     sp.d_initial = call.d_initial;
-    launch_sweep_backward(sp, stream, ds_block);
+    launch_ds_recurrence(sp, stream, plan.ds_block);
+    launch_record_gradients(sp, stream);
 
     // K1's backward recomputes what it needs of the records from the inputs.
     PrepareBwdParams pp;

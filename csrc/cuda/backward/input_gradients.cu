@@ -72,7 +72,7 @@ __device__ __forceinline__ void store_bf16(void* base, int64_t index, float x) {
 // exp(G_i - G_j) for the softplus gate, which admits no factor exp(-G_j)
 // (params.h): a product of the tokens' decays alpha_t = exp(lambda_t) over t in
 // (j, i], never a difference of cumulative sums. The factors of level h (as in
-// K1, fwd_prepare.cu Range): in blocks of 2h tokens with reference r = block
+// K1, forward/prepare_chunks.cu Range): in blocks of 2h tokens with reference r = block
 // start + h - 1, token i > r gets prod alpha over (r, i] and token i <= r over
 // (i, r]; both are <= 1, and their product is exp(G_i - G_j) for i in the
 // block's second half and j in its first.
@@ -87,6 +87,143 @@ __device__ __forceinline__ void level_factors(int h, const float (&alpha)[kChunk
       f[r + n] = up;
       f[r + 1 - n] = down;
       down *= alpha[r + 1 - n];
+    }
+  }
+}
+
+// The per-column sums of the softplus gate (prepare_backward_kernel), with
+// exp(G_i - G_j) as products of decays: along row i (j from i down) and along
+// column i (j from i up), whose last product is exp(G_last - G_i), Kd's decay.
+template <class Put>
+__device__ __forceinline__ void softplus_column_sums(const FwdParams& p, int d, const float* dr,
+                                                     const float (&qn)[C], const float (&kn)[C],
+                                                     const float (&E)[C], const float (&alpha)[C],
+                                                     const float (&rw)[C], const float (*sDAb)[C + 1],
+                                                     const float (*sDPq)[C + 1], const float* sBeta, float gl,
+                                                     float dgl, float (&dG)[C], Put&& put) {
+  float dgl_terms = 0.f;
+#pragma unroll
+  for (int i = 0; i < C; ++i) {
+    float dKe = 0.f, dQe = 0.f, dKi = 0.f, e = 1.f;
+#pragma unroll
+    for (int j = i; j >= 0; --j) {
+      if (j < i) {
+        e *= alpha[j + 1];
+        dKe += sDAb[i][j] * (kn[j] * e);
+      }
+      dQe += sDPq[i][j] * (kn[j] * e);
+    }
+    e = 1.f;
+#pragma unroll
+    for (int j = i; j < C; ++j) {
+      if (j > i) {
+        e *= alpha[j];
+        dKi += sDAb[j][i] * (kn[j] * e);
+      }
+      dKi += sDPq[j][i] * (qn[j] * e);
+    }
+    const float kd = dr[kDRecKd + i * D + d] * e;
+    const float dq = E[i] * p.scale * dr[kDRecQs + i * D + d] + dQe;
+    const float dke = E[i] * sBeta[i] * rw[i] + dKe;
+    dG[i] = qn[i] * dq + kn[i] * dke - kn[i] * (dKi + kd);
+    dgl_terms += kn[i] * kd;
+    put(i, dq, dke + dKi + kd);
+  }
+  dG[C - 1] += gl * dgl + dgl_terms;
+}
+
+// From the decays' gradients dG to the op's gradients (kChain: through the
+// gate, the L2 norms and beta's sigmoid, in bf16, with this block's parts of
+// ddt_bias and dA_log) or to those of lambda and sigmoid(beta) (the private
+// test op). dq, dk of every row wait in sDq, sDk and their products with qn,
+// kn in sT0, sT1 (the tiles' last use).
+template <bool kChain, bool kSoftplus>
+__device__ __forceinline__ void activation_gradients(const PrepareBwdParams& bp, const ChunkPlace& c, int d,
+                                                     const float (&dG)[C], const float (&lam2)[C],
+                                                     const float (&qn)[C], const float (&kn)[C],
+                                                     float (*sT0)[kPad], float (*sT1)[kPad], float (*sDot)[C],
+                                                     float* sDA_part, const float (*sDq)[D], const float (*sDk)[D],
+                                                     const float (*sG)[D], const float (*sInvNorm)[C],
+                                                     const float* sDb, const float* sBeta) {
+  const FwdParams& p = bp.fwd;
+  const int64_t H = p.H;
+  // G = cumsum(lambda): dlambda_i = sum over j >= i of dG_j.
+  if constexpr (kChain) {
+    // Bounded: lambda = lower_bound * sigmoid(x), x = exp(A_log) (g + dt_bias):
+    // with dx = dlambda lower_bound s (1 - s), dg = A dx, ddt_bias sums A dx
+    // over the tokens and dA_log sums dx x. Softplus: lambda = -A softplus(x),
+    // x = g + dt_bias: dg = dlambda (-A) sigmoid(x), ddt_bias sums dg and
+    // dA_log sums dlambda lambda.
+    const float A = expf(p.A_log[c.h]);
+    const float bias = p.dt_bias[c.h * D + d];
+    float tail = 0.f, ddt = 0.f, dA = 0.f;
+#pragma unroll
+    for (int i = C - 1; i >= 0; --i) {
+      tail += dG[i];
+      if (i < c.len) {
+        const int64_t idx = ((c.bos + i) * H + c.h) * D + d;
+        if constexpr (kSoftplus) {
+          // Every term of dlambda_i holds the token's own decay as a factor,
+          // so a decay that underflows to zero (lambda < -87) has dlambda_i = 0
+          // exactly; the suffix sum leaves there only the rounding of terms
+          // that cancel, which dA_log's lambda_i (up to -1e30) would amplify.
+          const float dlam = lam2[i] < -126.f ? 0.f : tail;
+          const float x = sG[i][d] + bias;
+          const float dx = -A * dlam * fast_rcp(1.f + fast_exp2(-kLog2e * x));
+          store_bf16(bp.grads.dg, idx, dx);
+          ddt += dx;
+          dA += dlam * lam2[i] * kLn2;
+        } else {
+          const float x = A * (sG[i][d] + bias);
+          const float s = fast_rcp(1.f + fast_exp2(-kLog2e * x));
+          const float darg = tail * p.lower_bound * s * (1.f - s);
+          store_bf16(bp.grads.dg, idx, darg * A);
+          ddt += darg * A;
+          dA += darg * x;
+        }
+      }
+    }
+    const int64_t part = (c.slot - p.slot_begin) * H + c.h;
+    bp.grads.ddt_bias_part[part * D + d] = ddt;
+    dA = warp_sum(dA);
+    if (d % 32 == 0) {
+      sDA_part[d / 32] = dA;
+    }
+    __syncthreads();
+    reduce_rows32<kPad>(
+        sT0, sT1, [](float4 x) { return x.x + x.y + x.z + x.w; }, [](float s) { return s; }, sDot);
+    if (d == 0) {
+      float a = 0.f;
+#pragma unroll
+      for (int w = 0; w < kThreads / 32; ++w) {
+        a += sDA_part[w];
+      }
+      bp.grads.dA_log_part[part] = a;
+    }
+    __syncthreads();
+    // The L2 norm's backward: dx = (dxn - xn (xn . dxn)) / ||x||.
+#pragma unroll
+    for (int i = 0; i < C; ++i) {
+      if (i < c.len) {
+        const int64_t idx = ((c.bos + i) * H + c.h) * D + d;
+        store_bf16(bp.grads.dq, idx, (sDq[i][d] - qn[i] * sDot[0][i]) * sInvNorm[0][i]);
+        store_bf16(bp.grads.dk, idx, (sDk[i][d] - kn[i] * sDot[1][i]) * sInvNorm[1][i]);
+      }
+    }
+    if (d < c.len) {
+      store_bf16(bp.grads.dbeta, (c.bos + d) * H + c.h, sDb[d] * sBeta[d] * (1.f - sBeta[d]));
+    }
+  } else {
+    float tail = 0.f;
+#pragma unroll
+    for (int i = C - 1; i >= 0; --i) {
+      tail += dG[i];
+      if (i < c.len) {
+        bp.dlam[((c.bos + i) * H + c.h) * D + d] = tail;
+      }
+    }
+    if (d < c.len) {
+      bp.dbeta[(c.bos + d) * H + c.h] = sDb[d];
     }
   }
 }
@@ -319,38 +456,7 @@ __global__ void __launch_bounds__(kThreads) prepare_backward_kernel(const Prepar
     }
   };
   if constexpr (kSoftplus) {
-    // The same sums with exp(G_i - G_j) as products of decays: along row i
-    // (j from i down) and along column i (j from i up), whose last product is
-    // exp(G_last - G_i), Kd's decay.
-    float dgl_terms = 0.f;
-#pragma unroll
-    for (int i = 0; i < C; ++i) {
-      float dKe = 0.f, dQe = 0.f, dKi = 0.f, e = 1.f;
-#pragma unroll
-      for (int j = i; j >= 0; --j) {
-        if (j < i) {
-          e *= alpha[j + 1];
-          dKe += sDAb[i][j] * (kn[j] * e);
-        }
-        dQe += sDPq[i][j] * (kn[j] * e);
-      }
-      e = 1.f;
-#pragma unroll
-      for (int j = i; j < C; ++j) {
-        if (j > i) {
-          e *= alpha[j];
-          dKi += sDAb[j][i] * (kn[j] * e);
-        }
-        dKi += sDPq[j][i] * (qn[j] * e);
-      }
-      const float kd = dr[kDRecKd + i * D + d] * e;
-      const float dq = E[i] * p.scale * dr[kDRecQs + i * D + d] + dQe;
-      const float dke = E[i] * sBeta[i] * rw[i] + dKe;
-      dG[i] = qn[i] * dq + kn[i] * dke - kn[i] * (dKi + kd);
-      dgl_terms += kn[i] * kd;
-      put(i, dq, dke + dKi + kd);
-    }
-    dG[C - 1] += gl * dgl + dgl_terms;
+    softplus_column_sums(p, d, dr, qn, kn, E, alpha, rw, sDAb, sDPq, sBeta, gl, dgl, dG, put);
   } else {
     float ki[C];  // Ki column d: k^ exp(-G)
 #pragma unroll
@@ -385,85 +491,8 @@ __global__ void __launch_bounds__(kThreads) prepare_backward_kernel(const Prepar
     }
     dG[C - 1] += gl * dgl;
   }
-  // G = cumsum(lambda): dlambda_i = sum over j >= i of dG_j.
-  if constexpr (kChain) {
-    // Bounded: lambda = lower_bound * sigmoid(x), x = exp(A_log) (g + dt_bias):
-    // with dx = dlambda lower_bound s (1 - s), dg = A dx, ddt_bias sums A dx
-    // over the tokens and dA_log sums dx x. Softplus: lambda = -A softplus(x),
-    // x = g + dt_bias: dg = dlambda (-A) sigmoid(x), ddt_bias sums dg and
-    // dA_log sums dlambda lambda.
-    const float A = expf(p.A_log[c.h]);
-    const float bias = p.dt_bias[c.h * D + d];
-    float tail = 0.f, ddt = 0.f, dA = 0.f;
-#pragma unroll
-    for (int i = C - 1; i >= 0; --i) {
-      tail += dG[i];
-      if (i < c.len) {
-        const int64_t idx = ((c.bos + i) * H + c.h) * D + d;
-        if constexpr (kSoftplus) {
-          // Every term of dlambda_i holds the token's own decay as a factor,
-          // so a decay that underflows to zero (lambda < -87) has dlambda_i = 0
-          // exactly; the suffix sum leaves there only the rounding of terms
-          // that cancel, which dA_log's lambda_i (up to -1e30) would amplify.
-          const float dlam = lam2[i] < -126.f ? 0.f : tail;
-          const float x = sG[i][d] + bias;
-          const float dx = -A * dlam * fast_rcp(1.f + fast_exp2(-kLog2e * x));
-          store_bf16(bp.grads.dg, idx, dx);
-          ddt += dx;
-          dA += dlam * lam2[i] * kLn2;
-        } else {
-          const float x = A * (sG[i][d] + bias);
-          const float s = fast_rcp(1.f + fast_exp2(-kLog2e * x));
-          const float darg = tail * p.lower_bound * s * (1.f - s);
-          store_bf16(bp.grads.dg, idx, darg * A);
-          ddt += darg * A;
-          dA += darg * x;
-        }
-      }
-    }
-    const int64_t part = (c.slot - p.slot_begin) * H + c.h;
-    bp.grads.ddt_bias_part[part * D + d] = ddt;
-    dA = warp_sum(dA);
-    if (d % 32 == 0) {
-      sDA_part[d / 32] = dA;
-    }
-    __syncthreads();
-    reduce_rows32<kPad>(
-        sT0, sT1, [](float4 x) { return x.x + x.y + x.z + x.w; }, [](float s) { return s; }, sDot);
-    if (d == 0) {
-      float a = 0.f;
-#pragma unroll
-      for (int w = 0; w < kThreads / 32; ++w) {
-        a += sDA_part[w];
-      }
-      bp.grads.dA_log_part[part] = a;
-    }
-    __syncthreads();
-    // The L2 norm's backward: dx = (dxn - xn (xn . dxn)) / ||x||.
-#pragma unroll
-    for (int i = 0; i < C; ++i) {
-      if (i < c.len) {
-        const int64_t idx = ((c.bos + i) * H + c.h) * D + d;
-        store_bf16(bp.grads.dq, idx, (sDq[i][d] - qn[i] * sDot[0][i]) * sInvNorm[0][i]);
-        store_bf16(bp.grads.dk, idx, (sDk[i][d] - kn[i] * sDot[1][i]) * sInvNorm[1][i]);
-      }
-    }
-    if (d < c.len) {
-      store_bf16(bp.grads.dbeta, (c.bos + d) * H + c.h, sDb[d] * sBeta[d] * (1.f - sBeta[d]));
-    }
-  } else {
-    float tail = 0.f;
-#pragma unroll
-    for (int i = C - 1; i >= 0; --i) {
-      tail += dG[i];
-      if (i < c.len) {
-        bp.dlam[((c.bos + i) * H + c.h) * D + d] = tail;
-      }
-    }
-    if (d < c.len) {
-      bp.dbeta[(c.bos + d) * H + c.h] = sDb[d];
-    }
-  }
+  activation_gradients<kChain, kSoftplus>(bp, c, d, dG, lam2, qn, kn, sT0, sT1, sDot, sDA_part, sDq, sDk, sG,
+                                          sInvNorm, sDb, sBeta);
 }
 
 }  // namespace

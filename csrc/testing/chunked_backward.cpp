@@ -1,4 +1,4 @@
-#include "chunked_backward.h"
+#include "testing/chunked_backward.h"
 
 #include <torch/library.h>
 
@@ -266,7 +266,7 @@ BackwardTuple bwd_chunked(const Tensor& grad_out, const optional<Tensor>& grad_f
                           const Tensor& k, const Tensor& v, const Tensor& g, const Tensor& beta, const Tensor& A_log,
                           const Tensor& dt_bias, optional<double> scale, optional<double> lower_bound,
                           const optional<Tensor>& initial_state, const optional<Tensor>& cu_seqlens) {
-  const char* op = "kda._bwd_chunked";
+  const char* op = "kda_testing.bwd_chunked";
   Problem p = check_forward_args(op, q, k, v, g, beta, A_log, dt_bias, scale, lower_bound, initial_state, cu_seqlens);
   check_backward_grads(op, p, q, grad_out, grad_final_state);
   return backward_by_chunks(op, p, grad_out, grad_final_state, q, k, v, g, beta, A_log, dt_bias, initial_state,
@@ -275,8 +275,8 @@ BackwardTuple bwd_chunked(const Tensor& grad_out, const optional<Tensor>& grad_f
 
 }  // namespace
 
-TORCH_LIBRARY_IMPL(kda, CompositeExplicitAutograd, m) {
-  m.impl("_bwd_chunked", &bwd_chunked);
+TORCH_LIBRARY_IMPL(kda_testing, CompositeExplicitAutograd, m) {
+  m.impl("bwd_chunked", &bwd_chunked);
 }
 
 }  // namespace kda

@@ -1,6 +1,7 @@
 // The recurrence's backward over 16-token chunks, written with ATen ops, so it
-// runs on whatever device its tensors are on: the first CUDA backward, and on
-// the CPU a check of it against the token-by-token kernel (kda::_bwd_chunked).
+// runs on whatever device its tensors are on: a check of the chunked form's
+// backward, which the CUDA kernels compute, against the token-by-token CPU
+// kernel (kda_testing::bwd_chunked).
 // The math is torch_kda.reference.kda_chunked_backward's, batched over every
 // (sequence, head) at once and sequential over chunks.
 #pragma once
@@ -30,9 +31,6 @@ ChunkedGrads chunked_recurrence_backward(const std::optional<std::vector<int64_t
                                          const at::Tensor& qn, const at::Tensor& kn, const at::Tensor& v,
                                          const at::Tensor& lam, const at::Tensor& beta, const at::Tensor& init,
                                          const at::Tensor& grad_out, const at::Tensor& grad_final);
-
-using BackwardTuple = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor,
-                                 at::Tensor, at::Tensor>;
 
 // kda::bwd's outputs by chunked_recurrence_backward, after the caller's checks:
 // activations in the accumulation dtype (fp64 for fp64 inputs, else fp32),

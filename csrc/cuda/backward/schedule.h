@@ -7,7 +7,7 @@
 // pass at 8192 tokens x 32 heads. The chunk-start states and the records come
 // from the forward (kda._fwd_checkpointed keeps them, checkpoints.h) or else
 // from K2's and K1's passes here. Where one pass would hold too much
-// (backward_schedule.cpp), the slots are cut into windows, run from the last to
+// (heuristics.cpp), the slots are cut into windows, run from the last to
 // the first: K1 (the records, without the forward's), K2 (the chunk-start
 // states, without the forward's: from every sequence's state at the window's
 // start, a checkpoint that a first forward pass of K1 and K2 without output
@@ -23,7 +23,7 @@
 
 #include <cstdint>
 
-#include "cuda/launch.h"
+#include "cuda/heuristics.h"
 #include "cuda/params.h"
 
 namespace kda::cuda {
@@ -39,22 +39,15 @@ struct BackwardCall {
   PrepareBwdParams::Grads grads;
 };
 
-// The chunk slots per window for this call (device_memory: the device's total,
-// in bytes; saved_states, saved_records: the forward's chunk-start states, and
-// its records, are given): params.num_slots for one pass. Reads
-// TORCH_KDA_WINDOW_SLOTS (as the forward does; raises on a bad value).
-int64_t backward_window_slots(const FwdParams& params, int64_t device_memory, bool saved_states,
-                              bool saved_records = false);
-
 // Allocates the scratch (`like`: a tensor on the device, for the options and
 // the stream) and enqueues every kernel of the backward on the
-// current stream of its device, in windows of `window` slots.
+// current stream of its device, as `plan` says (heuristics.h).
 // saved_states: null, or the state at the start of every chunk slot, bf16
 // [num_slots, H, 128, 128] (kda._fwd_checkpointed's): K2 then does not run.
 // saved_records: null, or (only with saved_states) the record of every chunk
 // slot, with the lo planes, fp32 [num_slots, H, kWsChunkFloats]
 // (kda._fwd_checkpointed's): K1 then runs only for its backward.
-void run_backward(const BackwardCall& call, const at::Tensor& like, int64_t window, RecurrenceBlock block,
-                  DsBlock ds_block, const void* saved_states = nullptr, const float* saved_records = nullptr);
+void run_backward(const BackwardCall& call, const at::Tensor& like, const BackwardPlan& plan,
+                  const void* saved_states = nullptr, const float* saved_records = nullptr);
 
 }  // namespace kda::cuda

@@ -1,0 +1,151 @@
+#include "cuda/heuristics.h"
+
+#include <algorithm>
+#include <cmath>
+#include <mutex>
+
+namespace kda::cuda {
+namespace {
+
+std::mutex forced_mutex;
+Forced forced_settings;
+
+// The forward's windows bound its workspace where it grows large: each window
+// costs ~13 us beyond its share of the work (K1's last wave, K2's state reload
+// and first stages, two launches), so a call runs in as few equal windows as
+// keep each one's workspace within this, and only where K2 runs at most two
+// warps per SM (with more (sequence, head) pairs the carry grows with them, and
+// the one-pass workspace of a batch that fits in memory is fine).
+constexpr int64_t kWorkspaceLimit = int64_t{1} << 30;
+
+// One fp32 state (the backward's checkpoints and carries).
+constexpr int64_t kFp32StateBytes = kHeadDim * kHeadDim * 4;
+// A backward of one sequence keeps one pass up to this much scratch: windows
+// cost a second forward (for the checkpoints) and a few launches each.
+constexpr int64_t kOnePassScratch = int64_t{256} << 20;
+// Windows are cut from the call's slots, so with several sequences a window
+// holds few of them and the sequential kernels lose their parallelism across
+// sequences (8 x 8192 tokens x 32 heads: 41 -> 66 ms a step, H200). Calls of
+// several sequences keep one pass up to this much scratch (at most a quarter
+// of the device's memory).
+constexpr int64_t kOnePassScratchSeveralSequences = int64_t{32} << 30;
+// With the forward's chunk-start states a window costs no forward pass, only
+// the dS recurrence's parallelism across the sequences it holds: calls of
+// several sequences then run in as few equal windows as hold at most this
+// much scratch each.
+constexpr int64_t kWindowScratchSeveralSequences = int64_t{8} << 30;
+// Longer backward windows hold at least this much scratch, and this many slots.
+constexpr int64_t kWindowScratch = int64_t{1} << 30;
+constexpr int64_t kMinWindowSlots = 16;
+
+// A forced window: 0 one pass, n at most the call's slots.
+int64_t forced_window(int64_t n, int64_t num_slots) {
+  return n == 0 ? num_slots : std::min(n, num_slots);
+}
+
+// K2: a step takes as long as the busiest SM needs for it. More than two
+// full-width warps an SM: the 4x1w (four-warp blocks, two an SM by registers;
+// faster than blocks of eight or two). Two: each row group's key columns over
+// two warps, the 2x2. One: over four, the 4x4, or the 2x2 with bf16 products,
+// whose steps are a third shorter (docs/performance-notes.md has the figures).
+RecurrenceBlock automatic_recurrence_block(const FwdParams& p) {
+  const int64_t warps_per_sm = recurrence_warps_per_sm(p);
+  return warps_per_sm > 2 ? RecurrenceBlock::k4x1w
+         : warps_per_sm > 1 || p.bf16_products ? RecurrenceBlock::k2x2
+                                               : RecurrenceBlock::k4x4;
+}
+
+// The 4x1w forward issues a step's copies after its first products where its
+// blocks (two a (sequence, head)) fill every SM three times over: the steps
+// then wait on DRAM's throughput and the later copies spread out (K2 -5 to
+// -13 %); at one block an SM the later copies cost 16 %.
+bool late_refill_pays(const FwdParams& p) {
+  return p.N * p.H * (kHeadDim / 64) >= int64_t{3} * p.num_sms;
+}
+
+RecurrenceShape recurrence_shape(const FwdParams& p, const Forced& f) {
+  return {f.recurrence_block.value_or(automatic_recurrence_block(p)), late_refill_pays(p)};
+}
+
+// The dS recurrence, by the same count: four full-width warps a block where
+// each SM runs more than two row groups; else the key columns over two warps,
+// in four-warp blocks (two row groups) where it runs two, two-warp blocks
+// where it runs one.
+DsBlock automatic_ds_block(const FwdParams& p) {
+  const int64_t warps_per_sm = recurrence_warps_per_sm(p);
+  return warps_per_sm > 2 ? DsBlock::k4x1 : warps_per_sm > 1 ? DsBlock::k4x2 : DsBlock::k2x2;
+}
+
+// The backward's windows when the call is long enough to need them: as few
+// slots as hold kWindowScratch of scratch, for H heads.
+int64_t backward_window_floor(int64_t H) {
+  return std::max(kWindowScratch / (std::max<int64_t>(H, 1) * kBwdSlotScratchBytes), kMinWindowSlots);
+}
+
+int64_t backward_window(const FwdParams& p, int64_t device_memory, bool saved_states, bool saved_records) {
+  const int64_t per_slot =
+      p.H * (kBwdSlotScratchBytes - (saved_states ? kBwdStateBytes : 0) - (saved_records ? kWsChunkBytes : 0));
+  if (saved_states && p.N > 1) {
+    const int64_t limit = std::min(kWindowScratchSeveralSequences, device_memory / 4);
+    const int64_t windows = std::max<int64_t>(1, (p.num_slots * per_slot + limit - 1) / limit);
+    return (p.num_slots + windows - 1) / windows;
+  }
+  const int64_t one_pass_limit =
+      p.N > 1 ? std::min(kOnePassScratchSeveralSequences, device_memory / 4) : kOnePassScratch;
+  if (p.num_slots * per_slot <= one_pass_limit) {
+    return p.num_slots;
+  }
+  if (saved_states) {  // no checkpoints to balance against
+    const int64_t w = backward_window_floor(p.H);
+    return w >= p.num_slots ? p.num_slots : w;
+  }
+  // Scratch grows with the window, the checkpoints (a state per sequence and
+  // head for each window) with the number of windows: their sum is least at
+  // sqrt(slots * checkpoint / per_slot), which calls for longer windows than
+  // the floor only past ~10^6 tokens.
+  const double checkpoint = static_cast<double>(p.N) * p.H * kFp32StateBytes;
+  const auto balanced = static_cast<int64_t>(std::ceil(std::sqrt(p.num_slots * checkpoint / per_slot)));
+  const int64_t w = std::max(balanced, backward_window_floor(p.H));
+  return w >= p.num_slots ? p.num_slots : w;
+}
+
+}  // namespace
+
+Forced forced() {
+  std::lock_guard<std::mutex> lock(forced_mutex);
+  return forced_settings;
+}
+
+void set_forced(const Forced& f) {
+  std::lock_guard<std::mutex> lock(forced_mutex);
+  forced_settings = f;
+}
+
+ForwardPlan forward_plan(const FwdParams& p, bool kept_records) {
+  const Forced f = forced();
+  ForwardPlan plan;
+  plan.recurrence = recurrence_shape(p, f);
+  const int64_t slot_bytes = std::max<int64_t>(p.H, 1) * kWsChunkBytes;
+  if (f.window_slots.has_value()) {
+    plan.window = forced_window(*f.window_slots, p.num_slots);
+  } else if (kept_records || recurrence_warps_per_sm(p) > 2 || p.num_slots * slot_bytes <= kWorkspaceLimit) {
+    plan.window = p.num_slots;
+  } else {
+    const int64_t per_window = std::max<int64_t>(kWorkspaceLimit / slot_bytes, 1);
+    const int64_t windows = (p.num_slots + per_window - 1) / per_window;
+    plan.window = (p.num_slots + windows - 1) / windows;
+  }
+  return plan;
+}
+
+BackwardPlan backward_plan(const FwdParams& p, int64_t device_memory, bool saved_states, bool saved_records) {
+  const Forced f = forced();
+  BackwardPlan plan;
+  plan.recurrence = recurrence_shape(p, f);
+  plan.ds_block = f.ds_block.value_or(automatic_ds_block(p));
+  plan.window = f.window_slots.has_value() ? forced_window(*f.window_slots, p.num_slots)
+                                           : backward_window(p, device_memory, saved_states, saved_records);
+  return plan;
+}
+
+}  // namespace kda::cuda

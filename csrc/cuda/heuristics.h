@@ -1,0 +1,57 @@
+// Every automatic choice of the CUDA path, in one place: K2's and the dS
+// recurrence's block shapes, the 4x1w forward's copy point, and the windows of
+// chunk slots that bound the forward's workspace and the backward's scratch.
+// None of them changes a result's meaning; the block shapes change its low
+// bits (they sum in different orders), the windows none.
+//
+// The testing hook (Forced, set by kda_testing::force) overrides the shapes
+// and the windows for the whole process, so that tests can run every shape
+// and put window edges inside small problems. An op reads it once, before it
+// enqueues anything.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+
+#include "cuda/launch.h"
+#include "cuda/params.h"
+
+namespace kda::cuda {
+
+struct Forced {
+  std::optional<RecurrenceBlock> recurrence_block;
+  std::optional<DsBlock> ds_block;
+  std::optional<int64_t> window_slots;  // 0: one pass; n > 0: windows of n slots
+};
+
+// The hook's settings now (a copy), and their replacement.
+Forced forced();
+void set_forced(const Forced& f);
+
+// The warps that K2 gives each SM when every (sequence, head) has its eight row
+// groups resident at once; its block shape follows from this.
+inline int64_t recurrence_warps_per_sm(const FwdParams& p) {
+  return (p.N * p.H * (kHeadDim / 16) + p.num_sms - 1) / p.num_sms;
+}
+
+// What one forward call runs: K2's shape and the chunk slots per window
+// (params.num_slots for one pass). kept_records: the records are kept for the
+// backward (kda._fwd_checkpointed), all in the caller's buffer, so one pass.
+struct ForwardPlan {
+  RecurrenceShape recurrence;
+  int64_t window = 0;
+};
+ForwardPlan forward_plan(const FwdParams& params, bool kept_records);
+
+// What one backward call runs: K2's shape (its passes without output), the dS
+// recurrence's, and the chunk slots per window. device_memory: the device's
+// total, in bytes; saved_states, saved_records: the forward's chunk-start
+// states, and its records, are given.
+struct BackwardPlan {
+  RecurrenceShape recurrence;
+  DsBlock ds_block = DsBlock::k4x1;
+  int64_t window = 0;
+};
+BackwardPlan backward_plan(const FwdParams& params, int64_t device_memory, bool saved_states, bool saved_records);
+
+}  // namespace kda::cuda

@@ -1,0 +1,160 @@
+// The CUDA kernels of torch.ops.kda_testing (testing/ops.cpp), and the testing
+// hook: kda_testing::force sets what heuristics.h then takes in place of its
+// automatic choices, for every op of the process until it is set again.
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <torch/library.h>
+
+#include <string>
+#include <utility>
+
+#include "cuda/heuristics.h"
+#include "cuda/launch.h"
+#include "cuda/staging.h"
+#include "kda.h"
+
+namespace kda::cuda {
+namespace {
+
+using at::Tensor;
+using std::optional;
+
+// `name` among the shapes, or none for "auto"; any other raises, naming the choices.
+template <typename Shape, size_t N>
+std::optional<Shape> shape_named(const char* arg, c10::string_view name,
+                                 const std::pair<const char*, Shape> (&shapes)[N]) {
+  if (name == "auto") {
+    return std::nullopt;
+  }
+  std::string names = "auto";
+  for (const auto& [shape_name, shape] : shapes) {
+    if (name == shape_name) {
+      return shape;
+    }
+    names += std::string(", ") + shape_name;
+  }
+  TORCH_CHECK(false, "kda_testing.force: ", arg, " must be one of ", names, ", got '", std::string(name), "'");
+}
+
+// Validates every argument before it sets any.
+void force(c10::string_view recurrence_block, c10::string_view ds_block, int64_t window_slots) {
+  static constexpr std::pair<const char*, RecurrenceBlock> kBlocks[] = {
+      {"4x1w", RecurrenceBlock::k4x1w}, {"2x2", RecurrenceBlock::k2x2}, {"4x4", RecurrenceBlock::k4x4}};
+  static constexpr std::pair<const char*, DsBlock> kDsBlocks[] = {
+      {"4x1", DsBlock::k4x1}, {"4x2", DsBlock::k4x2}, {"2x2", DsBlock::k2x2}};
+  Forced f;
+  f.recurrence_block = shape_named("recurrence_block", recurrence_block, kBlocks);
+  f.ds_block = shape_named("ds_block", ds_block, kDsBlocks);
+  TORCH_CHECK(window_slots >= -1, "kda_testing.force: window_slots must be -1 (automatic), 0 (one pass) or a "
+              "positive number of chunk slots, got ", std::to_string(window_slots));
+  if (window_slots >= 0) {
+    f.window_slots = window_slots;
+  }
+  set_forced(f);
+}
+
+// An intermediate that a private test op takes in (what the backward's kernels
+// pass each other: fp32, or bf16 for the chunk states): contiguous, on q's
+// device, of exactly this dtype and shape.
+void check_scratch_input(const char* op, const char* name, const Tensor& t, const Tensor& q,
+                         at::IntArrayRef shape, at::ScalarType dtype = at::kFloat) {
+  TORCH_CHECK(t.device() == q.device() && t.scalar_type() == dtype && t.is_contiguous() && t.sizes() == shape,
+              op, ": ", name, " must be a contiguous ", dtype == at::kFloat ? "float32" : "bfloat16",
+              " tensor on q's device of shape ", shape);
+}
+
+// K1's backward alone.
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> prepare_bwd(const Tensor& q, const Tensor& k, const Tensor& v,
+                                                               const Tensor& g, const Tensor& beta,
+                                                               const Tensor& A_log, const Tensor& dt_bias,
+                                                               const Tensor& d_record, optional<double> scale,
+                                                               double lower_bound) {
+  const char* op = "kda_testing.prepare_bwd";
+  Problem p = check_all(op, q, k, v, g, beta, A_log, dt_bias, scale, lower_bound, std::nullopt, std::nullopt);
+  const int64_t B = concrete(p.B), T = concrete(p.T), H = concrete(p.H);
+  const int64_t slots = B * ((T + kChunk - 1) / kChunk);
+  check_scratch_input(op, "d_record", d_record, q, {slots, H, kDRecFloats});
+  c10::cuda::CUDAGuard guard(q.device());
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(q.device().index()).stream();
+  CallInputs in = call_inputs(p, q, k, v, g, beta, A_log, dt_bias, sequence_boundaries(op, p, q, std::nullopt, stream));
+  const auto f32 = q.options().dtype(at::kFloat);
+  Tensor dqn = at::empty({B, T, H, kHeadDim}, f32), dkn = at::empty({B, T, H, kHeadDim}, f32);
+  Tensor dv = at::empty({B, T, H, kHeadDim}, f32), dlam = at::empty({B, T, H, kHeadDim}, f32);
+  Tensor dbeta = at::empty({B, T, H}, f32);
+  PrepareBwdParams bp;
+  bp.fwd = in.params;
+  bp.d_record = d_record.data_ptr<float>();
+  bp.dqn = dqn.data_ptr<float>();
+  bp.dkn = dkn.data_ptr<float>();
+  bp.dv = dv.data_ptr<float>();
+  bp.dlam = dlam.data_ptr<float>();
+  bp.dbeta = dbeta.data_ptr<float>();
+  launch_prepare_backward(bp, stream);
+  return {dqn, dkn, dv, dlam, dbeta};
+}
+
+// K1, then the backward sweep alone.
+std::tuple<Tensor, Tensor, Tensor> sweep_bwd(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g,
+                                     const Tensor& beta, const Tensor& A_log, const Tensor& dt_bias,
+                                     const Tensor& states, const Tensor& grad_out,
+                                     const optional<Tensor>& grad_final_state, optional<double> scale,
+                                     double lower_bound) {
+  const char* op = "kda_testing.sweep_bwd";
+  Problem p = check_all(op, q, k, v, g, beta, A_log, dt_bias, scale, lower_bound, std::nullopt, std::nullopt);
+  const int64_t B = concrete(p.B), T = concrete(p.T), H = concrete(p.H);
+  const int64_t slots = B * ((T + kChunk - 1) / kChunk);
+  check_scratch_input(op, "states", states, q, {slots, H, kHeadDim, kHeadDim}, at::kBFloat16);
+  TORCH_CHECK(grad_out.device() == q.device() && grad_out.scalar_type() == at::kBFloat16 &&
+                  grad_out.sizes() == v.sizes(),
+              op, ": grad_out must be a bfloat16 tensor on q's device shaped like v");
+  Tensor gf;
+  if (grad_final_state.has_value()) {
+    gf = grad_final_state->contiguous();
+    TORCH_CHECK(gf.device() == q.device() && gf.scalar_type() == at::kFloat && gf.dim() == 4 && gf.size(0) == B &&
+                    gf.size(1) == H && gf.size(2) == kHeadDim && gf.size(3) == kHeadDim,
+                op, ": grad_final_state must be float32 on q's device of shape [B, H, 128, 128]");
+  }
+  gf = staged16(gf);  // read in vectors, as in kda.bwd
+  const Tensor st = staged16(states);
+  c10::cuda::CUDAGuard guard(q.device());
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(q.device().index()).stream();
+  CallInputs in = call_inputs(p, q, k, v, g, beta, A_log, dt_bias, sequence_boundaries(op, p, q, std::nullopt, stream));
+  Tensor go = sweep_grad_out(grad_out);
+  const auto f32 = q.options().dtype(at::kFloat);
+  Tensor workspace = at::empty({slots, H, kWsChunkFloats}, f32);
+  Tensor d_record = at::empty({slots, H, kDRecFloats}, f32);
+  Tensor d_initial = at::empty({B, H, kHeadDim, kHeadDim}, f32);
+  Tensor d_states = at::empty({slots, H, kHeadDim, kHeadDim}, q.options().dtype(at::kBFloat16));
+  SweepBwdParams bp;
+  bp.d_states = d_states.data_ptr();
+  bp.fwd = in.params;
+  bp.fwd.workspace = workspace.data_ptr<float>();
+  FwdParams& fp = bp.fwd;
+  fp.lo_for_backward = true;
+  bp.states = st.data_ptr();
+  bp.grad_out = go.data_ptr();
+  bp.grad_out_fp32 = go.scalar_type() == at::kFloat;
+  bp.grad_final = gf.defined() ? gf.data_ptr<float>() : nullptr;
+  bp.d_record = d_record.data_ptr<float>();
+  bp.d_initial = d_initial.data_ptr<float>();
+  launch_prepare(fp, stream);
+  const int64_t memory = static_cast<int64_t>(at::cuda::getDeviceProperties(q.device().index())->totalGlobalMem);
+  launch_ds_recurrence(bp, stream, backward_plan(fp, memory, true, false).ds_block);
+  launch_record_gradients(bp, stream);
+  return {d_record, d_initial, d_states};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(kda_testing, m) {
+  // The testing hook: "auto" and -1 leave a choice to heuristics.h.
+  m.def("force(str recurrence_block=\"auto\", str ds_block=\"auto\", int window_slots=-1) -> ()", &force);
+}
+
+TORCH_LIBRARY_IMPL(kda_testing, CUDA, m) {
+  m.impl("prepare_bwd", &prepare_bwd);
+  m.impl("sweep_bwd", &sweep_bwd);
+}
+
+}  // namespace kda::cuda

@@ -1,0 +1,31 @@
+// torch.ops.kda_testing: operators that exist for the test suite alone, apart
+// from the library's API (torch.ops.kda). They run pieces of the computation
+// on their own, so that a test can check each against the Python reference,
+// and set the testing hook that forces the CUDA path's automatic choices.
+#include <torch/library.h>
+
+TORCH_LIBRARY(kda_testing, m) {
+  // kda::bwd computed by the chunked ATen composition (chunked_backward.h) on
+  // any device, so that the CPU tests can check the chunked form's backward.
+  m.def(
+      "bwd_chunked(Tensor grad_out, Tensor? grad_final_state, Tensor q, Tensor k, Tensor v, Tensor g, "
+      "Tensor beta, Tensor A_log, Tensor dt_bias, float? scale=None, float? lower_bound=None, "
+      "Tensor? initial_state=None, Tensor? cu_seqlens=None) -> (Tensor dq, Tensor dk, Tensor dv, Tensor dg, "
+      "Tensor dbeta, Tensor dA_log, Tensor ddt_bias, Tensor dinitial_state)");
+  // K1's backward alone on CUDA (backward/input_gradients.cu), fixed length, against
+  // torch_kda/reference.py chunk_record_backward. d_record: [B * ceil(T / 16),
+  // H, 8576] fp32, the record gradients (params.h).
+  m.def(
+      "prepare_bwd(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor A_log, Tensor dt_bias, "
+      "Tensor d_record, float? scale=None, float lower_bound=-5.0) -> (Tensor dqn, Tensor dkn, Tensor dv, "
+      "Tensor dlam, Tensor dbeta)");
+  // The backward sweep alone on CUDA (backward/ds_recurrence.cu, record_gradients.cu), fixed length, from given
+  // chunk-start states ([B * ceil(T / 16), H, V, K] bf16, as K2 stores them),
+  // against torch_kda/reference.py chunk_step_backward. Runs K1 for the
+  // records first. Returns dS at each chunk's end as well (bf16, as the record
+  // gradients read it).
+  m.def(
+      "sweep_bwd(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor A_log, Tensor dt_bias, "
+      "Tensor states, Tensor grad_out, Tensor? grad_final_state=None, float? scale=None, "
+      "float lower_bound=-5.0) -> (Tensor d_record, Tensor d_initial, Tensor d_states)");
+}
