@@ -18,6 +18,7 @@ fla's first backward per shape autotunes for minutes; tools/triton_cache.sh keep
 its results between device calls.
 """
 import argparse
+import functools
 import math
 import os
 import sys
@@ -28,7 +29,7 @@ import torch  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_fwd import CASES, D, GATES, LOWER_BOUND, copy_bandwidth, make_case, time_ms  # noqa: E402
-from bench_fwd import fla_gate_args, skipped  # noqa: E402
+from bench_fwd import add_forcing_arguments, fla_gate_args, forced_by, skipped  # noqa: E402
 
 import torch_kda  # noqa: E402
 
@@ -43,7 +44,7 @@ def leaves(c, flat_dt_bias):
     return out
 
 
-def step_torch_kda(c, grads):
+def step_torch_kda(c, grads, save_for_backward="states_and_records"):
     x = leaves(c, flat_dt_bias=False)
     lower_bound = c.get("lower_bound", LOWER_BOUND)
 
@@ -51,6 +52,7 @@ def step_torch_kda(c, grads):
         out, final = torch_kda.kda(
             x["q"], x["k"], x["v"], x["g"], x["beta"], x["A_log"], x["dt_bias"],
             lower_bound=lower_bound, initial_state=x["h0"], output_final_state=True, cu_seqlens=c["cu"],
+            save_for_backward=save_for_backward,
         )
         torch.autograd.backward([out, final], grads)
 
@@ -140,8 +142,17 @@ def main():
     ap.add_argument("--stages", action="store_true", help="print torch_kda's device time per kernel")
     ap.add_argument("--gate", choices=GATES, default="bounded",
                     help="bounded: lower_bound=-5; softplus: lower_bound=None (Kimi-Linear's gate)")
+    ap.add_argument("--save-for-backward", choices=("states_and_records", "states", "none"),
+                    default="states_and_records", help="what torch_kda's forward keeps for the backward")
+    add_forcing_arguments(ap, ds_block=True)
     args = ap.parse_args()
+    with forced_by(args):
+        run(args)
+
+
+def run(args):
     softplus = args.gate == "softplus"
+    ours_step = functools.partial(step_torch_kda, save_for_backward=args.save_for_backward)
 
     torch.manual_seed(0)
     print(f"GPU: {torch.cuda.get_device_name()}  torch {torch.__version__}")
@@ -165,7 +176,7 @@ def main():
         c = make_case(lengths, H, args.gate)
         grads = [torch.randn_like(c["v"]), torch.randn(c["h0"].shape, device="cuda")]
         try:
-            ours, ours_mem = measure(step_torch_kda, c, grads, args.repeats)
+            ours, ours_mem = measure(ours_step, c, grads, args.repeats)
         except NotImplementedError as exc:
             print(f"    torch_kda backward unavailable here: {str(exc).splitlines()[0]}")
             ours, ours_mem = float("nan"), float("nan")
@@ -190,7 +201,7 @@ def main():
         print(f"{idx:>3} {name:<18} {H:>3} {ours:>12.3f} {theirs:>8.3f} {speedup:>8.2f} "
               f"{ours_mem / gib:>13.2f} {theirs_mem / gib:>8.2f} {floor:>9.3f} {ours / floor:>8.2f}")
         if args.stages and math.isfinite(ours):
-            print_stages(step_torch_kda, c, grads)
+            print_stages(ours_step, c, grads)
         del c, grads
         torch.cuda.empty_cache()
     if speedups:

@@ -398,10 +398,34 @@ def main():
                          "(one gate; benchmarks/render_results.py makes the README's table and chart from it)")
     ap.add_argument("--softplus-params", choices=SOFTPLUS_PARAMS, default="same",
                     help="same: the bounded case's A_log and dt_bias; strong: exp(A_log) ~ U(1, 16), dt_bias ~ N(0, 1)")
+    add_forcing_arguments(ap)
     args = ap.parse_args()
     if args.json and args.both_gates:
         ap.error("--json writes one gate's table: leave out --both-gates")
+    with forced_by(args):
+        run(args)
 
+
+def add_forcing_arguments(ap, ds_block=False):
+    """Options that force the CUDA path's choices for the whole run (torch_kda.testing), for A/B runs."""
+    ap.add_argument("--recurrence-block", default="auto", help="K2's block shape: 4x1w, 2x2 or 4x4")
+    if ds_block:
+        ap.add_argument("--ds-block", default="auto", help="the dS recurrence's block shape: 4x1, 4x2 or 2x2")
+    ap.add_argument("--window-slots", type=int, default=None, help="0: one pass; n: windows of n chunk slots")
+
+
+def forced_by(args):
+    import contextlib
+
+    from torch_kda.testing import forced
+
+    shapes = (args.recurrence_block, getattr(args, "ds_block", "auto"))
+    if shapes == ("auto", "auto") and args.window_slots is None:
+        return contextlib.nullcontext()
+    return forced(*shapes, args.window_slots)
+
+
+def run(args):
     torch.manual_seed(0)
     print(f"GPU: {torch.cuda.get_device_name()}  torch {torch.__version__}")
     bw = copy_bandwidth()
