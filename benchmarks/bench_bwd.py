@@ -28,7 +28,7 @@ os.environ.setdefault("FLA_FLASH_KDA", "0")
 import torch  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_fwd import CASES, D, GATES, LOWER_BOUND, copy_bandwidth, make_case, time_ms  # noqa: E402
+from bench_fwd import CASES, D, GATES, LOWER_BOUND, make_case, run_header, time_ms  # noqa: E402
 from bench_fwd import add_forcing_arguments, fla_gate_args, forced_by, skipped  # noqa: E402
 
 import torch_kda  # noqa: E402
@@ -154,17 +154,7 @@ def run(args):
     softplus = args.gate == "softplus"
     ours_step = functools.partial(step_torch_kda, save_for_backward=args.save_for_backward)
 
-    torch.manual_seed(0)
-    print(f"GPU: {torch.cuda.get_device_name()}  torch {torch.__version__}")
-    bw = copy_bandwidth()
-    print(f"device-to-device copy bandwidth: {bw / 1e12:.2f} TB/s (the floor: a step's least traffic at it)")
-    have_fla = not args.no_fla
-    if have_fla:
-        try:
-            import fla  # noqa: F401
-        except ImportError as exc:
-            print(f"fla not importable ({exc}): torch_kda only")
-            have_fla = False
+    bw, have_fla = run_header(args.no_fla)
 
     if softplus:
         print("gate: softplus (lower_bound=None), fla without safe_gate")

@@ -102,6 +102,23 @@ def graphed(fn, label):
     return replay, True
 
 
+def run_header(no_fla):
+    """Seeds, prints the GPU and the copy bandwidth, and says whether fla is there:
+    (bandwidth in bytes per second, fla importable and wanted)."""
+    torch.manual_seed(0)
+    print(f"GPU: {torch.cuda.get_device_name()}  torch {torch.__version__}")
+    bw = copy_bandwidth()
+    print(f"device-to-device copy bandwidth: {bw / 1e12:.2f} TB/s")
+    if no_fla:
+        return bw, False
+    try:
+        import fla  # noqa: F401
+    except ImportError as exc:
+        print(f"fla not importable ({exc}): torch_kda only")
+        return bw, False
+    return bw, True
+
+
 def copy_bandwidth():
     """Device-to-device copy, bytes read plus bytes written per second."""
     n = 1 << 30  # 1 GiB

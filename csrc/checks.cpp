@@ -320,6 +320,93 @@ void check_inplace_buffers(
   }
 }
 
+void check_pool_args(
+    const char* op,
+    Problem& p,
+    const at::Tensor& q,
+    bool varlen,
+    const at::Tensor& state_pool,
+    const at::Tensor& state_indices,
+    const std::optional<at::Tensor>& num_accepted_tokens,
+    const at::Tensor& out) {
+  check_defined(op, "state_pool", state_pool);
+  check_defined(op, "state_indices", state_indices);
+  check_same_device(op, "state_pool", state_pool, q);
+  check_same_device(op, "state_indices", state_indices, q);
+  TORCH_CHECK(
+      is_state_dtype(state_pool.scalar_type()),
+      op, ": state_pool must have dtype bfloat16, float32 or float64, got ", dtype_name(state_pool.scalar_type()));
+  check_rank(op, "state_pool", state_pool, 4, "[slots, H, V, K]");
+  check_size(op, "state_pool", state_pool, 1, p.H, "H", "[slots, H, V, K]");
+  check_size(op, "state_pool", state_pool, 2, p.V, "V", "[slots, H, V, K]");
+  check_size(op, "state_pool", state_pool, 3, p.K, "K", "[slots, H, V, K]");
+  // A slot's [H, V, K] is contiguous; the slots may lie apart (a view of a larger cache).
+  const c10::SymInt hvk = p.H * p.V * p.K;
+  TORCH_CHECK(
+      state_pool.sym_stride(3) == 1 && state_pool.sym_stride(2) == p.K && state_pool.sym_stride(1) == p.V * p.K &&
+          (state_pool.sym_size(0) <= 1 || state_pool.sym_stride(0) >= hvk),
+      op, ": state_pool's slots must each be contiguous [H, V, K] (strides [>= H*V*K, V*K, K, 1]), got strides ",
+      shape_str(state_pool.sym_strides()));
+  TORCH_CHECK(
+      state_indices.scalar_type() == at::kLong || state_indices.scalar_type() == at::kInt,
+      op, ": state_indices must have dtype int64 or int32, got ", dtype_name(state_indices.scalar_type()));
+  if (num_accepted_tokens.has_value()) {
+    check_defined(op, "num_accepted_tokens", *num_accepted_tokens);
+    check_same_device(op, "num_accepted_tokens", *num_accepted_tokens, q);
+    TORCH_CHECK(
+        num_accepted_tokens->scalar_type() == at::kLong || num_accepted_tokens->scalar_type() == at::kInt,
+        op, ": num_accepted_tokens must have dtype int64 or int32, got ",
+        dtype_name(num_accepted_tokens->scalar_type()));
+    check_rank(op, "num_accepted_tokens", *num_accepted_tokens, 1, "[N]");
+    check_size(op, "num_accepted_tokens", *num_accepted_tokens, 0, p.N, "N", "[N]");
+    check_rank(op, "state_indices", state_indices, 2, "[N, T_max] with num_accepted_tokens");
+    check_size(op, "state_indices", state_indices, 0, p.N, "N", "[N, T_max]");
+    // Fixed length: T_max covers every request's tokens. With cu_seqlens a
+    // request's tokens past T_max update no slot (documented; checked where
+    // the lengths are read).
+    if (!varlen) {
+      TORCH_CHECK(
+          state_indices.sym_size(1) >= p.T,
+          op, ": state_indices must have a column for each of the T = ", sym_str(p.T),
+          " tokens of a request (shape [N, T_max], T_max >= T), got shape ", shape_str(state_indices));
+    }
+    TORCH_CHECK(
+        state_indices.sym_size(1) >= 1,
+        op, ": state_indices must have at least one column, got shape ", shape_str(state_indices));
+  } else {
+    check_rank(op, "state_indices", state_indices, 1, "[N] (or [N, T_max] with num_accepted_tokens)");
+    check_size(op, "state_indices", state_indices, 0, p.N, "N", "[N]");
+  }
+  check_inplace_buffers(op, p, q, out, std::nullopt, std::nullopt);
+  p.state_dtype = state_pool.scalar_type();
+}
+
+void check_pool_indices(
+    const char* op,
+    const at::Tensor& state_indices,
+    const std::optional<at::Tensor>& num_accepted_tokens,
+    int64_t slots) {
+  const at::Tensor idx = state_indices.to(at::kCPU, at::kLong).contiguous();
+  const int64_t* x = idx.data_ptr<int64_t>();
+  for (int64_t i = 0; i < idx.numel(); ++i) {
+    TORCH_CHECK(
+        x[i] < slots,
+        op, ": state_indices must name slots below the pool's ", int_str(slots), " (or be negative: padding), got ",
+        int_str(x[i]), " at flat position ", int_str(i));
+  }
+  if (num_accepted_tokens.has_value()) {
+    const at::Tensor acc = num_accepted_tokens->to(at::kCPU, at::kLong).contiguous();
+    const int64_t t_max = state_indices.size(1);
+    const int64_t* a = acc.data_ptr<int64_t>();
+    for (int64_t n = 0; n < acc.numel(); ++n) {
+      TORCH_CHECK(
+          a[n] >= 1 && a[n] <= t_max,
+          op, ": num_accepted_tokens must be in [1, T_max = ", int_str(t_max), "], got ", int_str(a[n]),
+          " for request ", int_str(n));
+    }
+  }
+}
+
 std::vector<int64_t> sequence_offsets(const char* op, const Problem& p, const std::optional<at::Tensor>& cu_seqlens) {
   const int64_t B = concrete(p.B), T = concrete(p.T);
   if (cu_seqlens.has_value()) {
@@ -332,14 +419,15 @@ std::vector<int64_t> sequence_offsets(const char* op, const Problem& p, const st
   return offsets;
 }
 
-void check_outputs_disjoint(const char* op, const at::Tensor& out, const std::optional<at::Tensor>& final_state) {
+void check_outputs_disjoint(const char* op, const at::Tensor& out, const std::optional<at::Tensor>& final_state,
+                            const char* name) {
   if (!final_state.has_value()) {
     return;
   }
   const at::MemOverlapStatus status = at::get_overlap_status(out, *final_state);
   TORCH_CHECK(
       status != at::MemOverlapStatus::Full && status != at::MemOverlapStatus::Partial,
-      op, ": out and final_state must not share memory (each element is written once, by one of them)");
+      op, ": out and ", name, " must not share memory (each element is written once, by one of them)");
 }
 
 void check_backward_grads(

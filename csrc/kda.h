@@ -51,9 +51,33 @@ void check_inplace_buffers(
     const std::optional<at::Tensor>& final_state,
     const std::optional<at::Tensor>& initial_state);
 
-// out and final_state of the in-place op must not overlap (a real-kernel
+// out and final_state (or `name`, the other output) of an in-place op must not overlap (a real-kernel
 // check: it reads storage, which shape-only Meta tensors do not have).
-void check_outputs_disjoint(const char* op, const at::Tensor& out, const std::optional<at::Tensor>& final_state);
+void check_outputs_disjoint(const char* op, const at::Tensor& out, const std::optional<at::Tensor>& final_state,
+                            const char* name = "final_state");
+
+// The state-pool call's own arguments (kda::fwd_pool_): state_pool [slots, H,
+// V, K] (bf16, fp32 or fp64; each slot contiguous, any slot stride),
+// state_indices (int32 or int64) [N], or [N, T_max] with num_accepted_tokens
+// [N], and out as the in-place forward's. Sets p.state_dtype to the pool's.
+void check_pool_args(
+    const char* op,
+    Problem& p,
+    const at::Tensor& q,
+    bool varlen,
+    const at::Tensor& state_pool,
+    const at::Tensor& state_indices,
+    const std::optional<at::Tensor>& num_accepted_tokens,
+    const at::Tensor& out);
+
+// Reads the indices (a device sync on CUDA): every slot below `slots` (negative:
+// padding), every num_accepted_tokens in [1, T_max]. The CPU kernel always
+// checks; CUDA under debug_checks_enabled.
+void check_pool_indices(
+    const char* op,
+    const at::Tensor& state_indices,
+    const std::optional<at::Tensor>& num_accepted_tokens,
+    int64_t slots);
 
 // The incoming gradients of the backward.
 void check_backward_grads(

@@ -29,6 +29,17 @@ TORCH_LIBRARY(kda, m) {
       "fwd_(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor A_log, Tensor dt_bias, "
       "Tensor(a!) out, Tensor(b!)? final_state=None, float? scale=None, float? lower_bound=None, "
       "Tensor? initial_state=None, Tensor? cu_seqlens=None) -> ()");
+  // Serving from a state pool, in place: request n starts from slot
+  // state_indices[n] of state_pool [slots, H, V, K] and leaves its final state
+  // there; with num_accepted_tokens (speculative decoding), state_indices is
+  // [N, T_max], the start is slot state_indices[n, num_accepted_tokens[n] - 1]
+  // and the state after token t goes to slot state_indices[n, t]. A negative
+  // start slot marks a padding row (nothing read or written, out zero). out
+  // [B, T, H, V] is written whole.
+  m.def(
+      "fwd_pool_(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor A_log, Tensor dt_bias, "
+      "Tensor(a!) state_pool, Tensor state_indices, Tensor(b!) out, float? scale=None, float? lower_bound=None, "
+      "Tensor? cu_seqlens=None, Tensor? num_accepted_tokens=None) -> ()");
   // Not API: fwd that also returns checkpoints, the state at every chunk
   // slot's start in bf16, and records, K1's record of every chunk slot, as
   // `save` asks ("states_and_records", "states" or "none"; checkpoints.h:

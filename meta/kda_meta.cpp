@@ -45,6 +45,15 @@ void fwd_inplace(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor
   check_inplace_buffers("kda.fwd_", p, q, out, final_state, initial_state);
 }
 
+void fwd_pool(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g, const Tensor& beta,
+              const Tensor& A_log, const Tensor& dt_bias, Tensor& state_pool, const Tensor& state_indices, Tensor& out,
+              optional<double> scale, optional<double> lower_bound, const optional<Tensor>& cu_seqlens,
+              const optional<Tensor>& num_accepted_tokens) {
+  Problem p = check_forward_args("kda.fwd_pool_", q, k, v, g, beta, A_log, dt_bias, scale, lower_bound, std::nullopt,
+                                 cu_seqlens);
+  check_pool_args("kda.fwd_pool_", p, q, cu_seqlens.has_value(), state_pool, state_indices, num_accepted_tokens, out);
+}
+
 std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> bwd(
     const Tensor& grad_out, const optional<Tensor>& grad_final_state, const Tensor& q, const Tensor& k,
     const Tensor& v, const Tensor& g, const Tensor& beta, const Tensor& A_log, const Tensor& dt_bias,
@@ -63,6 +72,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> bwd(
 TORCH_LIBRARY_IMPL(kda, Meta, m) {
   m.impl("fwd", &fwd);
   m.impl("fwd_", &fwd_inplace);
+  m.impl("fwd_pool_", &fwd_pool);
   m.impl("_fwd_checkpointed", &fwd_checkpointed);
   m.impl("bwd", &bwd);
 }

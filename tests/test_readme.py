@@ -13,7 +13,7 @@ README = (pathlib.Path(__file__).resolve().parent.parent / "README.md").read_tex
 
 def test_schemas_are_the_registered_ones():
     listed = {m.group(1): m.group(0) for m in re.finditer(r"^kda::(\w+)\(.*$", README, flags=re.M)}
-    assert set(listed) == {"fwd", "fwd_", "bwd"}
+    assert set(listed) == {"fwd", "fwd_", "fwd_pool_", "bwd"}
     for name, line in listed.items():
         assert line == str(getattr(torch.ops.kda, name).default._schema), name
 

@@ -137,6 +137,63 @@ def fwd(
     )
 
 
+def kda_pool(
+    q,
+    k,
+    v,
+    g,
+    beta,
+    A_log,
+    dt_bias,
+    state_pool,
+    state_indices,
+    *,
+    scale=None,
+    lower_bound=None,
+    cu_seqlens=None,
+    num_accepted_tokens=None,
+    out=None,
+):
+    """KDA for serving from a state pool, in place; returns out.
+
+    state_pool [slots, H, V, K] (bfloat16, float32 or float64; each slot
+    contiguous, any slot stride, so a view of a larger cache works) holds every
+    request's state. Request n (B = N requests of T tokens, or B = 1 with
+    cu_seqlens) starts from slot state_indices[n] and leaves its final state
+    there. Speculative decoding: state_indices [N, T_max] and
+    num_accepted_tokens [N]; request n starts from slot
+    state_indices[n, num_accepted_tokens[n] - 1] and the state after its token t
+    goes to slot state_indices[n, t] (a negative entry: not written). A negative
+    start slot marks a padding row: nothing is read or written and its out rows
+    are zero. Slots named by different requests must differ. Pool rows that no
+    index names are left as they are. out: [B, T, H, V] in q's dtype, allocated
+    when None. No gradient.
+
+    Out-of-range indices raise on the CPU; on CUDA reading them costs a device
+    sync, so they are checked under TORCH_KDA_CHECK=1 only, and otherwise a slot
+    past the pool makes its row a padding row.
+    """
+    if out is None:
+        out = torch.empty(v.shape, dtype=q.dtype, device=q.device) if isinstance(v, torch.Tensor) else None
+    torch.ops.kda.fwd_pool_.default(
+        q,
+        k,
+        v,
+        g,
+        beta,
+        A_log,
+        dt_bias,
+        state_pool,
+        state_indices,
+        out,
+        _check_scalar("scale", scale),
+        _check_scalar("lower_bound", lower_bound),
+        cu_seqlens,
+        num_accepted_tokens,
+    )
+    return out
+
+
 def get_workspace_size(T_total, H, N=1):
     """Kept for source compatibility with flash_kda: the operators allocate their
     own scratch through PyTorch's caching allocator, so no workspace is needed."""

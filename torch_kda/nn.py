@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from torch_kda._ops import kda
+from torch_kda._ops import kda, kda_pool
 
 
 class KDAState(NamedTuple):
@@ -25,6 +25,31 @@ class KDAState(NamedTuple):
     conv_q: torch.Tensor
     conv_k: torch.Tensor
     conv_v: torch.Tensor
+
+
+class KDACache:
+    """Generation state of one KimiDeltaAttention layer, per request slot.
+
+    recurrent: [slots, H, d, d] (V-first), the KDA state pool that
+        torch_kda.kda_pool reads and writes in place; fp32 unless `dtype` says.
+    conv: [slots + 1, 3, H * d, conv_size - 1], the last inputs of the q, k and v
+        convolutions (oldest first), in the layer's dtype; the extra last slot
+        takes what padding rows (slot < 0) write.
+    A new request's slot must be zeroed first (reset).
+    """
+
+    def __init__(self, layer, slots, dtype=torch.float32, device=None):
+        H, d, W = layer.num_heads, layer.head_dim, layer.conv_size
+        device = layer.q_proj.weight.device if device is None else device
+        self.slots = slots
+        self.recurrent = torch.zeros(slots, H, d, d, dtype=dtype, device=device)
+        self.conv = torch.zeros(slots + 1, 3, H * d, W - 1, dtype=layer.q_proj.weight.dtype, device=device)
+
+    def reset(self, slots):
+        """Zeroes the given slots (a LongTensor or list of slot indices) for new requests."""
+        slots = torch.as_tensor(slots, dtype=torch.long, device=self.recurrent.device)
+        self.recurrent[slots] = 0
+        self.conv[slots] = 0
 
 
 def _at_least_fp32(dtype):
@@ -159,6 +184,10 @@ class KimiDeltaAttention(nn.Module):
     forward(x [B, T, hidden_size], cu_seqlens=None, state=None, output_state=False)
     returns (y [B, T, hidden_size], KDAState or None). Passing the returned state to the
     next call continues each sequence (chunked prefill, token-by-token generation).
+
+    forward_cached(x, cache, slots, cu_seqlens=None) serves generation from a
+    KDACache: each request continues from its slot and leaves its state there
+    (prefill and decoding steps alike; no gradient).
     """
 
     def __init__(self, hidden_size, num_heads, head_dim, conv_size=4, lower_bound=None, norm_eps=1e-5):
@@ -213,3 +242,32 @@ class KimiDeltaAttention(nn.Module):
         if not output_state:
             return y, None
         return y, KDAState(recurrent, conv_q, conv_k, conv_v)
+
+    def forward_cached(self, x, cache: KDACache, slots, cu_seqlens=None):
+        """x [N, T, hidden_size] for N requests (or [1, L, hidden_size] packed with
+        cu_seqlens [N + 1]); slots [N] (int64, on x's device) their cache slots, a
+        negative slot marking a padding row (its output is zero from the KDA core and
+        it reads and writes no state). Returns y like x. Runs no host sync, so a
+        decoding step can be captured in a CUDA graph and replayed with new slots."""
+        B, T, _ = x.shape
+        H, d = self.num_heads, self.head_dim
+        offsets = _sequence_offsets(B, T, cu_seqlens, x.device)
+        packed = x.reshape(1, B * T, x.shape[-1])
+        conv_slots = torch.where(slots < 0, torch.full_like(slots, cache.slots), slots)
+        carried = cache.conv[conv_slots]  # [N, 3, C, W - 1]
+        new_conv = []
+        qkv = []
+        for i, (proj, conv_mod) in enumerate(((self.q_proj, self.q_conv), (self.k_proj, self.k_conv),
+                                              (self.v_proj, self.v_conv))):
+            y, new = conv_mod(proj(packed), offsets, carried[:, i], True, state_name="cache.conv")
+            qkv.append(y.reshape(B, T, H, d))
+            new_conv.append(new)
+        q, k, v = qkv
+        g = self.f_proj(x).reshape(B, T, H, d)
+        beta = self.b_proj(x)
+        A_log, dt_bias = self.gate()
+        o = kda_pool(q, k, v, g.to(q.dtype), beta.to(q.dtype), A_log, dt_bias, cache.recurrent, slots,
+                     lower_bound=self.lower_bound, cu_seqlens=cu_seqlens)
+        cache.conv.index_copy_(0, conv_slots, torch.stack(new_conv, 1).to(cache.conv.dtype))
+        o = self.o_norm(o, self.g_proj(x).reshape(B, T, H, d))
+        return self.o_proj(o.reshape(B, T, H * d))

@@ -99,6 +99,12 @@ void recurrence_forward(const RecurrenceArgs<T>& a, T* out, T* final_state) {
     std::vector<T> S(K * V), w(V), u(V);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t n = task / H, h = task % H;
+      if (a.skip != nullptr && a.skip[n]) {
+        for (int64_t t = a.offsets[n]; t < a.offsets[n + 1]; ++t) {
+          std::fill(out + (t * H + h) * V, out + (t * H + h + 1) * V, T(0));
+        }
+        continue;
+      }
       if (a.initial_state != nullptr) {
         load_state(a.initial_state + task * V * K, S.data(), K, V);
       } else {
@@ -108,6 +114,9 @@ void recurrence_forward(const RecurrenceArgs<T>& a, T* out, T* final_state) {
         const int64_t th = t * H + h;
         step(S.data(), a.kn + th * K, a.alpha + th * K, a.v + th * V, a.beta[th], a.qn + th * K, a.scale, w.data(),
              u.data(), out + th * V, K, V);
+        if (a.after_token) {
+          a.after_token(n, h, t - a.offsets[n], S.data());
+        }
       }
       if (final_state != nullptr) {
         store_state(S.data(), final_state + task * V * K, K, V);

@@ -5,6 +5,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <vector>
 
 namespace kda::cpu {
@@ -20,6 +21,13 @@ struct RecurrenceArgs {
   const T* alpha = nullptr;  // [tokens, H, K]
   const T* beta = nullptr;   // [tokens, H]
   const T* initial_state = nullptr;  // [N, H, V, K], null means zeros
+  // The forward only: sequences to leave out (null: none), whose out rows are
+  // zeros and whose final state is not written; and a function that receives
+  // the state (as S[k][v], K x V) after token t (counted from the sequence's
+  // start) of sequence n and head h (null: none). Called from parallel tasks,
+  // one (sequence, head) each.
+  const bool* skip = nullptr;  // [N]
+  std::function<void(int64_t n, int64_t h, int64_t t, const T* S)> after_token;
 };
 
 // Writes out [tokens, H, V] and, when non-null, final_state [N, H, V, K].

@@ -148,4 +148,14 @@ BackwardPlan backward_plan(const FwdParams& p, int64_t device_memory, bool saved
   return plan;
 }
 
+// The decode reads and writes each state once for all of a request's tokens
+// but runs them one after the other; the chunked forward runs 16 tokens a
+// step and moves a record per chunk besides. Up to a few tokens a request the
+// state's bytes dominate either way.
+constexpr int64_t kDecodeTokensPerRequest = 8;
+
+bool pool_by_decode(int64_t tokens, int64_t requests, bool speculative) {
+  return speculative || tokens <= kDecodeTokensPerRequest * std::max<int64_t>(requests, 1);
+}
+
 }  // namespace kda::cuda

@@ -6,8 +6,8 @@
 //
 // The testing hook (Forced, set by kda_testing::force) overrides the shapes
 // and the windows for the whole process, so that tests can run every shape
-// and put window edges inside small problems. An op reads it once, before it
-// enqueues anything.
+// and put window edges inside small problems. An op reads it once per call,
+// before it enqueues the kernels whose shapes it sets.
 #pragma once
 
 #include <cstdint>
@@ -53,5 +53,11 @@ struct BackwardPlan {
   int64_t window = 0;
 };
 BackwardPlan backward_plan(const FwdParams& params, int64_t device_memory, bool saved_states, bool saved_records);
+
+// Whether kda::fwd_pool_ runs its decode kernel (pool.cu), token by token per
+// (request, head), rather than the chunked forward between copies from and to
+// the pool: for speculative decoding always (it writes a state after every
+// token), else where the requests average few tokens.
+bool pool_by_decode(int64_t tokens, int64_t requests, bool speculative);
 
 }  // namespace kda::cuda

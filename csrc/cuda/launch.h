@@ -69,4 +69,13 @@ enum class DsBlock { k4x1, k4x2, k2x2 };
 void launch_ds_recurrence(const SweepBwdParams& params, cudaStream_t stream, DsBlock block);
 void launch_record_gradients(const SweepBwdParams& params, cudaStream_t stream);
 
+// The state pool (pool.cu): the decode, for requests of a few tokens; and the
+// copies around the chunked forward for long ones: params.states from the
+// pool (zeros for padding rows), back to the pool (but padding rows), and
+// zeros over the padding rows' out.
+void launch_pool_decode(const PoolParams& params, cudaStream_t stream);
+void launch_pool_gather(const PoolParams& params, cudaStream_t stream);
+void launch_pool_scatter(const PoolParams& params, cudaStream_t stream);
+void launch_pool_zero_padding(const PoolParams& params, cudaStream_t stream);
+
 }  // namespace kda::cuda

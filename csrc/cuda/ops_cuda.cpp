@@ -11,6 +11,7 @@
 
 #include <algorithm>
 #include <string>
+#include <utility>
 
 #include "checkpoints.h"
 #include "cuda/backward/schedule.h"
@@ -245,6 +246,87 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> bwd(
                              cu_seqlens, checkpoints.value_or(Tensor()), records.value_or(Tensor()));
 }
 
+// kda::fwd_pool_: the decode kernel (pool.cu) for speculative calls and short
+// requests, else the chunked forward from the pool's states, copied out first,
+// with the final states copied back (heuristics.h, pool_by_decode). Nothing
+// waits on the host: padding rows and indices past the pool are found on the
+// device (checked under TORCH_KDA_CHECK=1, which reads them).
+void fwd_pool(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g, const Tensor& beta,
+              const Tensor& A_log, const Tensor& dt_bias, Tensor& state_pool, const Tensor& state_indices, Tensor& out,
+              optional<double> scale, optional<double> lower_bound, const optional<Tensor>& cu_seqlens,
+              const optional<Tensor>& num_accepted_tokens) {
+  const char* op = "kda.fwd_pool_";
+  Problem p = check_all(op, q, k, v, g, beta, A_log, dt_bias, scale, lower_bound, std::nullopt, cu_seqlens);
+  check_pool_args(op, p, q, cu_seqlens.has_value(), state_pool, state_indices, num_accepted_tokens, out);
+  TORCH_CHECK(p.state_dtype == at::kBFloat16 || p.state_dtype == at::kFloat,
+              op, ": on CUDA, state_pool must have dtype bfloat16 or float32, got ", dtype_name(p.state_dtype));
+  const int64_t elem = state_pool.element_size();
+  TORCH_CHECK(aligned16(state_pool) && (state_pool.size(0) <= 1 || state_pool.stride(0) * elem % 16 == 0),
+              op, ": on CUDA, state_pool's slots must start on 16-byte boundaries (its data and its slot stride "
+              "in bytes multiples of 16)");
+  check_outputs_disjoint(op, out, state_pool, "state_pool");
+  for (const auto& [name, t] : {std::pair<const char*, const Tensor*>{"q", &q}, {"k", &k}, {"v", &v}, {"g", &g},
+                                {"beta", &beta}}) {
+    TORCH_CHECK(at::get_overlap_status(*t, state_pool) == at::MemOverlapStatus::No,
+                op, ": state_pool must not share memory with ", name, " (the pool is written while it is read)");
+  }
+  if (debug_checks_enabled()) {
+    check_pool_indices(op, state_indices, num_accepted_tokens, state_pool.size(0));
+  }
+  c10::cuda::CUDAGuard guard(q.device());
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(q.device().index()).stream();
+  const int64_t N = concrete(p.N), H = concrete(p.H), tokens = concrete(p.B) * concrete(p.T);
+  const Tensor indices = state_indices.contiguous();
+  const Tensor accepted = num_accepted_tokens.has_value() ? num_accepted_tokens->contiguous() : Tensor();
+  const Tensor cu = cu_seqlens.has_value() ? cu_seqlens->contiguous() : Tensor();
+  Tensor out_c = out.is_contiguous() && aligned16(out) ? out : at::empty_like(out, at::MemoryFormat::Contiguous);
+
+  PoolParams pp;
+  pp.out = out_c.data_ptr();
+  pp.pool = state_pool.data_ptr();
+  pp.pool_stride = state_pool.size(0) <= 1 ? H * kHeadDim * kHeadDim : state_pool.stride(0);
+  pp.slots = state_pool.size(0);
+  pp.pool_fp32 = p.state_dtype == at::kFloat;
+  pp.indices = indices.data_ptr();
+  pp.indices_int32 = indices.scalar_type() == at::kInt;
+  pp.index_cols = indices.dim() == 2 ? indices.size(1) : 1;
+  pp.accepted = accepted.defined() ? accepted.data_ptr() : nullptr;
+  pp.accepted_int32 = accepted.defined() && accepted.scalar_type() == at::kInt;
+  pp.cu_seqlens = cu.defined() ? cu.data_ptr() : nullptr;
+  pp.cu_int32 = cu.defined() && cu.scalar_type() == at::kInt;
+  pp.T = cu.defined() ? tokens : concrete(p.T);
+  pp.N = N;
+  pp.H = H;
+  pp.scale = static_cast<float>(resolved_scale(p));
+  pp.softplus = p.gate == Gate::kSoftplus;
+  pp.lower_bound = static_cast<float>(p.lower_bound);
+
+  if (pool_by_decode(tokens, N, accepted.defined())) {
+    const Tensor qc = q.contiguous(), kc = k.contiguous(), vc = v.contiguous(), gc = g.contiguous();
+    const Tensor bc = beta.contiguous(), ac = A_log.contiguous(), dc = dt_bias.contiguous();
+    pp.q = qc.data_ptr();
+    pp.k = kc.data_ptr();
+    pp.v = vc.data_ptr();
+    pp.g = gc.data_ptr();
+    pp.beta = bc.data_ptr();
+    pp.A_log = ac.data_ptr<float>();
+    pp.dt_bias = dc.data_ptr<float>();
+    launch_pool_decode(pp, stream);
+  } else {
+    Tensor states = at::empty({N, H, kHeadDim, kHeadDim}, state_pool.options().dtype(p.state_dtype));
+    Tensor final_states = at::empty_like(states);
+    pp.states = states.data_ptr();
+    launch_pool_gather(pp, stream);
+    forward_into(op, p, q, k, v, g, beta, A_log, dt_bias, states, cu_seqlens, out_c, final_states);
+    pp.states = final_states.data_ptr();
+    launch_pool_scatter(pp, stream);
+    launch_pool_zero_padding(pp, stream);
+  }
+  if (!out_c.is_same(out)) {
+    out.copy_(out_c);
+  }
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(kda, CUDA, m) {
@@ -252,6 +334,7 @@ TORCH_LIBRARY_IMPL(kda, CUDA, m) {
   m.impl("fwd_", &fwd_inplace);
   m.impl("_fwd_checkpointed", &fwd_checkpointed);
   m.impl("bwd", &bwd);
+  m.impl("fwd_pool_", &fwd_pool);
 }
 
 }  // namespace kda::cuda

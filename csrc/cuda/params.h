@@ -207,4 +207,43 @@ struct SweepBwdParams {
   float* d_initial = nullptr;    // [N, H, V, K] fp32, or null (not wanted)
 };
 
+// The state pool's kernels (pool.cu): kda::fwd_pool_'s decode, one block per
+// (request, head) carrying its state through its tokens in registers, and the
+// copies between the pool and the chunked forward's states. Request n's
+// tokens are [cu_seqlens[n], cu_seqlens[n + 1]) (clamped into [0, tokens] and
+// ordered), or [n * T, (n + 1) * T) without cu_seqlens. Its start slot is
+// indices[n * index_cols + col], col = accepted[n] - 1 with `accepted` (then
+// the state after its token t goes to slot indices[n * index_cols + t], t <
+// index_cols), else col = 0. A start slot outside [0, slots) (or `accepted`
+// outside [1, index_cols]) marks a padding row: nothing read or written, out
+// rows zero.
+struct PoolParams {
+  const void* q = nullptr;     // bf16 [tokens, H, K], contiguous
+  const void* k = nullptr;     // bf16 [tokens, H, K]
+  const void* v = nullptr;     // bf16 [tokens, H, V]
+  const void* g = nullptr;     // bf16 [tokens, H, K]
+  const void* beta = nullptr;  // bf16 [tokens, H]
+  const float* A_log = nullptr;
+  const float* dt_bias = nullptr;
+  void* out = nullptr;         // bf16 [tokens, H, V], contiguous
+  void* pool = nullptr;        // [slots, H, V, K], each slot contiguous
+  int64_t pool_stride = 0;     // elements from one slot to the next
+  int64_t slots = 0;
+  bool pool_fp32 = true;       // else bf16
+  const void* indices = nullptr;
+  bool indices_int32 = false;
+  int64_t index_cols = 1;
+  const void* accepted = nullptr;  // [N], or null
+  bool accepted_int32 = false;
+  const void* cu_seqlens = nullptr;  // [N + 1], or null
+  bool cu_int32 = false;
+  int64_t T = 0;  // tokens per request without cu_seqlens; all the call's tokens with them
+  int64_t N = 0, H = 0;
+  float scale = 1.f;
+  bool softplus = false;
+  float lower_bound = -5.f;
+  // The copies around the chunked forward: states [N, H, V, K] in the pool's dtype.
+  void* states = nullptr;
+};
+
 }  // namespace kda::cuda

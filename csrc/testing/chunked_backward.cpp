@@ -261,7 +261,7 @@ BackwardTuple backward_by_chunks(const char* op, const Problem& p, const Tensor&
 
 namespace {
 
-// kda::_bwd_chunked: kda::bwd by the chunked composition on any device.
+// kda_testing::bwd_chunked: kda::bwd by the chunked composition on any device.
 BackwardTuple bwd_chunked(const Tensor& grad_out, const optional<Tensor>& grad_final_state, const Tensor& q,
                           const Tensor& k, const Tensor& v, const Tensor& g, const Tensor& beta, const Tensor& A_log,
                           const Tensor& dt_bias, optional<double> scale, optional<double> lower_bound,

@@ -398,6 +398,8 @@ void launch_ds_for(const SweepBwdParams& bp, cudaStream_t stream, DsBlock block)
     case DsBlock::k2x2:
       launch_ds<2, 2, kDoutFp32>(bp, stream);
       break;
+    default:
+      TORCH_INTERNAL_ASSERT(false, "the dS recurrence: no such block shape");
   }
 }
 

@@ -6,6 +6,8 @@
 
 #include <algorithm>
 
+#include "cuda/launch.h"
+
 namespace kda::cuda {
 namespace {
 

@@ -78,7 +78,6 @@ struct Config {
   static constexpr int kRowGroups = kWarps / kSplit;
   static constexpr int kCols = 16 * kRowGroups;  // value channels of a block
   static constexpr int kNt = 16 / kSplit;        // 8-column n-tiles of state per warp
-  static constexpr int kKk = kNt / 2;            // 16-column k-steps of state per warp
   // Chunks staged ahead (the ring's length): three hide L2 latency behind a
   // step; the 2x2 (two blocks an SM) runs faster with four, the 4x4 slower
   // with six (docs/performance-notes.md).
@@ -1017,6 +1016,8 @@ void launch_recurrence(const FwdParams& p, cudaStream_t stream, const Recurrence
     case RecurrenceBlock::k4x4:
       launch<4>(p, stream, false);
       break;
+    default:
+      TORCH_INTERNAL_ASSERT(false, "K2: no such block shape");
   }
 }
 

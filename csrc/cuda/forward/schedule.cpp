@@ -5,6 +5,8 @@
 
 #include <algorithm>
 
+#include "cuda/launch.h"
+
 namespace kda::cuda {
 
 // Windows hide none of K1's time beside K2's on a side stream, nor beside a

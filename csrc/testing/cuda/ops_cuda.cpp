@@ -6,7 +6,10 @@
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
 
+#include <c10/util/string_view.h>
+
 #include <string>
+#include <tuple>
 #include <utility>
 
 #include "cuda/heuristics.h"
@@ -19,6 +22,11 @@ namespace {
 
 using at::Tensor;
 using std::optional;
+
+constexpr std::pair<const char*, RecurrenceBlock> kBlocks[] = {
+    {"4x1w", RecurrenceBlock::k4x1w}, {"2x2", RecurrenceBlock::k2x2}, {"4x4", RecurrenceBlock::k4x4}};
+constexpr std::pair<const char*, DsBlock> kDsBlocks[] = {
+    {"4x1", DsBlock::k4x1}, {"4x2", DsBlock::k4x2}, {"2x2", DsBlock::k2x2}};
 
 // `name` among the shapes, or none for "auto"; any other raises, naming the choices.
 template <typename Shape, size_t N>
@@ -37,12 +45,18 @@ std::optional<Shape> shape_named(const char* arg, c10::string_view name,
   TORCH_CHECK(false, "kda_testing.force: ", arg, " must be one of ", names, ", got '", std::string(name), "'");
 }
 
+template <typename Shape, size_t N>
+std::string name_of(const std::optional<Shape>& shape, const std::pair<const char*, Shape> (&shapes)[N]) {
+  for (const auto& [shape_name, s] : shapes) {
+    if (shape.has_value() && *shape == s) {
+      return shape_name;
+    }
+  }
+  return "auto";
+}
+
 // Validates every argument before it sets any.
 void force(c10::string_view recurrence_block, c10::string_view ds_block, int64_t window_slots) {
-  static constexpr std::pair<const char*, RecurrenceBlock> kBlocks[] = {
-      {"4x1w", RecurrenceBlock::k4x1w}, {"2x2", RecurrenceBlock::k2x2}, {"4x4", RecurrenceBlock::k4x4}};
-  static constexpr std::pair<const char*, DsBlock> kDsBlocks[] = {
-      {"4x1", DsBlock::k4x1}, {"4x2", DsBlock::k4x2}, {"2x2", DsBlock::k2x2}};
   Forced f;
   f.recurrence_block = shape_named("recurrence_block", recurrence_block, kBlocks);
   f.ds_block = shape_named("ds_block", ds_block, kDsBlocks);
@@ -52,6 +66,12 @@ void force(c10::string_view recurrence_block, c10::string_view ds_block, int64_t
     f.window_slots = window_slots;
   }
   set_forced(f);
+}
+
+// The settings now, as force takes them.
+std::tuple<std::string, std::string, int64_t> forced_now() {
+  const Forced f = forced();
+  return {name_of(f.recurrence_block, kBlocks), name_of(f.ds_block, kDsBlocks), f.window_slots.value_or(-1)};
 }
 
 // An intermediate that a private test op takes in (what the backward's kernels
@@ -138,9 +158,10 @@ std::tuple<Tensor, Tensor, Tensor> sweep_bwd(const Tensor& q, const Tensor& k, c
   bp.grad_final = gf.defined() ? gf.data_ptr<float>() : nullptr;
   bp.d_record = d_record.data_ptr<float>();
   bp.d_initial = d_initial.data_ptr<float>();
-  launch_prepare(fp, stream);
   const int64_t memory = static_cast<int64_t>(at::cuda::getDeviceProperties(q.device().index())->totalGlobalMem);
-  launch_ds_recurrence(bp, stream, backward_plan(fp, memory, true, false).ds_block);
+  const DsBlock ds_block = backward_plan(fp, memory, true, false).ds_block;
+  launch_prepare(fp, stream);
+  launch_ds_recurrence(bp, stream, ds_block);
   launch_record_gradients(bp, stream);
   return {d_record, d_initial, d_states};
 }
@@ -150,6 +171,7 @@ std::tuple<Tensor, Tensor, Tensor> sweep_bwd(const Tensor& q, const Tensor& k, c
 TORCH_LIBRARY_FRAGMENT(kda_testing, m) {
   // The testing hook: "auto" and -1 leave a choice to heuristics.h.
   m.def("force(str recurrence_block=\"auto\", str ds_block=\"auto\", int window_slots=-1) -> ()", &force);
+  m.def("forced() -> (str recurrence_block, str ds_block, int window_slots)", &forced_now);
 }
 
 TORCH_LIBRARY_IMPL(kda_testing, CUDA, m) {

@@ -1,0 +1,223 @@
+"""kda::fwd_pool_ on CUDA (csrc/cuda/pool.cu): the decode kernel and the chunked
+path between copies, against the float64 reference and the CPU kernel's slot
+rules; padding rows, poisoned pools and outputs, bf16 pools, a strided pool,
+speculative decoding, CUDA graphs with new indices, torch.compile, and the
+checks that run only under TORCH_KDA_CHECK=1. Skipped where CUDA is absent."""
+import pytest
+import torch
+
+import torch_kda
+from conftest import capture_graph, make_inputs, positional, rel
+from cuda_helpers import CUDA_MARKS, DEV, kernel_launches
+from torch_kda.naive import kda_naive
+
+pytestmark = CUDA_MARKS
+
+D = 128
+GATES = [pytest.param(-5.0, id="bounded"), pytest.param(None, id="softplus")]
+
+
+def to_dev(d):
+    return {n: (t.to(DEV) if t is not None else None) for n, t in d.items()}
+
+
+def pool_call(g, pool, indices, lower_bound, **kw):
+    return torch_kda.kda_pool(*positional(g), pool, indices, lower_bound=lower_bound, **kw)
+
+
+@pytest.mark.parametrize("lower_bound", GATES)
+@pytest.mark.parametrize("pool_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("T", [1, 4, 40])  # the decode kernel, and (40 > 8 a request) the chunked path
+def test_pool_matches_the_reference(lower_bound, pool_dtype, T):
+    """Requests in a random half of the pool, one of them padding: out and the
+    written slots against float64 from the same start states; rows that no
+    index names bitwise unchanged, the padding row's out zero."""
+    N, H, slots = 6, 4, 12
+    d = make_inputs(B=N, T=T, H=H, K=D, V=D, dtype=torch.bfloat16)
+    g = to_dev(d)
+    pool = torch.randn(slots, H, D, D, device=DEV).to(pool_dtype)
+    before = pool.clone()
+    indices = torch.randperm(slots, device=DEV)[:N]
+    indices[2] = -1
+    out = torch.full(g["v"].shape, float("nan"), device=DEV, dtype=torch.bfloat16)
+    pool_call(g, pool, indices, lower_bound, out=out)
+    torch.cuda.synchronize()
+    live = [n for n in range(N) if n != 2]
+    idx = indices[live]
+    ref_out, ref_final = kda_naive(*(x[live] for x in positional(g)[:5]), g["A_log"], g["dt_bias"],
+                                   lower_bound=lower_bound, initial_state=before[idx].double())
+    tol_out, tol_state = (5e-3, 5e-3) if pool_dtype == torch.bfloat16 else (5e-3, 1e-4)
+    e_out, e_state = rel(out[live], ref_out), rel(pool[idx], ref_final)
+    print(f"\nT={T} {pool_dtype}: out rel {e_out:.2e}, state rel {e_state:.2e}")
+    assert e_out <= tol_out and e_state <= tol_state
+    assert torch.equal(out[2], torch.zeros_like(out[2]))
+    others = torch.tensor([s for s in range(slots) if s not in idx.tolist()], device=DEV)
+    assert torch.equal(pool[others], before[others])
+
+
+@pytest.mark.parametrize("lower_bound", GATES)
+def test_decode_steps_equal_the_prefill(lower_bound):
+    """Token by token through the pool (fp32) equals the prefill op over the
+    whole sequences, within the fp32 state's precision."""
+    N, T, H, slots = 5, 24, 8, 10
+    d = make_inputs(B=N, T=T, H=H, K=D, V=D, dtype=torch.bfloat16, state_dtype=torch.float32)
+    g = to_dev(d)
+    pool = torch.zeros(slots, H, D, D, device=DEV)
+    indices = torch.randperm(slots, device=DEV)[:N]
+    pool[indices] = g["initial_state"]
+    outs = [pool_call({**g, **{n: g[n][:, t : t + 1].contiguous() for n in ("q", "k", "v", "g", "beta")}},
+                      pool, indices, lower_bound) for t in range(T)]
+    want_out, want_final = torch_kda.kda(*positional(g), lower_bound=lower_bound, initial_state=g["initial_state"],
+                                         output_final_state=True)
+    ref_out, ref_final = kda_naive(*positional(g), lower_bound=lower_bound, initial_state=g["initial_state"].double())
+    got = torch.cat(outs, 1)
+    print(f"\nsteps vs float64: out {rel(got, ref_out):.2e}, state {rel(pool[indices], ref_final):.2e};"
+          f" prefill op: out {rel(want_out, ref_out):.2e}")
+    assert rel(got, ref_out) <= 5e-3 and rel(pool[indices], ref_final) <= 1e-4
+    assert rel(got, want_out.float()) <= 5e-3
+
+
+@pytest.mark.parametrize("lower_bound", GATES)
+@pytest.mark.parametrize("index_dtype", [torch.int64, torch.int32])
+def test_varlen_against_the_cpu_kernel(lower_bound, index_dtype):
+    """A varlen batch (empty request, padding row, odd lengths; long enough in
+    total for the chunked path and short for the decode) gives the CPU kernel's
+    results from the same pool."""
+    for seqlens in ([3, 0, 1, 2, 5], [40, 0, 77, 17, 33]):
+        d = make_inputs(seqlens=seqlens, H=4, K=D, V=D, dtype=torch.bfloat16, cu_dtype=index_dtype)
+        g = to_dev(d)
+        slots = 8
+        pool = torch.randn(slots, 4, D, D)
+        indices = torch.tensor([6, 1, -1, 3, 0], dtype=index_dtype)
+        cpu_pool = pool.clone()
+        cpu_out = torch_kda.kda_pool(*positional(d), cpu_pool, indices, lower_bound=lower_bound,
+                                     cu_seqlens=d["cu_seqlens"])
+        gpu_pool = pool.to(DEV)
+        gpu_out = torch_kda.kda_pool(*positional(g), gpu_pool, indices.to(DEV), lower_bound=lower_bound,
+                                     cu_seqlens=g["cu_seqlens"])
+        print(f"\n{seqlens}: out {rel(gpu_out.cpu(), cpu_out):.2e}, pool {rel(gpu_pool.cpu(), cpu_pool):.2e}")
+        assert rel(gpu_out.cpu(), cpu_out) <= 5e-3 and rel(gpu_pool.cpu(), cpu_pool) <= 1e-4
+        untouched = [2, 4, 5, 7]
+        assert torch.equal(gpu_pool[untouched].cpu(), pool[untouched])
+
+
+@pytest.mark.parametrize("lower_bound", GATES)
+@pytest.mark.parametrize("pool_dtype", [torch.float32, torch.bfloat16])
+def test_speculative_decoding_against_the_cpu_kernel(lower_bound, pool_dtype):
+    """state_indices [N, T_max] and num_accepted_tokens, with a padding row and
+    negative later slots: the CPU kernel's slots and outputs."""
+    N, T, H, slots = 4, 3, 4, 20
+    d = make_inputs(B=N, T=T, H=H, K=D, V=D, dtype=torch.bfloat16)
+    pool = torch.randn(slots, H, D, D).to(pool_dtype)
+    indices = torch.tensor([[0, 1, 2, 3], [4, 5, -1, -1], [-1, -1, -1, -1], [8, 9, 10, 11]])
+    accepted = torch.tensor([3, 1, 1, 2], dtype=torch.int32)
+    cpu_pool = pool.clone()
+    cpu_out = torch_kda.kda_pool(*positional(d), cpu_pool, indices, lower_bound=lower_bound,
+                                 num_accepted_tokens=accepted)
+    gpu_pool = pool.to(DEV)
+    gpu_out = torch_kda.kda_pool(*positional(to_dev(d)), gpu_pool, indices.to(DEV), lower_bound=lower_bound,
+                                 num_accepted_tokens=accepted.to(DEV))
+    tol = 5e-3 if pool_dtype == torch.bfloat16 else 1e-4
+    assert rel(gpu_out.cpu(), cpu_out) <= 5e-3 and rel(gpu_pool.cpu().float(), cpu_pool.float()) <= tol
+    assert torch.equal(gpu_out[2].cpu(), torch.zeros_like(cpu_out[2]))
+    untouched = [s for s in range(slots) if s not in {0, 1, 2, 4, 5, 8, 9, 10}]
+    assert torch.equal(gpu_pool[untouched].cpu(), pool[untouched])
+
+
+def test_padding_rows_read_nothing_and_a_strided_pool():
+    """The pool is a view of a larger cache; the rows that no request names hold
+    NaN: the results equal a clean pool's, those rows stay NaN, the cache's
+    other half is untouched; an index past the pool acts as padding unchecked."""
+    N, T, H = 3, 2, 2
+    d = make_inputs(B=N, T=T, H=H, K=D, V=D, dtype=torch.bfloat16)
+    g = to_dev(d)
+    cache = torch.randn(6, 2, H, D, D, device=DEV)
+    clean = cache[:, 1].clone()
+    poisoned_cache = cache.clone()
+    for s in (0, 2, 3, 5):
+        poisoned_cache[s, 1] = float("nan")
+    pool = poisoned_cache[:, 1]
+    indices = torch.tensor([1, -1, 4], device=DEV)
+    want = pool_call(g, clean, indices, -5.0)
+    got = pool_call(g, pool, indices, -5.0)
+    assert torch.equal(got, want) and torch.isfinite(got).all()
+    assert torch.equal(pool[[1, 4]], clean[[1, 4]]) and torch.isnan(pool[[0, 2, 3, 5]]).all()
+    assert torch.equal(poisoned_cache[:, 0], cache[:, 0])
+    past = pool_call(g, clean.clone(), torch.tensor([1, 99, 4], device=DEV), -5.0)
+    assert torch.equal(past[1], torch.zeros_like(past[1])) and torch.equal(past[[0, 2]], want[[0, 2]])
+
+
+def test_indices_are_checked_under_torch_kda_check(monkeypatch):
+    d = make_inputs(B=2, T=1, H=2, K=D, V=D, dtype=torch.bfloat16)
+    g = to_dev(d)
+    pool = torch.zeros(4, 2, D, D, device=DEV)
+    monkeypatch.setenv("TORCH_KDA_CHECK", "1")
+    with pytest.raises(RuntimeError, match="state_indices must name slots below the pool's 4"):
+        pool_call(g, pool, torch.tensor([0, 4], device=DEV), -5.0)
+    monkeypatch.delenv("TORCH_KDA_CHECK")
+
+
+def test_cuda_graph_replays_with_new_indices():
+    """One captured decode step replayed with new inputs, indices and accepted
+    counts gives the eager call's bits."""
+    N, T_max, H, slots = 8, 3, 4, 32
+    d = make_inputs(B=N, T=T_max, H=H, K=D, V=D, dtype=torch.bfloat16)
+    x = to_dev(d)
+    pool = torch.randn(slots, H, D, D, device=DEV)
+    indices = torch.zeros(N, T_max, dtype=torch.int64, device=DEV)
+    accepted = torch.ones(N, dtype=torch.int64, device=DEV)
+    out = torch.empty(x["v"].shape, dtype=torch.bfloat16, device=DEV)
+
+    def step():
+        torch_kda.kda_pool(*positional(x), pool, indices, lower_bound=None, num_accepted_tokens=accepted, out=out)
+
+    indices.copy_(torch.randperm(slots, device=DEV)[: N * T_max].view(N, T_max))
+    graph, _ = capture_graph(step)
+    for _ in range(2):
+        fresh = to_dev(make_inputs(B=N, T=T_max, H=H, K=D, V=D, dtype=torch.bfloat16))
+        for n in ("q", "k", "v", "g", "beta"):
+            x[n].copy_(fresh[n])
+        indices.copy_(torch.randperm(slots, device=DEV)[: N * T_max].view(N, T_max))
+        indices[3] = -1
+        accepted.copy_(torch.randint(1, T_max + 1, (N,), device=DEV))
+        eager_pool = pool.clone()
+        eager_out = torch_kda.kda_pool(*positional(x), eager_pool, indices, lower_bound=None,
+                                       num_accepted_tokens=accepted)
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, eager_out) and torch.equal(pool, eager_pool)
+
+
+def test_compile_fullgraph():
+    d = make_inputs(B=4, T=1, H=2, K=D, V=D, dtype=torch.bfloat16)
+    g = to_dev(d)
+    pool = torch.randn(6, 2, D, D, device=DEV)
+    indices = torch.tensor([5, 0, -1, 2], device=DEV)
+    eager_pool = pool.clone()
+
+    def step(p, idx, q, k, v, gg, beta):
+        return torch_kda.kda_pool(q, k, v, gg, beta, g["A_log"], g["dt_bias"], p, idx, lower_bound=-5.0)
+
+    x = [g[n] for n in ("q", "k", "v", "g", "beta")]
+    want = step(eager_pool, indices, *x)
+    got = torch.compile(step, fullgraph=True)(pool, indices, *x)
+    assert torch.equal(got, want) and torch.equal(pool, eager_pool)
+
+
+def test_opcheck():
+    d = make_inputs(seqlens=[3, 0, 2], H=2, K=D, V=D, dtype=torch.bfloat16)
+    g = to_dev(d)
+    pool = torch.randn(6, 2, D, D, device=DEV)
+    args = (*positional(g), pool, torch.tensor([1, -1, 4], device=DEV), torch.empty(g["v"].shape, device=DEV,
+            dtype=torch.bfloat16), None, -5.0, g["cu_seqlens"])
+    torch.library.opcheck(torch.ops.kda.fwd_pool_.default, args)
+
+
+def test_decode_runs_no_chunked_kernel():
+    d = make_inputs(B=64, T=1, H=4, K=D, V=D, dtype=torch.bfloat16)
+    g = to_dev(d)
+    pool = torch.randn(128, 4, D, D, device=DEV)
+    indices = torch.randperm(128, device=DEV)[:64]
+    _, k1, k2 = kernel_launches(lambda: pool_call(g, pool, indices, -5.0))
+    assert (k1, k2) == (0, 0)  # the decode kernel alone, no chunk records
