@@ -430,6 +430,12 @@ void check_outputs_disjoint(const char* op, const at::Tensor& out, const std::op
       op, ": out and ", name, " must not share memory (each element is written once, by one of them)");
 }
 
+void check_pool_disjoint(const char* op, const at::Tensor& out, const at::Tensor& state_pool) {
+  const bool shared = out.storage().is_alias_of(state_pool.storage()) &&
+                      at::get_overlap_status(out, state_pool) != at::MemOverlapStatus::No;
+  TORCH_CHECK(!shared, op, ": out and state_pool must not share memory (each element is written once, by one of them)");
+}
+
 void check_backward_grads(
     const char* op,
     const Problem& p,

@@ -79,6 +79,10 @@ void check_pool_indices(
     const std::optional<at::Tensor>& num_accepted_tokens,
     int64_t slots);
 
+// out and state_pool of kda::fwd_pool_ must not overlap: in the same storage, any
+// overlap but a proven disjoint one (a real-kernel check).
+void check_pool_disjoint(const char* op, const at::Tensor& out, const at::Tensor& state_pool);
+
 // The incoming gradients of the backward.
 void check_backward_grads(
     const char* op,

@@ -124,7 +124,7 @@ def test_speculative_decoding_against_the_cpu_kernel(lower_bound, pool_dtype):
     assert torch.equal(gpu_pool[untouched].cpu(), pool[untouched])
 
 
-def test_padding_rows_read_nothing_and_a_strided_pool():
+def test_padding_rows_read_nothing_and_a_strided_pool(monkeypatch):
     """The pool is a view of a larger cache; the rows that no request names hold
     NaN: the results equal a clean pool's, those rows stay NaN, the cache's
     other half is untouched; an index past the pool acts as padding unchecked."""
@@ -143,7 +143,8 @@ def test_padding_rows_read_nothing_and_a_strided_pool():
     assert torch.equal(got, want) and torch.isfinite(got).all()
     assert torch.equal(pool[[1, 4]], clean[[1, 4]]) and torch.isnan(pool[[0, 2, 3, 5]]).all()
     assert torch.equal(poisoned_cache[:, 0], cache[:, 0])
-    past = pool_call(g, clean.clone(), torch.tensor([1, 99, 4], device=DEV), -5.0)
+    monkeypatch.delenv("TORCH_KDA_CHECK", raising=False)
+    past = pool_call(g, cache[:, 1].clone(), torch.tensor([1, 99, 4], device=DEV), -5.0)
     assert torch.equal(past[1], torch.zeros_like(past[1])) and torch.equal(past[[0, 2]], want[[0, 2]])
 
 
@@ -220,4 +221,31 @@ def test_decode_runs_no_chunked_kernel():
     pool = torch.randn(128, 4, D, D, device=DEV)
     indices = torch.randperm(128, device=DEV)[:64]
     _, k1, k2 = kernel_launches(lambda: pool_call(g, pool, indices, -5.0))
-    assert (k1, k2) == (0, 0)  # the decode kernel alone, no chunk records
+    assert (k1, k2) == (0, 0)  # no chunk records
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        pool_call(g, pool, indices, -5.0)
+        torch.cuda.synchronize()
+    assert any("pool_decode_kernel" in e.name for e in prof.events())
+
+
+@pytest.mark.parametrize("T", [1, 40])
+def test_strided_inputs_pool_and_out_give_the_contiguous_bits(T):
+    """q, k, v sliced from one fused projection, out a strided view, a bf16 pool
+    that is a view of a larger cache: the bits of the contiguous call, the
+    cache's other half untouched (the decode kernel and the chunked path)."""
+    N, H = 3, 2
+    d = to_dev(make_inputs(B=N, T=T, H=H, K=D, V=D, dtype=torch.bfloat16))
+    fused = torch.randn(N, T, H, 3 * D, device=DEV).to(torch.bfloat16)
+    q, k, v = fused[..., :D], fused[..., D : 2 * D], fused[..., 2 * D :]
+    cache = torch.randn(5, 2, H, D, D, device=DEV).to(torch.bfloat16)
+    before = cache.clone()
+    indices = torch.tensor([4, -1, 1], device=DEV)
+    contiguous_pool = cache[:, 1].clone()
+    want = torch_kda.kda_pool(q.contiguous(), k.contiguous(), v.contiguous(), d["g"], d["beta"], d["A_log"],
+                              d["dt_bias"], contiguous_pool, indices, lower_bound=None)
+    out_buf = torch.full((N, T, 2 * H, D), float("nan"), device=DEV, dtype=torch.bfloat16)
+    out = out_buf[:, :, ::2]
+    torch_kda.kda_pool(q, k, v, d["g"], d["beta"], d["A_log"], d["dt_bias"], cache[:, 1], indices,
+                       lower_bound=None, out=out)
+    assert torch.equal(out, want) and torch.equal(cache[:, 1], contiguous_pool)
+    assert torch.equal(cache[:, 0], before[:, 0]) and torch.isnan(out_buf[:, :, 1::2]).all()

@@ -171,7 +171,10 @@ def kda_pool(
 
     Out-of-range indices raise on the CPU; on CUDA reading them costs a device
     sync, so they are checked under TORCH_KDA_CHECK=1 only, and otherwise a slot
-    past the pool makes its row a padding row.
+    past the pool makes its row a padding row. On CUDA, calls averaging at most
+    8 tokens a request (and speculative calls) run token by token, longer ones
+    the chunked forward; a varlen call mixing a long prefill with many decode
+    requests runs the long one token by token, so call prefill and decode apart.
     """
     if out is None:
         out = torch.empty(v.shape, dtype=q.dtype, device=q.device) if isinstance(v, torch.Tensor) else None

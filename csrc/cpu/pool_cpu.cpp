@@ -38,7 +38,7 @@ void fwd_pool(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g
   const char* op = "kda.fwd_pool_";
   Problem p = check_forward_args(op, q, k, v, g, beta, A_log, dt_bias, scale, lower_bound, std::nullopt, cu_seqlens);
   check_pool_args(op, p, q, cu_seqlens.has_value(), state_pool, state_indices, num_accepted_tokens, out);
-  check_outputs_disjoint(op, out, state_pool, "state_pool");
+  check_pool_disjoint(op, out, state_pool);
   const at::ScalarType acc = accumulation_dtype(p);
   check_A_log_values(op, A_log, acc == at::kDouble);
   const int64_t slots = state_pool.size(0);

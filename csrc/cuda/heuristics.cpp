@@ -151,7 +151,10 @@ BackwardPlan backward_plan(const FwdParams& p, int64_t device_memory, bool saved
 // The decode reads and writes each state once for all of a request's tokens
 // but runs them one after the other; the chunked forward runs 16 tokens a
 // step and moves a record per chunk besides. Up to a few tokens a request the
-// state's bytes dominate either way.
+// state's bytes dominate either way. The host sees only the average of a
+// varlen batch (the lengths are on the device): a long prefill among many
+// one-token requests runs token by token, so serving engines should call
+// prefill and decode apart.
 constexpr int64_t kDecodeTokensPerRequest = 8;
 
 bool pool_by_decode(int64_t tokens, int64_t requests, bool speculative) {

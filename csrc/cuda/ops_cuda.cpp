@@ -264,22 +264,32 @@ void fwd_pool(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g
   TORCH_CHECK(aligned16(state_pool) && (state_pool.size(0) <= 1 || state_pool.stride(0) * elem % 16 == 0),
               op, ": on CUDA, state_pool's slots must start on 16-byte boundaries (its data and its slot stride "
               "in bytes multiples of 16)");
-  check_outputs_disjoint(op, out, state_pool, "state_pool");
-  for (const auto& [name, t] : {std::pair<const char*, const Tensor*>{"q", &q}, {"k", &k}, {"v", &v}, {"g", &g},
-                                {"beta", &beta}}) {
-    TORCH_CHECK(at::get_overlap_status(*t, state_pool) == at::MemOverlapStatus::No,
-                op, ": state_pool must not share memory with ", name, " (the pool is written while it is read)");
-  }
+  check_pool_disjoint(op, out, state_pool);
   if (debug_checks_enabled()) {
     check_pool_indices(op, state_indices, num_accepted_tokens, state_pool.size(0));
   }
   c10::cuda::CUDAGuard guard(q.device());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(q.device().index()).stream();
   const int64_t N = concrete(p.N), H = concrete(p.H), tokens = concrete(p.B) * concrete(p.T);
-  const Tensor indices = state_indices.contiguous();
-  const Tensor accepted = num_accepted_tokens.has_value() ? num_accepted_tokens->contiguous() : Tensor();
-  const Tensor cu = cu_seqlens.has_value() ? cu_seqlens->contiguous() : Tensor();
   Tensor out_c = out.is_contiguous() && aligned16(out) ? out : at::empty_like(out, at::MemoryFormat::Contiguous);
+  // What the kernels read while they write the pool and out comes from a copy
+  // where it shares memory with either (the chunked path's forward makes its
+  // own copies as kda::fwd_ does, and its copies of the pool run in order).
+  auto read_safely = [&](const Tensor& t) {
+    Tensor c = t.contiguous();
+    for (const Tensor* written : {&state_pool, &out_c}) {
+      if (c.storage().is_alias_of(written->storage()) &&
+          at::get_overlap_status(c, *written) != at::MemOverlapStatus::No) {
+        return c.clone();
+      }
+    }
+    return c;
+  };
+  const Tensor indices = read_safely(state_indices);
+  const Tensor accepted = num_accepted_tokens.has_value() ? read_safely(*num_accepted_tokens) : Tensor();
+  // A varlen batch's request boundaries as the forward takes them (boundaries.cu:
+  // clamped, non-decreasing), so that no two requests share a row of out.
+  const Boundaries bounds = sequence_boundaries(op, p, q, cu_seqlens, stream);
 
   PoolParams pp;
   pp.out = out_c.data_ptr();
@@ -292,9 +302,9 @@ void fwd_pool(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g
   pp.index_cols = indices.dim() == 2 ? indices.size(1) : 1;
   pp.accepted = accepted.defined() ? accepted.data_ptr() : nullptr;
   pp.accepted_int32 = accepted.defined() && accepted.scalar_type() == at::kInt;
-  pp.cu_seqlens = cu.defined() ? cu.data_ptr() : nullptr;
-  pp.cu_int32 = cu.defined() && cu.scalar_type() == at::kInt;
-  pp.T = cu.defined() ? tokens : concrete(p.T);
+  pp.cu_seqlens = bounds.offsets.defined() ? bounds.offsets.data_ptr<int64_t>() : nullptr;  // seq: row 0
+  pp.cu_int32 = false;
+  pp.T = cu_seqlens.has_value() ? tokens : concrete(p.T);
   pp.N = N;
   pp.H = H;
   pp.scale = static_cast<float>(resolved_scale(p));
@@ -302,8 +312,8 @@ void fwd_pool(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g
   pp.lower_bound = static_cast<float>(p.lower_bound);
 
   if (pool_by_decode(tokens, N, accepted.defined())) {
-    const Tensor qc = q.contiguous(), kc = k.contiguous(), vc = v.contiguous(), gc = g.contiguous();
-    const Tensor bc = beta.contiguous(), ac = A_log.contiguous(), dc = dt_bias.contiguous();
+    const Tensor qc = read_safely(q), kc = read_safely(k), vc = read_safely(v), gc = read_safely(g);
+    const Tensor bc = read_safely(beta), ac = read_safely(A_log), dc = read_safely(dt_bias);
     pp.q = qc.data_ptr();
     pp.k = kc.data_ptr();
     pp.v = vc.data_ptr();
