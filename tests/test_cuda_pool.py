@@ -249,3 +249,29 @@ def test_strided_inputs_pool_and_out_give_the_contiguous_bits(T):
                        lower_bound=None, out=out)
     assert torch.equal(out, want) and torch.equal(cache[:, 1], contiguous_pool)
     assert torch.equal(cache[:, 0], before[:, 0]) and torch.isnan(out_buf[:, :, 1::2]).all()
+
+
+def test_forward_cached_matches_the_full_forward():
+    """KimiDeltaAttention.forward_cached on a KDACache (bf16 layer, fp32 pool):
+    prefill then decoding steps against the full forward (the chunked kernels)."""
+    from torch_kda.nn import KDACache, KimiDeltaAttention
+
+    torch.manual_seed(0)
+    layer = KimiDeltaAttention(256, 2, D).to(DEV, torch.bfloat16)
+    layer.gate.float()
+    lens, steps = [7, 30, 1], 4
+    seqs = [torch.randn(n + steps, 256, device=DEV).to(torch.bfloat16) for n in lens]
+    full_cu = torch.tensor([0] + [n + steps for n in lens], device=DEV).cumsum(0)
+    with torch.no_grad():
+        want, _ = layer(torch.cat(seqs)[None], cu_seqlens=full_cu)
+        cache = KDACache(layer, 6)
+        slots = torch.tensor([5, 0, 2], device=DEV)
+        prompt_cu = torch.tensor([0] + lens, device=DEV).cumsum(0)
+        layer.forward_cached(torch.cat([s[:n] for s, n in zip(seqs, lens)])[None], cache, slots, cu_seqlens=prompt_cu)
+        got = [layer.forward_cached(torch.stack([s[n + t] for s, n in zip(seqs, lens)])[:, None], cache, slots)
+               for t in range(steps)]
+    got = torch.cat(got, 1).float()
+    ref = torch.stack([want[0, int(full_cu[i]) + n : int(full_cu[i + 1])] for i, n in enumerate(lens)]).float()
+    err = rel(got, ref)
+    print(f"\nforward_cached steps against the full forward: {err:.2e}")
+    assert err <= 2e-2

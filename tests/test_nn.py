@@ -430,3 +430,52 @@ def test_carried_conv_state_of_wrong_shape():
     wide = state._replace(conv_k=torch.randn(2, 8, 5))
     with pytest.raises(ValueError, match=r"state.conv_k must have shape \[N, C, W - 1\] = \[2, 8, 3\], got \[2, 8, 5\]"):
         layer(torch.randn(1, 6, 16), cu_seqlens=cu, state=wide)
+
+
+@pytest.mark.parametrize("lower_bound", [None, -5.0])
+def test_forward_cached_prefill_then_steps_equal_the_full_forward(lower_bound):
+    """KDACache and forward_cached: a varlen prefill into slots in a random order,
+    then decoding steps (one with a padding row) give the full forward's outputs
+    over prompt plus steps; the padding row's cache slot is left as it was."""
+    from torch_kda.nn import KDACache
+
+    torch.manual_seed(0)
+    layer = KimiDeltaAttention(32, 2, 8, lower_bound=lower_bound).double()
+    lens, steps = [5, 9, 1], 3
+    seqs = [torch.randn(n + steps, 32, dtype=torch.float64) for n in lens]
+    full_cu = torch.tensor([0] + [n + steps for n in lens]).cumsum(0)
+    want, _ = layer(torch.cat(seqs)[None], cu_seqlens=full_cu)
+    cache = KDACache(layer, 5, dtype=torch.float64)
+    slots = torch.tensor([3, 0, 4])
+    with torch.no_grad():
+        prompt_cu = torch.tensor([0] + lens).cumsum(0)
+        got_prompt = layer.forward_cached(torch.cat([s[:n] for s, n in zip(seqs, lens)])[None], cache, slots,
+                                          cu_seqlens=prompt_cu)
+        got_steps = []
+        for t in range(steps):
+            step_slots = torch.tensor([3, -1, 4]) if t == 1 else slots
+            held = cache.recurrent[0].clone(), cache.conv[0].clone()
+            got_steps.append(layer.forward_cached(torch.stack([s[n + t] for s, n in zip(seqs, lens)])[:, None],
+                                                  cache, step_slots))
+            if t == 1:
+                assert torch.equal(cache.recurrent[0], held[0]) and torch.equal(cache.conv[0], held[1])
+    for i, n in enumerate(lens):
+        start = int(full_cu[i])
+        assert torch.allclose(got_prompt[0, int(prompt_cu[i]) : int(prompt_cu[i + 1])], want[0, start : start + n],
+                              rtol=1e-10, atol=1e-12)
+        for t in range(steps):
+            if t >= 1 and i == 1:
+                continue  # the request sat out step 1, so its later steps no longer follow the full sequence
+            assert torch.allclose(got_steps[t][i, 0], want[0, start + n + t], rtol=1e-10, atol=1e-12), (i, t)
+
+
+def test_kda_cache_reset_zeroes_its_slots():
+    from torch_kda.nn import KDACache
+
+    layer = KimiDeltaAttention(32, 2, 8)
+    cache = KDACache(layer, 3)
+    cache.recurrent.fill_(1.0)
+    cache.conv.fill_(1.0)
+    cache.reset([2])
+    assert (cache.recurrent[2] == 0).all() and (cache.conv[2] == 0).all()
+    assert (cache.recurrent[:2] == 1).all() and (cache.conv[:2] == 1).all() and (cache.conv[3] == 1).all()

@@ -91,6 +91,59 @@ __device__ __forceinline__ void level_factors(int h, const float (&alpha)[kChunk
   }
 }
 
+// P = (k^ exp(G)) (k^ exp(-G))^T, strictly lower, into sP, and A = diag(beta)
+// P into sA: thread d forms entries (d / 16, d % 16) and (d / 16 + 8, d % 16)
+// from the column sums of two tiles (rows_times_rows). The softplus gate sums
+// P over the levels of (k^ f_h) (k^ f_h)^T, each entry from the level of its
+// highest differing bit (the others are finite and unread). Waits for the
+// record gradients' copies (sRec) before its last barrier.
+template <bool kSoftplus>
+__device__ __forceinline__ void form_p_and_a(int d, const float (&kn)[C], const float (&E)[C], const float (&alpha)[C],
+                                             float (*sT0)[kPad], float (*sT1)[kPad], float (*sP)[C + 1],
+                                             float (*sA)[C + 1], const float* sBeta, ProductParts& sParts) {
+  const int j = d % C, i0 = d / C, i1 = i0 + C / 2;
+  float p0 = 0.f, p1 = 0.f;  // P's entries (i0, j), (i1, j)
+  if constexpr (kSoftplus) {
+    auto level_of = [](int x) { return x >= 8 ? 8 : x >= 4 ? 4 : x >= 2 ? 2 : 1; };
+    cp_async_wait<0>();  // sRec: every thread's copies are in before the barrier
+    auto level = [&](const int h) {
+      float f[C];
+      level_factors(h, alpha, f);
+      __syncthreads();  // the tile's and the parts' last readers are done
+#pragma unroll
+      for (int i = 0; i < C; ++i) {
+        sT0[i][d] = kn[i] * f[i];
+      }
+      __syncthreads();
+      float r0, r1;
+      rows_times_rows(sT0, sT0, d, r0, r1, sParts);
+      p0 = level_of(i0 ^ j) == h ? r0 : p0;
+      p1 = level_of(i1 ^ j) == h ? r1 : p1;
+    };
+    level(8);
+    level(4);
+    level(2);
+    level(1);
+  } else {
+    // Each thread rewrites only its own column below, and the norms' reads of
+    // other columns ended at load_chunk_inputs' last barrier: this one orders
+    // nothing that needs it (kept as run on the GPU; removable).
+    __syncthreads();
+#pragma unroll
+    for (int i = 0; i < C; ++i) {
+      sT0[i][d] = kn[i] * E[i];
+      sT1[i][d] = kn[i] * fast_rcp(E[i]);
+    }
+    cp_async_wait<0>();  // sRec: every thread's copies are in before the barrier
+    __syncthreads();
+    rows_times_rows(sT0, sT1, d, p0, p1, sParts);
+  }
+  sP[i0][j] = j < i0 ? p0 : 0.f;
+  sP[i1][j] = j < i1 ? p1 : 0.f;
+  sA[i0][j] = j < i0 ? sBeta[i0] * p0 : 0.f;
+  sA[i1][j] = j < i1 ? sBeta[i1] * p1 : 0.f;
+}
+
 // The per-column sums of the softplus gate (prepare_backward_kernel), with
 // exp(G_i - G_j) as products of decays: along row i (j from i down) and along
 // column i (j from i up), whose last product is exp(G_last - G_i), Kd's decay.
@@ -291,51 +344,7 @@ __global__ void __launch_bounds__(kThreads) prepare_backward_kernel(const Prepar
   for (int i = 0; i < C; ++i) {
     alpha[i] = kSoftplus ? fast_exp2(lam2[i]) : 0.f;
   }
-  {
-    const int j = d % C, i0 = d / C, i1 = i0 + C / 2;
-    float p0 = 0.f, p1 = 0.f;  // P's entries (i0, j), (i1, j)
-    if constexpr (kSoftplus) {
-      // P = sum over the levels of (k^ f_h) (k^ f_h)^T, each entry from the
-      // level of its highest differing bit (the others are finite and unread).
-      auto level_of = [](int x) { return x >= 8 ? 8 : x >= 4 ? 4 : x >= 2 ? 2 : 1; };
-      cp_async_wait<0>();  // sRec: every thread's copies are in before the barrier
-      auto level = [&](const int h) {
-        float f[C];
-        level_factors(h, alpha, f);
-        __syncthreads();  // the tile's and the parts' last readers are done
-#pragma unroll
-        for (int i = 0; i < C; ++i) {
-          sT0[i][d] = kn[i] * f[i];
-        }
-        __syncthreads();
-        float r0, r1;
-        rows_times_rows(sT0, sT0, d, r0, r1, sParts);
-        p0 = level_of(i0 ^ j) == h ? r0 : p0;
-        p1 = level_of(i1 ^ j) == h ? r1 : p1;
-      };
-      level(8);
-      level(4);
-      level(2);
-      level(1);
-    } else {
-      // Each thread rewrites only its own column below, and the norms' reads of
-      // other columns ended at load_chunk_inputs' last barrier: this one orders
-      // nothing that needs it (kept as run on the GPU; removable).
-      __syncthreads();
-#pragma unroll
-      for (int i = 0; i < C; ++i) {
-        sT0[i][d] = kn[i] * E[i];
-        sT1[i][d] = kn[i] * fast_rcp(E[i]);
-      }
-      cp_async_wait<0>();  // sRec: every thread's copies are in before the barrier
-      __syncthreads();
-      rows_times_rows(sT0, sT1, d, p0, p1, sParts);
-    }
-    sP[i0][j] = j < i0 ? p0 : 0.f;
-    sP[i1][j] = j < i1 ? p1 : 0.f;
-    sA[i0][j] = j < i0 ? sBeta[i0] * p0 : 0.f;
-    sA[i1][j] = j < i1 ? sBeta[i1] * p1 : 0.f;
-  }
+  form_p_and_a<kSoftplus>(d, kn, E, alpha, sT0, sT1, sP, sA, sBeta, sParts);
   // The record's gradients for this column (and dAqk, scaled and masked, for all).
   const float* dr = sRec;
   for (int e = d; e < C * C; e += kThreads) {
