@@ -91,7 +91,8 @@ def float_ops(lines):
     for line in lines:
         text = re.sub(r"^@!?U?P\w+\s+", "", line)
         if FLOAT_OPS.match(text):
-            ops[re.sub(r"\bU?[RP]\d+\b", "R", text)] += 1
+            # Registers and their operand-reuse hints are the allocator's and the scheduler's.
+            ops[re.sub(r"\bU?[RP]\d+\b", "R", text.replace(".reuse", ""))] += 1
     return ops
 
 
