@@ -143,6 +143,37 @@ def window_floor(H):
     return max((1 << 30) // (H * 126976), 16)
 
 
+def launched_kernels(fn):
+    """fn's result and the names of the CUDA kernels it launched, in order."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        result = fn()
+        torch.cuda.synchronize()
+    return result, [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+
+
+# The kernels' template arguments that name a block shape: K2's kSplit
+# (recurrence_kernel<kSplit, kOut, kX3, kLate>) and the dS recurrence's kWarps, kSplit.
+K2_SPLIT = {"4x1w": 1, "2x2": 2, "4x4": 4}
+DS_SHAPE = {"4x1": (4, 1), "4x2": (4, 2), "2x2": (2, 2)}
+
+
+def k2_launches(names):
+    """(kSplit, kOut, kLate) of every K2 launch among the kernel names."""
+    import re
+
+    found = [re.search(r"recurrence_kernel<(\d+), (true|false), (?:true|false), (true|false)>", n) for n in names
+             if "ds_recurrence" not in n]
+    return [(int(m.group(1)), m.group(2) == "true", m.group(3) == "true") for m in found if m]
+
+
+def ds_launches(names):
+    """(kWarps, kSplit) of every dS recurrence launch among the kernel names."""
+    import re
+
+    found = [re.search(r"ds_recurrence_kernel<(\d+), (\d+),", n) for n in names]
+    return [(int(m.group(1)), int(m.group(2))) for m in found if m]
+
+
 def kernel_launches(fn):
     """fn's result and its launches of K1 (prepare_kernel) and of K2 (the
     recurrence_kernel, not the dS recurrence's)."""

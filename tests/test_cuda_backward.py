@@ -427,7 +427,7 @@ def test_prepare_backward_matches_reference(case):
 
 
 @pytest.mark.parametrize("case, ds_block", [("random", "auto"), ("weak_decay", "auto"), ("random", "4x1"),
-                                            ("weak_decay", "2x2"), ("random", "4x2")])
+                                            ("weak_decay", "4x2"), ("random", "4x2"), ("weak_decay", "4x1")])
 def test_sweep_backward_matches_reference(case, ds_block):
     """The backward sweep alone (kda_testing.sweep_bwd, after K1), in the dS recurrence's
     automatic block shape or a forced one (torch_kda.testing.forced), from chunk-start states

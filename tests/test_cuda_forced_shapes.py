@@ -14,15 +14,20 @@ from torch_kda.testing import forced
 from conftest import positional, rel, run_reference
 from cuda_helpers import (
     CUDA_MARKS,
+    DS_SHAPE,
     FP32_STATE_TOL,
+    K2_SPLIT,
     assert_checkpoints_are_prefix_states,
     assert_each_sequence_alone_is_bitwise,
     check_grads,
     cuda_and_reference_grads,
     cuda_inputs,
+    ds_launches,
     errors,
     hard_case,
+    k2_launches,
     kernel_launches,
+    launched_kernels,
     run_cuda,
 )
 
@@ -40,9 +45,10 @@ def test_forced_block_shapes_match_reference(shape, state_dtype):
     (fp32 state) and bf16 ones (bf16 state)."""
     with forced(recurrence_block=shape):
         d, g = cuda_inputs(seqlens=[5, 40, 0, 77], H=3, state_dtype=state_dtype)
-        e_out, e_state, _, _ = errors(d, g)
+        (e_out, e_state, _, _), names = launched_kernels(lambda: errors(d, g))
     print(f"block {shape} state {state_dtype}: out rel {e_out:.2e}, state rel {e_state:.2e}")
     assert e_out <= 5e-3 and e_state <= (FP32_STATE_TOL if state_dtype == torch.float32 else 5e-3)
+    assert {split for split, _, _ in k2_launches(names)} == {K2_SPLIT[shape]}  # the forced shape ran
 
 
 @pytest.mark.parametrize("name", ["random", "weak_decay", "small_beta"])
@@ -124,7 +130,8 @@ def test_4x1w_refill_points_agree_bitwise(state_dtype):
     seqlens[N // 2] = 0
     d, g = cuda_inputs(seqlens=seqlens, H=H, state_dtype=state_dtype)
     with forced(recurrence_block="4x1w"):
-        out, final = run_cuda(g)
+        (out, final), names = launched_kernels(lambda: run_cuda(g))
+        assert [late for _, out_, late in k2_launches(names) if out_] == [True]  # the batch copies late
         ref_out, ref_final = run_reference(g, lower_bound=-5.0)
         assert rel(out, ref_out) <= 5e-3
         assert rel(final, ref_final) <= (5e-3 if state_dtype == torch.bfloat16 else FP32_STATE_TOL)
@@ -164,5 +171,6 @@ def test_backward_in_every_ds_block_shape(ds_block):
     with an empty sequence and partial chunks: gradients against float64."""
     with forced(ds_block=ds_block, window_slots=5):
         d, g = cuda_inputs(seqlens=[37, 0, 100, 16], H=3, state_dtype=torch.float32)
-        got, ref = cuda_and_reference_grads(d, g)
+        (got, ref), names = launched_kernels(lambda: cuda_and_reference_grads(d, g))
         check_grads(ds_block, got, ref)
+    assert set(ds_launches(names)) == {DS_SHAPE[ds_block]}  # the forced shape ran

@@ -461,8 +461,8 @@ def test_gradients_no_worse_than_fla(case):
 def test_cuda_graph_capture_and_replay(window):
     """window 3: the call runs in windows of 3 chunk slots, so the graph holds
     several launches of each kernel and the carry between them."""
+    x = softplus_inputs(seqlens=[40, 0, 100, 17], heads=2)
     with forced(window_slots=window):
-        x = softplus_inputs(seqlens=[40, 0, 100, 17], heads=2)
         out = torch.empty(1, 157, 2, D, dtype=BF16, device=DEV)
         final = torch.empty(4, 2, D, D, dtype=F32, device=DEV)
 
