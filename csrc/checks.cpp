@@ -419,15 +419,14 @@ std::vector<int64_t> sequence_offsets(const char* op, const Problem& p, const st
   return offsets;
 }
 
-void check_outputs_disjoint(const char* op, const at::Tensor& out, const std::optional<at::Tensor>& final_state,
-                            const char* name) {
+void check_outputs_disjoint(const char* op, const at::Tensor& out, const std::optional<at::Tensor>& final_state) {
   if (!final_state.has_value()) {
     return;
   }
   const at::MemOverlapStatus status = at::get_overlap_status(out, *final_state);
   TORCH_CHECK(
       status != at::MemOverlapStatus::Full && status != at::MemOverlapStatus::Partial,
-      op, ": out and ", name, " must not share memory (each element is written once, by one of them)");
+      op, ": out and final_state must not share memory (each element is written once, by one of them)");
 }
 
 void check_pool_disjoint(const char* op, const at::Tensor& out, const at::Tensor& state_pool) {

@@ -51,10 +51,9 @@ void check_inplace_buffers(
     const std::optional<at::Tensor>& final_state,
     const std::optional<at::Tensor>& initial_state);
 
-// out and final_state (or `name`, the other output) of an in-place op must not overlap (a real-kernel
+// out and final_state of the in-place op must not overlap (a real-kernel
 // check: it reads storage, which shape-only Meta tensors do not have).
-void check_outputs_disjoint(const char* op, const at::Tensor& out, const std::optional<at::Tensor>& final_state,
-                            const char* name = "final_state");
+void check_outputs_disjoint(const char* op, const at::Tensor& out, const std::optional<at::Tensor>& final_state);
 
 // The state-pool call's own arguments (kda::fwd_pool_): state_pool [slots, H,
 // V, K] (bf16, fp32 or fp64; each slot contiguous, any slot stride),

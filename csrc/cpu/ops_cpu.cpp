@@ -5,6 +5,7 @@
 #include "activations.h"
 #include "checkpoints.h"
 #include "cpu/recurrence.h"
+#include "cpu/recurrence_args.h"
 #include "kda.h"
 
 namespace kda::cpu {
@@ -12,35 +13,6 @@ namespace {
 
 using at::Tensor;
 using std::optional;
-
-template <typename T>
-RecurrenceArgs<T> recurrence_args(const Problem& p, const Activations& a, std::vector<int64_t> offsets,
-                                  const Tensor& initial_state) {
-  RecurrenceArgs<T> r;
-  r.H = concrete(p.H);
-  r.K = concrete(p.K);
-  r.V = concrete(p.V);
-  r.offsets = std::move(offsets);
-  r.scale = static_cast<T>(resolved_scale(p));
-  r.qn = a.qn.data_ptr<T>();
-  r.kn = a.kn.data_ptr<T>();
-  r.v = a.v.data_ptr<T>();
-  r.alpha = a.alpha.data_ptr<T>();
-  r.beta = a.beta.data_ptr<T>();
-  r.initial_state = initial_state.defined() ? initial_state.data_ptr<T>() : nullptr;
-  return r;
-}
-
-// The shared argument checks, then the values the CPU can read at no cost:
-// exp(A_log) must be finite in the accumulation dtype.
-Problem check_cpu_args(const char* op, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g,
-                       const Tensor& beta, const Tensor& A_log, const Tensor& dt_bias, optional<double> scale,
-                       optional<double> lower_bound, const optional<Tensor>& initial_state,
-                       const optional<Tensor>& cu_seqlens) {
-  Problem p = check_forward_args(op, q, k, v, g, beta, A_log, dt_bias, scale, lower_bound, initial_state, cu_seqlens);
-  check_A_log_values(op, A_log, accumulation_dtype(p) == at::kDouble);
-  return p;
-}
 
 // Computes the forward and writes it into `out` and, if given, `final_state`.
 // Results go through temporaries, so the destinations may be any strided

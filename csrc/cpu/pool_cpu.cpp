@@ -10,6 +10,7 @@
 
 #include "activations.h"
 #include "cpu/recurrence.h"
+#include "cpu/recurrence_args.h"
 #include "kda.h"
 
 namespace kda::cpu {
@@ -18,11 +19,12 @@ namespace {
 using at::Tensor;
 using std::optional;
 
-// S[k][v] (K x V, the recurrence's layout) into one slot's head, [V][K] of the pool's dtype.
+// S[k][v] (K x V, the recurrence's layout) into one slot's head at `dst`,
+// [V][K] in the pool's dtype.
 template <typename T>
-void store_to_pool(const T* S, const Tensor& dst, int64_t K, int64_t V) {
-  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, dst.scalar_type(), "kda_pool_store", [&] {
-    auto* d = static_cast<scalar_t*>(dst.data_ptr());
+void store_to_pool(const T* S, void* dst, at::ScalarType dtype, int64_t K, int64_t V) {
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, dtype, "kda_pool_store", [&] {
+    auto* d = static_cast<scalar_t*>(dst);
     for (int64_t v = 0; v < V; ++v) {
       for (int64_t k = 0; k < K; ++k) {
         d[v * K + k] = static_cast<scalar_t>(S[k * V + v]);
@@ -36,11 +38,10 @@ void fwd_pool(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g
               optional<double> scale, optional<double> lower_bound, const optional<Tensor>& cu_seqlens,
               const optional<Tensor>& num_accepted_tokens) {
   const char* op = "kda.fwd_pool_";
-  Problem p = check_forward_args(op, q, k, v, g, beta, A_log, dt_bias, scale, lower_bound, std::nullopt, cu_seqlens);
+  Problem p = check_cpu_args(op, q, k, v, g, beta, A_log, dt_bias, scale, lower_bound, std::nullopt, cu_seqlens);
   check_pool_args(op, p, q, cu_seqlens.has_value(), state_pool, state_indices, num_accepted_tokens, out);
   check_pool_disjoint(op, out, state_pool);
   const at::ScalarType acc = accumulation_dtype(p);
-  check_A_log_values(op, A_log, acc == at::kDouble);
   const int64_t slots = state_pool.size(0);
   check_pool_indices(op, state_indices, num_accepted_tokens, slots);
   std::vector<int64_t> offsets = sequence_offsets(op, p, cu_seqlens);
@@ -72,17 +73,12 @@ void fwd_pool(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g
   Activations a = compute_activations(p, acc, q, k, v, g, beta, A_log, dt_bias);
   Tensor out_acc = at::empty(out.sizes(), a.v.options());
   Tensor final_acc = speculative ? Tensor() : at::empty({N, H, V, K}, a.v.options());
+  // Slot s, head h of the pool: slot_bytes * s + head_bytes * h from its start.
+  auto* pool_base = static_cast<unsigned char*>(state_pool.data_ptr());
+  const int64_t slot_bytes = state_pool.stride(0) * state_pool.element_size();
+  const int64_t head_bytes = V * K * state_pool.element_size();
   AT_DISPATCH_FLOATING_TYPES(acc, "kda_cpu_pool", [&] {
-    RecurrenceArgs<scalar_t> r;
-    r.H = H, r.K = K, r.V = V;
-    r.offsets = std::move(offsets);
-    r.scale = static_cast<scalar_t>(resolved_scale(p));
-    r.qn = a.qn.data_ptr<scalar_t>();
-    r.kn = a.kn.data_ptr<scalar_t>();
-    r.v = a.v.data_ptr<scalar_t>();
-    r.alpha = a.alpha.data_ptr<scalar_t>();
-    r.beta = a.beta.data_ptr<scalar_t>();
-    r.initial_state = init.data_ptr<scalar_t>();
+    RecurrenceArgs<scalar_t> r = recurrence_args<scalar_t>(p, a, std::move(offsets), init);
     r.skip = skip.get();
     if (speculative) {
       // The state after token t goes to slot state_indices[n, t] (negative: none);
@@ -90,7 +86,7 @@ void fwd_pool(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g
       r.after_token = [&](int64_t n, int64_t h, int64_t t, const scalar_t* S) {
         const int64_t slot = t < t_max ? index[n * t_max + t] : -1;
         if (slot >= 0) {
-          store_to_pool(S, state_pool[slot][h], K, V);
+          store_to_pool(S, pool_base + slot * slot_bytes + h * head_bytes, state_pool.scalar_type(), K, V);
         }
       };
     }

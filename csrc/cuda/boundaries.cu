@@ -14,6 +14,7 @@
 #include <c10/cuda/CUDAException.h>
 #include <cuda_bf16.h>
 
+#include "cuda/device_utils.cuh"
 #include "cuda/launch.h"
 
 namespace kda::cuda {
@@ -48,7 +49,7 @@ __global__ void __launch_bounds__(kThreads)
     const int64_t i = base + tid;
     int64_t x = 0;  // the identity of the max-scan: values are clamped to >= 0
     if (i <= N) {
-      x = cu_int32 ? static_cast<int64_t>(static_cast<const int32_t*>(cu)[i]) : static_cast<const int64_t*>(cu)[i];
+      x = load_int(cu, cu_int32, i);
       x = x < 0 ? 0 : (x > tokens ? tokens : x);
     }
     int64_t s = block_scan(x, buf, max_op);

@@ -100,6 +100,11 @@ __device__ __forceinline__ float softplus_lam2(float x, float A) {
   return sp2 > 0.f ? fmaxf(-A * sp2, -1e30f) : 0.f;
 }
 
+// Element i of an int32 or int64 tensor (cu_seqlens, slot indices), as int64.
+__device__ __forceinline__ int64_t load_int(const void* base, bool int32, int64_t i) {
+  return int32 ? static_cast<int64_t>(static_cast<const int32_t*>(base)[i]) : static_cast<const int64_t*>(base)[i];
+}
+
 __device__ __forceinline__ int64_t min64(int64_t a, int64_t b) {
   return a < b ? a : b;
 }

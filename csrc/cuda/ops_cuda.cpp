@@ -302,8 +302,7 @@ void fwd_pool(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g
   pp.index_cols = indices.dim() == 2 ? indices.size(1) : 1;
   pp.accepted = accepted.defined() ? accepted.data_ptr() : nullptr;
   pp.accepted_int32 = accepted.defined() && accepted.scalar_type() == at::kInt;
-  pp.cu_seqlens = bounds.offsets.defined() ? bounds.offsets.data_ptr<int64_t>() : nullptr;  // seq: row 0
-  pp.cu_int32 = false;
+  pp.seq_offsets = bounds.offsets.defined() ? bounds.offsets.data_ptr<int64_t>() : nullptr;  // row 0: seq
   pp.T = cu_seqlens.has_value() ? tokens : concrete(p.T);
   pp.N = N;
   pp.H = H;

@@ -211,7 +211,7 @@ struct SweepBwdParams {
 // (request, head) carrying its state through its tokens in registers, and the
 // copies between the pool and the chunked forward's states. Request n's
 // tokens are [cu_seqlens[n], cu_seqlens[n + 1]) (clamped into [0, tokens] and
-// ordered), or [n * T, (n + 1) * T) without cu_seqlens. Its start slot is
+// ordered: seq_offsets), or [n * T, (n + 1) * T) without cu_seqlens. Its start slot is
 // indices[n * index_cols + col], col = accepted[n] - 1 with `accepted` (then
 // the state after its token t goes to slot indices[n * index_cols + t], t <
 // index_cols), else col = 0. A start slot outside [0, slots) (or `accepted`
@@ -235,9 +235,8 @@ struct PoolParams {
   int64_t index_cols = 1;
   const void* accepted = nullptr;  // [N], or null
   bool accepted_int32 = false;
-  const void* cu_seqlens = nullptr;  // [N + 1], or null
-  bool cu_int32 = false;
-  int64_t T = 0;  // tokens per request without cu_seqlens; all the call's tokens with them
+  const int64_t* seq_offsets = nullptr;  // [N + 1] from launch_boundaries, or null (fixed length)
+  int64_t T = 0;  // tokens per request for fixed length; all the call's tokens with seq_offsets
   int64_t N = 0, H = 0;
   float scale = 1.f;
   bool softplus = false;

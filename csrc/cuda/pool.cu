@@ -30,10 +30,6 @@ constexpr int kWarps = kThreads / 32;
 constexpr int kRows = D / kWarps;  // state rows a warp carries
 static_assert(D == 128 && kRows * kWarps == D, "four key columns a lane, whole rows a warp");
 
-__device__ __forceinline__ int64_t load_int(const void* base, bool int32, int64_t i) {
-  return int32 ? static_cast<int64_t>(static_cast<const int32_t*>(base)[i]) : static_cast<const int64_t*>(base)[i];
-}
-
 __device__ __forceinline__ int64_t clamp64(int64_t x, int64_t lo, int64_t hi) {
   return x < lo ? lo : x > hi ? hi : x;
 }
@@ -45,9 +41,9 @@ struct Request {
 
 __device__ __forceinline__ Request request_of(const PoolParams& p, int64_t n) {
   Request r;
-  if (p.cu_seqlens != nullptr) {
-    r.bos = clamp64(load_int(p.cu_seqlens, p.cu_int32, n), 0, p.T);
-    r.eos = clamp64(load_int(p.cu_seqlens, p.cu_int32, n + 1), r.bos, p.T);
+  if (p.seq_offsets != nullptr) {
+    r.bos = clamp64(p.seq_offsets[n], 0, p.T);
+    r.eos = clamp64(p.seq_offsets[n + 1], r.bos, p.T);
   } else {
     r.bos = n * p.T;
     r.eos = r.bos + p.T;

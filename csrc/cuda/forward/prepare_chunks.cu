@@ -870,6 +870,15 @@ __global__ void __launch_bounds__(32 * kWarps, (kMinBlocksPerSm<kWKdLoPlanes<kFo
   store_record(b, p, c);
 }
 
+// The instance for the record's planes and the products' precision.
+template <bool kSoftplus>
+auto prepare_kernel_for(const FwdParams& p) {
+  return p.lo_for_backward ? (p.bf16_products ? prepare_kernel<true, true, kSoftplus>
+                                              : prepare_kernel<true, false, kSoftplus>)
+                           : (p.bf16_products ? prepare_kernel<false, true, kSoftplus>
+                                              : prepare_kernel<false, false, kSoftplus>);
+}
+
 }  // namespace
 
 void launch_prepare(const FwdParams& p, cudaStream_t stream) {
@@ -880,21 +889,8 @@ void launch_prepare(const FwdParams& p, cudaStream_t stream) {
   const int64_t blocks = slots * p.H;
   TORCH_CHECK(blocks <= INT32_MAX, "kda.fwd: ", std::to_string(slots), " chunks x ", std::to_string(p.H),
               " heads is more blocks than one launch takes");
-  const auto grid = static_cast<unsigned int>(blocks);
-  if (p.softplus) {
-    auto* kernel = p.lo_for_backward ? (p.bf16_products ? prepare_kernel<true, true, true>
-                                                        : prepare_kernel<true, false, true>)
-                                     : (p.bf16_products ? prepare_kernel<false, true, true>
-                                                        : prepare_kernel<false, false, true>);
-    kernel<<<grid, 32 * kWarps, 0, stream>>>(p);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
-    return;
-  }
-  auto* kernel = p.lo_for_backward ? (p.bf16_products ? prepare_kernel<true, true, false>
-                                                      : prepare_kernel<true, false, false>)
-                                   : (p.bf16_products ? prepare_kernel<false, true, false>
-                                                      : prepare_kernel<false, false, false>);
-  kernel<<<grid, 32 * kWarps, 0, stream>>>(p);
+  auto* kernel = p.softplus ? prepare_kernel_for<true>(p) : prepare_kernel_for<false>(p);
+  kernel<<<static_cast<unsigned int>(blocks), 32 * kWarps, 0, stream>>>(p);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
