@@ -56,6 +56,9 @@ CASES = {
     10: ("1 x 32768", [32768], 32),
     11: ("varlen 64 x 512", [512] * 64, 32),
     12: ("1 x 65536", [65536], 16),
+    13: ("1 x 262144", [262144], 8),
+    14: ("varlen 4 x 65536", [65536] * 4, 16),
+    15: ("1 x 65536 + 63 x 512", [65536] + [512] * 63, 32),
 }
 
 
@@ -429,6 +432,8 @@ def add_forcing_arguments(ap, ds_block=False):
     if ds_block:
         ap.add_argument("--ds-block", default="auto", help="the dS recurrence's block shape: 4x1, 4x2 or 2x2")
     ap.add_argument("--window-slots", type=int, default=None, help="0: one pass; n: windows of n chunk slots")
+    ap.add_argument("--segments", type=int, default=None,
+                    help="cut every sequence of a forward into this many segments (1: none)")
 
 
 def forced_by(args):
@@ -437,9 +442,9 @@ def forced_by(args):
     from torch_kda.testing import forced
 
     shapes = (args.recurrence_block, getattr(args, "ds_block", "auto"))
-    if shapes == ("auto", "auto") and args.window_slots is None:
+    if shapes == ("auto", "auto") and args.window_slots is None and args.segments is None:
         return contextlib.nullcontext()
-    return forced(*shapes, args.window_slots)
+    return forced(*shapes, args.window_slots, segments=args.segments)
 
 
 def run(args):

@@ -29,7 +29,7 @@ def test_nested_blocks_restore_what_they_found():
 
 @pytest.mark.parametrize("kw, error", [
     (dict(window_slots="three"), TypeError), (dict(window_slots=True), TypeError), (dict(window_slots=2.5), TypeError),
-    (dict(window_slots=-2), RuntimeError), (dict(recurrence_block="8x1"), RuntimeError),
+    (dict(window_slots=-2), ValueError), (dict(recurrence_block="8x1"), RuntimeError),
     (dict(ds_block="1x1"), RuntimeError),
 ])
 def test_a_bad_value_sets_nothing(kw, error):

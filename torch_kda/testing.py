@@ -1,8 +1,10 @@
-"""The testing hook: force the CUDA path's automatic choices (csrc/cuda/heuristics.h).
+"""The testing hook: force the automatic choices of the CUDA path
+(csrc/cuda/heuristics.h) and the number of segments a sequence is cut into on
+either device (csrc/segments.h).
 
 For tests and measurements only. The setting is process-wide and not seen by
 torch.compile's guards; it changes no result's meaning, only the low bits (the
-block shapes sum in different orders) and the speed.
+block shapes and the segments sum in different orders) and the speed.
 """
 import contextlib
 import numbers
@@ -13,26 +15,43 @@ import torch_kda._C  # noqa: F401  (registers torch.ops.kda_testing.*)
 from torch_kda._ops import cuda_built
 
 
-@contextlib.contextmanager
-def forced(recurrence_block="auto", ds_block="auto", window_slots=None):
-    """Within the block, every CUDA op runs with these choices; after it, the ones before it.
+def _check_count(name, value, least):
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"torch_kda.testing.forced: {name} must be an int or None, got {value!r}")
+    if value < least:
+        raise ValueError(f"torch_kda.testing.forced: {name} must be at least {least} or None, got {value}")
 
-    recurrence_block: K2's block shape, "4x1w", "2x2" or "4x4".
-    ds_block: the dS recurrence's, "4x1", "4x2" or "2x2".
-    window_slots: 0 runs one pass; n > 0 windows of n chunk slots (the same bits).
+
+@contextlib.contextmanager
+def forced(recurrence_block="auto", ds_block="auto", window_slots=None, segments=None):
+    """Within the block, every op runs with these choices; after it, the ones before it.
+
+    recurrence_block: K2's block shape, "4x1w", "2x2" or "4x4" (CUDA).
+    ds_block: the dS recurrence's, "4x1", "4x2" or "2x2" (CUDA).
+    window_slots: 0 runs one pass; n > 0 windows of n chunk slots (CUDA; the same bits).
+    segments: P >= 1 cuts every sequence of a forward into P segments (both devices;
+    1 runs none).
     "auto" or None leaves a choice automatic. A bad value raises before anything is set.
     """
-    if not cuda_built():
+    wants_cuda = recurrence_block not in ("auto", None) or ds_block not in ("auto", None) or window_slots is not None
+    if wants_cuda and not cuda_built():
         raise RuntimeError("torch_kda.testing.forced: this build of torch_kda has no CUDA kernels to force")
-    if window_slots is not None and (isinstance(window_slots, bool) or not isinstance(window_slots, numbers.Integral)):
-        raise TypeError(f"torch_kda.testing.forced: window_slots must be an int or None, got {window_slots!r}")
-    before = torch.ops.kda_testing.forced()
-    torch.ops.kda_testing.force(
-        "auto" if recurrence_block is None else recurrence_block,
-        "auto" if ds_block is None else ds_block,
-        -1 if window_slots is None else int(window_slots),
-    )
+    _check_count("window_slots", window_slots, 0)
+    _check_count("segments", segments, 1)
+    before_segments = torch.ops.kda_testing.forced_segments()
+    before = torch.ops.kda_testing.forced() if cuda_built() else None
+    if cuda_built():
+        torch.ops.kda_testing.force(
+            "auto" if recurrence_block is None else recurrence_block,
+            "auto" if ds_block is None else ds_block,
+            -1 if window_slots is None else int(window_slots),
+        )
+    torch.ops.kda_testing.force_segments(-1 if segments is None else int(segments))
     try:
         yield
     finally:
-        torch.ops.kda_testing.force(*before)
+        if before is not None:
+            torch.ops.kda_testing.force(*before)
+        torch.ops.kda_testing.force_segments(before_segments)

@@ -1,18 +1,75 @@
 // CPU kernels of kda::fwd, kda::fwd_ and kda::bwd. They compute in float64
 // for float64 inputs (so gradcheck works) and in float32 otherwise.
+#include <ATen/Parallel.h>
 #include <torch/library.h>
+
+#include <algorithm>
+#include <vector>
 
 #include "activations.h"
 #include "checkpoints.h"
 #include "cpu/recurrence.h"
 #include "cpu/recurrence_args.h"
 #include "kda.h"
+#include "segments.h"
 
 namespace kda::cpu {
 namespace {
 
 using at::Tensor;
 using std::optional;
+
+// One task per (sequence, head) leaves threads idle where the pairs are fewer
+// than the threads; segments (segments.h) cost about 2.3 passes' work, so they
+// pay from three a pair, each at least this long.
+constexpr int64_t kMinSegmentsThatPay = 3;
+constexpr int64_t kMinSegmentTokens = 1024;
+
+int64_t segments_per_sequence(const std::vector<int64_t>& offsets, int64_t H) {
+  if (const auto forced = forced_segments()) {
+    return *forced;
+  }
+  const int64_t N = static_cast<int64_t>(offsets.size()) - 1;
+  int64_t longest = 0;
+  for (int64_t n = 0; n < N; ++n) {
+    longest = std::max(longest, offsets[n + 1] - offsets[n]);
+  }
+  const int64_t P = std::min(at::get_num_threads() / std::max<int64_t>(N * H, 1), longest / kMinSegmentTokens);
+  return P >= kMinSegmentsThatPay ? P : 1;
+}
+
+// The forward over P segments a sequence (segments.h): pass 1 their end
+// states from zero (the first segment's from the initial state), pass 2 their
+// transition maps, the scan, then pass 3 from the true start states.
+template <typename T>
+void segmented_forward(const Problem& p, const Activations& a, const std::vector<int64_t>& offsets,
+                       const Tensor& init, int64_t P, Tensor& out, Tensor& final_state) {
+  const int64_t N = concrete(p.N), H = concrete(p.H), K = concrete(p.K), V = concrete(p.V);
+  const Tensor seq = at::tensor(offsets, at::kLong);
+  const Tensor seg = segment_offsets(seq, P);
+  std::vector<int64_t> seg_offsets(seg.data_ptr<int64_t>(), seg.data_ptr<int64_t>() + seg.numel());
+  const auto options = a.v.options();
+
+  const Tensor first_starts = first_segment_states(init, N, P, H, V, K, options);
+  const Tensor ends = at::empty({N * P, H, V, K}, options);
+  recurrence_forward<T>(recurrence_args<T>(p, a, seg_offsets, first_starts), nullptr, ends.data_ptr<T>());
+
+  const Tensor no_values = at::zeros({seg_offsets.back(), H, K}, options);
+  const Tensor identity = identity_states(N, P, H, K, options);
+  RecurrenceArgs<T> transitions = recurrence_args<T>(p, a, seg_offsets, identity);
+  transitions.V = K;
+  transitions.v = no_values.data_ptr<T>();
+  const Tensor maps = at::empty({N * P, H, K, K}, options);
+  recurrence_forward<T>(transitions, nullptr, maps.data_ptr<T>());
+
+  const Tensor starts = segment_start_states(maps, ends, init, P);
+  const Tensor seg_final = final_state.defined() ? at::empty({N * P, H, V, K}, options) : Tensor();
+  recurrence_forward<T>(recurrence_args<T>(p, a, std::move(seg_offsets), starts), out.data_ptr<T>(),
+                        seg_final.defined() ? seg_final.data_ptr<T>() : nullptr);
+  if (final_state.defined()) {
+    final_state.copy_(last_segment_states(seg_final, P));
+  }
+}
 
 // Computes the forward and writes it into `out` and, if given, `final_state`.
 // Results go through temporaries, so the destinations may be any strided
@@ -30,9 +87,15 @@ void forward_into(const char* op, const Problem& p, const Tensor& q, const Tenso
   if (final_state.has_value()) {
     final_acc = at::empty(final_state->sizes(), a.v.options());
   }
+  const int64_t P = segments_per_sequence(offsets, concrete(p.H));
   AT_DISPATCH_FLOATING_TYPES(acc, "kda_cpu_forward", [&] {
-    recurrence_forward<scalar_t>(recurrence_args<scalar_t>(p, a, std::move(offsets), init), out_acc.data_ptr<scalar_t>(),
-                                 final_acc.defined() ? final_acc.data_ptr<scalar_t>() : nullptr);
+    if (P > 1) {
+      segmented_forward<scalar_t>(p, a, offsets, init, P, out_acc, final_acc);
+    } else {
+      recurrence_forward<scalar_t>(recurrence_args<scalar_t>(p, a, std::move(offsets), init),
+                                   out_acc.data_ptr<scalar_t>(),
+                                   final_acc.defined() ? final_acc.data_ptr<scalar_t>() : nullptr);
+    }
   });
   out.copy_(out_acc);
   if (final_state.has_value()) {

@@ -100,7 +100,7 @@ void recurrence_forward(const RecurrenceArgs<T>& a, T* out, T* final_state) {
     for (int64_t task = begin; task < end; ++task) {
       const int64_t n = task / H, h = task % H;
       if (a.skip != nullptr && a.skip[n]) {
-        for (int64_t t = a.offsets[n]; t < a.offsets[n + 1]; ++t) {
+        for (int64_t t = a.offsets[n]; t < a.offsets[n + 1] && out != nullptr; ++t) {
           std::fill(out + (t * H + h) * V, out + (t * H + h + 1) * V, T(0));
         }
         continue;
@@ -113,7 +113,7 @@ void recurrence_forward(const RecurrenceArgs<T>& a, T* out, T* final_state) {
       for (int64_t t = a.offsets[n]; t < a.offsets[n + 1]; ++t) {
         const int64_t th = t * H + h;
         step(S.data(), a.kn + th * K, a.alpha + th * K, a.v + th * V, a.beta[th], a.qn + th * K, a.scale, w.data(),
-             u.data(), out + th * V, K, V);
+             u.data(), out != nullptr ? out + th * V : nullptr, K, V);
         if (a.after_token) {
           a.after_token(n, h, t - a.offsets[n], S.data());
         }

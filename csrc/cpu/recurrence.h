@@ -30,7 +30,7 @@ struct RecurrenceArgs {
   std::function<void(int64_t n, int64_t h, int64_t t, const T* S)> after_token;
 };
 
-// Writes out [tokens, H, V] and, when non-null, final_state [N, H, V, K].
+// Writes, when non-null, out [tokens, H, V] and final_state [N, H, V, K].
 template <typename T>
 void recurrence_forward(const RecurrenceArgs<T>& a, T* out, T* final_state);
 

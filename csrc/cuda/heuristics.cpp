@@ -4,6 +4,8 @@
 #include <cmath>
 #include <mutex>
 
+#include "segments.h"
+
 namespace kda::cuda {
 namespace {
 
@@ -37,6 +39,30 @@ constexpr int64_t kWindowScratchSeveralSequences = int64_t{8} << 30;
 // Longer backward windows hold at least this much scratch, and this many slots.
 constexpr int64_t kWindowScratch = int64_t{1} << 30;
 constexpr int64_t kMinWindowSlots = 16;
+
+// Segments (segments.h) run three passes of K2 where one would do (the two
+// without outputs about two thirds of one each: ~2.3x the work) to give K2
+// more (sequence, head) pairs at once. Counted from the bounded gate's K2 on
+// an H200: a step takes ~0.41 us at one warp an SM and ~0.145 us a warp at
+// three or more, where the SMs' issue saturates. So segments pay only from
+// about three a sequence, with at most one warp an SM without them, and
+// enough chunks per segment to cover the scan and the extra launches (~80 us).
+constexpr int64_t kSegmentWarpsPerSm = 3;
+constexpr int64_t kMinSegments = 3;
+constexpr int64_t kMinSegmentChunks = 256;
+// The segments' three passes read every record, so they run in one pass:
+// only where its workspace stays within this.
+constexpr int64_t kSegmentWorkspaceLimit = int64_t{8} << 30;
+
+int64_t automatic_segments(const FwdParams& p, bool kept_records) {
+  const int64_t pairs = std::max<int64_t>(p.N * p.H, 1);
+  const int64_t rows = kHeadDim / 16;  // K2's row groups a pair: a warp each
+  const int64_t by_warps = kSegmentWarpsPerSm * p.num_sms / (pairs * rows);
+  const int64_t by_length = p.num_slots / (std::max<int64_t>(p.N, 1) * kMinSegmentChunks);
+  const int64_t segments = std::min(by_warps, by_length);
+  const bool fits = kept_records || p.num_slots * std::max<int64_t>(p.H, 1) * kWsChunkBytes <= kSegmentWorkspaceLimit;
+  return segments >= kMinSegments && fits ? segments : 1;
+}
 
 // A forced window: 0 one pass, n at most the call's slots.
 int64_t forced_window(int64_t n, int64_t num_slots) {
@@ -124,6 +150,14 @@ void set_forced(const Forced& f) {
 ForwardPlan forward_plan(const FwdParams& p, bool kept_records) {
   const Forced f = forced();
   ForwardPlan plan;
+  plan.segments = forced_segments().value_or(automatic_segments(p, kept_records));
+  if (plan.segments > 1) {
+    FwdParams cut = p;
+    cut.N = p.N * plan.segments;
+    plan.recurrence = recurrence_shape(cut, f);
+    plan.window = p.num_slots;
+    return plan;
+  }
   plan.recurrence = recurrence_shape(p, f);
   const int64_t slot_bytes = std::max<int64_t>(p.H, 1) * kWsChunkBytes;
   if (f.window_slots.has_value()) {

@@ -35,11 +35,14 @@ inline int64_t recurrence_warps_per_sm(const FwdParams& p) {
 }
 
 // What one forward call runs: K2's shape and the chunk slots per window
-// (params.num_slots for one pass). kept_records: the records are kept for the
-// backward (kda._fwd_checkpointed), all in the caller's buffer, so one pass.
+// (params.num_slots for one pass), or the segments each sequence is cut into
+// (segments.h; one pass, K2's shape then chosen for the segments).
+// kept_records: the records are kept for the backward (kda._fwd_checkpointed),
+// all in the caller's buffer, so one pass.
 struct ForwardPlan {
   RecurrenceShape recurrence;
   int64_t window = 0;
+  int64_t segments = 1;
 };
 ForwardPlan forward_plan(const FwdParams& params, bool kept_records);
 

@@ -27,6 +27,23 @@ namespace {
 using at::Tensor;
 using std::optional;
 
+// The forward in windows of chunk slots (or one pass), as plan says.
+// Windows (forward/schedule.h) write outputs before they read every input:
+// only when no output shares memory with an input.
+void run_windows(const FwdParams& params, const Tensor& q, ForwardPlan plan, float* kept_records,
+                 const CallInputs& in, const Tensor& out_c, const Tensor& final_c) {
+  if (plan.window < params.num_slots) {
+    for (const Tensor* input : {&in.q, &in.k, &in.v, &in.g, &in.beta, &in.A_log, &in.dt_bias}) {
+      if (at::get_overlap_status(*input, out_c) != at::MemOverlapStatus::No ||
+          (final_c.defined() && at::get_overlap_status(*input, final_c) != at::MemOverlapStatus::No)) {
+        plan.window = params.num_slots;
+        break;
+      }
+    }
+  }
+  run_forward(params, q, plan, kept_records);
+}
+
 // Runs the forward into `out` / `final_state`. Inputs are made contiguous
 // (copies only where the caller's tensors are not). An output that is not
 // contiguous or not 16-byte aligned, or a final_state whose dtype is not the one the kernels write
@@ -86,18 +103,12 @@ void forward_into(const char* op, const Problem& p, const Tensor& q, const Tenso
   }
 
   ForwardPlan plan = forward_plan(params, kept_records != nullptr);
-  // Windows (forward/schedule.h) write outputs before they read every input:
-  // only when no output shares memory with an input.
-  if (plan.window < params.num_slots) {
-    for (const Tensor* input : {&in.q, &in.k, &in.v, &in.g, &in.beta, &in.A_log, &in.dt_bias}) {
-      if (at::get_overlap_status(*input, out_c) != at::MemOverlapStatus::No ||
-          (final_c.defined() && at::get_overlap_status(*input, final_c) != at::MemOverlapStatus::No)) {
-        plan.window = params.num_slots;
-        break;
-      }
-    }
+  if (plan.segments > 1) {
+    run_segmented_forward(params, q, plan, bounds.offsets.defined() ? bounds.offsets.select(0, 0) : Tensor(), init,
+                          final_c, kept_records);
+  } else {
+    run_windows(params, q, plan, kept_records, in, out_c, final_c);
   }
-  run_forward(params, q, plan, kept_records);
 
   if (!out_c.is_same(out)) {
     out.copy_(out_c);

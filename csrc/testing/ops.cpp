@@ -4,7 +4,29 @@
 // and set the testing hook that forces the CUDA path's automatic choices.
 #include <torch/library.h>
 
+#include <string>
+
+#include "segments.h"
+
+namespace {
+
+// The part of the testing hook that both devices read (segments.h): -1 leaves
+// the number of segments per sequence to the heuristics, P >= 1 forces it.
+void force_segments(int64_t segments) {
+  TORCH_CHECK(segments == -1 || segments >= 1, "kda_testing.force_segments: segments must be -1 (automatic) or ",
+              "a number of segments per sequence >= 1, got ", std::to_string(segments));
+  kda::set_forced_segments(segments == -1 ? std::nullopt : std::optional<int64_t>(segments));
+}
+
+int64_t forced_segments_now() {
+  return kda::forced_segments().value_or(-1);
+}
+
+}  // namespace
+
 TORCH_LIBRARY(kda_testing, m) {
+  m.def("force_segments(int segments=-1) -> ()", &force_segments);
+  m.def("forced_segments() -> int", &forced_segments_now);
   // kda::bwd computed by the chunked ATen composition (chunked_backward.h) on
   // any device, so that the CPU tests can check the chunked form's backward.
   m.def(

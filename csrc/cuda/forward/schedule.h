@@ -30,4 +30,16 @@ namespace kda::cuda {
 // the caller gives K2 a v that shares no memory with the outputs).
 void run_forward(FwdParams params, const at::Tensor& like, const ForwardPlan& plan, float* records = nullptr);
 
+// The forward over plan.segments segments a sequence (segments.h), in one pass
+// of K1 and three of K2 over the segments, with the scan between them; the
+// same outputs, chunk-start states and records as run_forward (the segments
+// are whole chunks of their sequences, so the chunk slots are the call's).
+// seq_offsets: the sequences' token offsets [N + 1] (int64, on the device), or
+// undefined for a fixed-length call. initial, final_state: the tensors behind
+// params.initial_state and params.final_state (undefined where null); the
+// final state is written last, so the two may be one buffer.
+void run_segmented_forward(FwdParams params, const at::Tensor& like, const ForwardPlan& plan,
+                           const at::Tensor& seq_offsets, const at::Tensor& initial, const at::Tensor& final_state,
+                           float* records = nullptr);
+
 }  // namespace kda::cuda
