@@ -45,9 +45,8 @@ at::Tensor identity_states(int64_t N, int64_t P, int64_t H, int64_t K, const at:
   return at::eye(K, options).expand({N * P, H, K, K}).contiguous();
 }
 
-// In float64: a product of transitions is an fp32 state's worth of accuracy
-// only without TF32, which a caller may have switched on for matmuls
-// process-wide; the scan's few small products cost nothing in float64.
+// In float64, so that the scan adds nothing to an fp32 state's error; its few
+// small products cost little.
 at::Tensor segment_start_states(const at::Tensor& maps, const at::Tensor& ends_from_zero,
                                 const at::Tensor& initial, int64_t P) {
   const int64_t S = ends_from_zero.size(0), H = ends_from_zero.size(1), V = ends_from_zero.size(2),

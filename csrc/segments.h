@@ -53,7 +53,9 @@ at::Tensor first_segment_states(const at::Tensor& initial, int64_t N, int64_t P,
 // Pass 2's start states [N * P, H, K, K]: the identity for every segment.
 at::Tensor identity_states(int64_t N, int64_t P, int64_t H, int64_t K, const at::TensorOptions& options);
 
-// The scan: every segment's true start state [N * P, H, V, K], in the dtype of
+// The scan (the CUDA path runs it as one kernel, launch_segment_scan, which a
+// caller's cuBLAS settings cannot reach): every segment's true start state
+// [N * P, H, V, K], in the dtype of
 // `ends_from_zero`, from pass 1's end states B [N * P, H, V, K] and pass 2's
 // maps A [N * P, H, K, K]. A sequence's first segment starts from `initial`
 // (zeros when undefined); segment j > 0 from segment j - 1's end. The last

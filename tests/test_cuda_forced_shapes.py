@@ -71,11 +71,16 @@ def test_wgmma_shape_keeps_the_fp32_state_over_long_sequences(name):
      "window_slots must be -1 (automatic), 0 (one pass) or a positive number of chunk slots, got -2"),
 ])
 def test_the_hook_rejects_bad_values(kw, message):
-    """A bad value raises naming the argument and the choices, from the op and from forced."""
+    """A bad value raises naming the argument and the choices, from the op and from
+    forced (which refuses a negative window itself, in Python's terms)."""
     try:
         with pytest.raises(RuntimeError, match=re.escape(f"kda_testing.force: {message}")):
             torch.ops.kda_testing.force(**kw)
-        with pytest.raises(RuntimeError, match=re.escape(f"kda_testing.force: {message}")):
+        if "window_slots" in kw:
+            error, message = ValueError, "torch_kda.testing.forced: window_slots must be at least 0 or None, got -2"
+        else:
+            error, message = RuntimeError, f"kda_testing.force: {message}"
+        with pytest.raises(error, match=re.escape(message)):
             with forced(**kw):
                 pass
     finally:

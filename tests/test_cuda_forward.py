@@ -11,6 +11,7 @@ import torch
 import torch_kda
 from conftest import fla_chunk_kda, make_inputs, positional, rel, run_reference
 from cuda_helpers import CUDA_MARKS, D, DEV, FP32_STATE_TOL, cuda_inputs, errors, hard_case, run_cuda
+from torch_kda.testing import forced
 
 pytestmark = CUDA_MARKS
 
@@ -39,10 +40,17 @@ def test_hard_cases(name, lower_bound, state_dtype):
     assert e_state <= 2e-2
 
 
-def test_hard_case_long_sequence():
+# Two heads of 65,536 tokens run in segments by default (heuristics.cpp): these long
+# tests hold both the whole chain and the automatic choice to the reference.
+SEGMENTS = pytest.mark.parametrize("segments", [1, None], ids=["whole", "automatic"])
+
+
+@SEGMENTS
+def test_hard_case_long_sequence(segments):
     d, g = cuda_inputs(B=1, T=65536, H=2, state_dtype=torch.float32)
-    e_out, e_state, _, _ = errors(d, g, -5.0)
-    print(f"\nlong lb=-5.0 T=65536 state=float32: out rel {e_out:.2e}, state rel {e_state:.2e}")
+    with forced(segments=segments):
+        e_out, e_state, _, _ = errors(d, g, -5.0)
+    print(f"\nlong lb=-5.0 T=65536 state=float32 segments={segments}: out rel {e_out:.2e}, state rel {e_state:.2e}")
     assert e_out <= 2e-2
     assert e_state <= 2e-2
 
@@ -52,11 +60,13 @@ def test_bf16_state_takes_bf16_products_over_long_sequences():
     planes in bf16 alone (FwdParams::bf16_products), where an fp32 state keeps bf16x3:
     over 4,096 chunks, each feeding its products back into the state, the bf16 state's
     errors stay inside the random case's targets, and the same inputs with an fp32
-    state keep the far smaller fp32-level state error (the two paths differ)."""
+    state keep the far smaller fp32-level state error (the two paths differ). One
+    chain, without segments."""
     d, g = cuda_inputs(B=1, T=65536, H=2, state_dtype=torch.bfloat16)
-    e_out, e_state, _, final = errors(d, g, -5.0)
     g32 = dict(g, initial_state=g["initial_state"].float())
-    e_out32, e_state32, _, _ = errors(d, g32, -5.0)
+    with forced(segments=1):
+        e_out, e_state, _, final = errors(d, g, -5.0)
+        e_out32, e_state32, _, _ = errors(d, g32, -5.0)
     print(f"\nT=65536 random: bf16 state out rel {e_out:.2e} state rel {e_state:.2e};"
           f" fp32 state out rel {e_out32:.2e} state rel {e_state32:.2e}")
     assert final.dtype == torch.bfloat16
@@ -76,13 +86,15 @@ def test_every_block_width_matches_reference(H):
     assert e_out <= 5e-3 and e_state <= 1e-4
 
 
-def test_fp32_state_does_not_drift_over_long_small_beta_sequences():
+@SEGMENTS
+def test_fp32_state_does_not_drift_over_long_small_beta_sequences(segments):
     """Small beta: the delta rule corrects the state only over ~100 / beta tokens, so a
     rounding bias in the state update (the tensor cores' fp32 accumulation truncates)
     would add up over the sequence instead of washing out."""
     d, g = cuda_inputs(B=1, T=65536, H=2, state_dtype=torch.float32)
     hard_case("small_beta", d, g)
-    e_out, e_state, _, _ = errors(d, g, -5.0)
+    with forced(segments=segments):
+        e_out, e_state, _, _ = errors(d, g, -5.0)
     print(f"\nsmall_beta lb=-5.0 T=65536 state=float32: out rel {e_out:.2e}, state rel {e_state:.2e}")
     assert e_state <= 1e-4
 

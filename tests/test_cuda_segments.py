@@ -109,17 +109,21 @@ def test_graph_replay_with_new_inputs():
 
 
 @GATES
-def test_saved_states_serve_the_backward(lower_bound):
+@pytest.mark.parametrize("save", ["states_and_records", "states"])
+@pytest.mark.parametrize("varlen", [False, True], ids=["fixed", "varlen"])
+def test_saved_states_serve_the_backward(varlen, save, lower_bound):
     """torch_kda.kda's autograd: the segmented forward keeps the chunk-start states
-    and records that kda.bwd reads; its gradients match the unsegmented forward's."""
-    _, g = cuda_inputs(B=1, T=800, H=2)
+    (and records) that kda.bwd reads, in the call's own chunk slots; its gradients
+    match the unsegmented forward's."""
+    shape = dict(seqlens=[300, 0, 17, 483]) if varlen else dict(B=1, T=800)
+    _, g = cuda_inputs(H=2, **shape)
 
     def grads(P):
         x = {n: (t.detach().clone().requires_grad_(t.is_floating_point()) if isinstance(t, torch.Tensor) else t)
-             for n, t in g.items() if n != "cu_seqlens"}
+             for n, t in g.items()}
         with forced(segments=P):
             out, final = torch_kda.kda(*positional(x), lower_bound=lower_bound, initial_state=x["initial_state"],
-                                       output_final_state=True)
+                                       output_final_state=True, cu_seqlens=x["cu_seqlens"], save_for_backward=save)
         torch.manual_seed(5)
         (out.float() * torch.randn_like(out.float())).sum().add_((final * torch.randn_like(final)).sum()).backward()
         return [x[n].grad for n in ("q", "k", "v", "g", "beta", "A_log", "dt_bias", "initial_state")]
@@ -134,7 +138,8 @@ def test_heuristic_cuts_few_long_pairs():
     four. A long sequence on many heads stays whole."""
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     expected = min(3 * sms // (2 * 8), 1024 // 256)
-    assert expected >= 3, "the device has too few SMs for this case"
+    if expected < 3:
+        pytest.skip(f"{sms} SMs: too few for segments at two heads")
     _, g = cuda_inputs(B=1, T=16384, H=2)
     g["g"].fill_(-1000.0)  # no decay: every segment's start state reaches the outputs
     automatic = run_cuda(g, lower_bound=-1.0)

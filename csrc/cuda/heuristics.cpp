@@ -46,7 +46,7 @@ constexpr int64_t kMinWindowSlots = 16;
 // an H200: a step takes ~0.41 us at one warp an SM and ~0.145 us a warp at
 // three or more, where the SMs' issue saturates. So segments pay only from
 // about three a sequence, with at most one warp an SM without them, and
-// enough chunks per segment to cover the scan and the extra launches (~80 us).
+// enough chunks per segment to cover the extra passes' fixed costs (~50 us).
 constexpr int64_t kSegmentWarpsPerSm = 3;
 constexpr int64_t kMinSegments = 3;
 constexpr int64_t kMinSegmentChunks = 256;
@@ -150,7 +150,9 @@ void set_forced(const Forced& f) {
 ForwardPlan forward_plan(const FwdParams& p, bool kept_records) {
   const Forced f = forced();
   ForwardPlan plan;
-  plan.segments = forced_segments().value_or(automatic_segments(p, kept_records));
+  // A forced window asks for the windowed path: segments then only if forced too.
+  plan.segments =
+      forced_segments().value_or(f.window_slots.has_value() ? 1 : automatic_segments(p, kept_records));
   if (plan.segments > 1) {
     FwdParams cut = p;
     cut.N = p.N * plan.segments;

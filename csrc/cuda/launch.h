@@ -69,6 +69,13 @@ enum class DsBlock { k4x1, k4x2, k2x2 };
 void launch_ds_recurrence(const SweepBwdParams& params, cudaStream_t stream, DsBlock block);
 void launch_record_gradients(const SweepBwdParams& params, cudaStream_t stream);
 
+// The segmented forward's scan (forward/segment_scan.cu; segments.h
+// segment_start_states on the device): starts [N * P, H, V, K] fp32 from
+// pass 1's ends, pass 2's maps (both fp32) and the initial states (fp32 or bf16,
+// or null for zeros).
+void launch_segment_scan(const float* maps, const float* ends, const void* initial, bool initial_fp32, float* starts,
+                         int64_t N, int64_t P, int64_t H, cudaStream_t stream);
+
 // The state pool (pool.cu): the decode, for requests of a few tokens; and the
 // copies around the chunked forward for long ones: params.states from the
 // pool (zeros for padding rows), back to the pool (but padding rows), and

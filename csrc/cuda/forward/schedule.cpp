@@ -99,7 +99,10 @@ void run_segmented_forward(FwdParams p, const at::Tensor& like, const ForwardPla
   pass.final_state = maps.data_ptr();
   launch_recurrence(pass, stream, plan.recurrence);
 
-  const at::Tensor starts = segment_start_states(maps, ends, initial, P);
+  const at::Tensor starts = at::empty({S, H, kHeadDim, kHeadDim}, f32);
+  launch_segment_scan(maps.data_ptr<float>(), ends.data_ptr<float>(), initial.defined() ? initial.data_ptr() : nullptr,
+                      initial.defined() && initial.scalar_type() == at::kFloat, starts.data_ptr<float>(), N, P, H,
+                      stream);
   const at::Tensor seg_final = final_state.defined() ? at::empty({S, H, kHeadDim, kHeadDim}, f32) : at::Tensor();
   p.initial_state = starts.data_ptr();
   p.final_state = seg_final.defined() ? seg_final.data_ptr() : nullptr;
