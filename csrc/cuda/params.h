@@ -67,6 +67,7 @@ struct FwdParams {
   int num_sms = 1;  // of the device: the recurrence sizes its blocks to fill them
 
   // Inputs, contiguous. q, k, v, g: bf16 [tokens, H, 128]; beta: bf16 [tokens, H].
+  // K2 of the forward reads a null v as zeros (the segmented forward's pass 2).
   const void* q = nullptr;
   const void* k = nullptr;
   const void* v = nullptr;

@@ -146,14 +146,16 @@ __device__ __forceinline__ void load_stage(Stage<kCols, kX3, kAlign>& st, const 
   if (tid < kMPieces) {
     cp_async_16(smem_u32(&st.m[0][0]) + tid * 16, rec + kWsM + tid * 16);
   }
-  // v: kCols / 8 pieces per row.
+  // v: kCols / 8 pieces per row; zeros past the chunk's tokens, and everywhere
+  // for a null v (FwdParams::v).
   constexpr int kVPieces = kCols / 8;
 #pragma unroll
   for (int it = 0; it < (C * kVPieces + kThreads - 1) / kThreads; ++it) {
     const int e = tid + it * kThreads, r = e / kVPieces, piece = e % kVPieces;
     if (e < C * kVPieces) {
-      const bool valid = r < len;
-      cp_async_16_or_zero(smem_u32(&st.v[r][piece * 8]), valid ? v + r * row_stride + piece * 8 : v, valid);
+      const bool valid = r < len && v != nullptr;
+      cp_async_16_or_zero(smem_u32(&st.v[r][piece * 8]),
+                          valid ? static_cast<const void*>(v + r * row_stride + piece * 8) : rec, valid);
     }
   }
   if (tid < D / 4) {
@@ -245,7 +247,7 @@ struct Block {
     part_bos = seq_bos + (lo - part.c_begin) * C;
     nch = static_cast<int>(part.chunks());
     last_len = nch > 0 ? static_cast<int>(min64(C, seq_eos - (part_bos + int64_t{nch - 1} * C))) : 0;
-    fill_v = static_cast<const __nv_bfloat16*>(p.v) + (part_bos * H + h) * D + vcol0;
+    fill_v = p.v != nullptr ? static_cast<const __nv_bfloat16*>(p.v) + (part_bos * H + h) * D + vcol0 : nullptr;
   }
 
   // Nothing of this sequence in this window: the whole block returns.
@@ -256,7 +258,7 @@ struct Block {
     load_stage<Cfg::kCols, Cfg::kThreads, Cfg::kX3, kQw>(
         stages[fill_stage], fill_rec, fill_v, H * D, fill == nch - 1 ? last_len : C, tid);
     fill_rec += stride;
-    fill_v += C * H * D;
+    fill_v = fill_v != nullptr ? fill_v + C * H * D : nullptr;
     ++fill;
     fill_stage = fill_stage + 1 == Cfg::kSt ? 0 : fill_stage + 1;
   }
