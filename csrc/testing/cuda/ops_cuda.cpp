@@ -74,6 +74,27 @@ std::tuple<std::string, std::string, int64_t> forced_now() {
   return {name_of(f.recurrence_block, kBlocks), name_of(f.ds_block, kDsBlocks), f.window_slots.value_or(-1)};
 }
 
+// heuristics.h's forward plan for a call of this size on a device of num_sms
+// SMs (host logic alone, no GPU needed), under the hook's settings: K2's block
+// shape, its late copies, the window in slots and the segments a sequence.
+std::tuple<std::string, bool, int64_t, int64_t> forward_plan_for(int64_t N, int64_t H, int64_t num_slots,
+                                                                 int64_t num_sms, bool bf16_products,
+                                                                 bool kept_records) {
+  TORCH_CHECK(N >= 0 && H >= 0 && num_slots >= 0 && num_sms >= 1,
+              "kda_testing.forward_plan: N, H and num_slots must be >= 0 and num_sms >= 1");
+  FwdParams p;
+  p.N = N;
+  p.H = H;
+  p.num_slots = num_slots;
+  p.slot_end = num_slots;
+  p.num_sms = static_cast<int>(num_sms);
+  p.bf16_products = bf16_products;
+  p.state_fp32 = !bf16_products;
+  const ForwardPlan plan = forward_plan(p, kept_records);
+  return {name_of(std::optional<RecurrenceBlock>(plan.recurrence.block), kBlocks), plan.recurrence.late_refill,
+          plan.window, plan.segments};
+}
+
 // An intermediate that a private test op takes in (what the backward's kernels
 // pass each other: fp32, or bf16 for the chunk states): contiguous, on q's
 // device, of exactly this dtype and shape.
@@ -172,6 +193,8 @@ TORCH_LIBRARY_FRAGMENT(kda_testing, m) {
   // The testing hook: "auto" and -1 leave a choice to heuristics.h.
   m.def("force(str recurrence_block=\"auto\", str ds_block=\"auto\", int window_slots=-1) -> ()", &force);
   m.def("forced() -> (str recurrence_block, str ds_block, int window_slots)", &forced_now);
+  m.def("forward_plan(int N, int H, int num_slots, int num_sms, bool bf16_products, bool kept_records) -> "
+        "(str recurrence_block, bool late_refill, int window, int segments)", &forward_plan_for);
 }
 
 TORCH_LIBRARY_IMPL(kda_testing, CUDA, m) {

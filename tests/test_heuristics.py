@@ -1,0 +1,60 @@
+"""The CUDA path's automatic choices (csrc/cuda/heuristics.cpp) for the benchmark's
+cases on a 132-SM H200, read through kda_testing::forward_plan: host logic, so a CUDA
+build checks them without a GPU. The expected values follow the rules the heuristics'
+comments state (docs/performance-notes.md has the counts behind them)."""
+import pytest
+import torch
+
+import torch_kda
+from torch_kda.testing import forced
+
+pytestmark = pytest.mark.skipif(not torch_kda.cuda_built(), reason="the heuristics exist in CUDA builds")
+
+SMS = 132
+
+
+def slots(lengths):
+    """Chunk slots as the ops count them: B * ceil(T / 16) for one length, else the varlen bound."""
+    if len(lengths) == 1:
+        return -(-lengths[0] // 16)
+    tokens = sum(lengths)
+    return min(tokens, -(-tokens // 16) + len(lengths))
+
+
+def plan(lengths, H, bf16_state=True, kept_records=False):
+    return tuple(torch.ops.kda_testing.forward_plan(len(lengths), H, slots(lengths), SMS, bf16_state, kept_records))
+
+
+@pytest.mark.parametrize("lengths, H, expected", [
+    # (K2 block, late copies, window in slots, segments)
+    ([65536], 16, ("4x1w", False, 4096, 3)),          # case 12: 16 pairs, 4,096 chunks: three segments
+    ([262144], 8, ("4x1w", False, 16384, 6)),         # case 13: 8 pairs: six
+    ([8192], 16, ("2x2", False, 512, 1)),             # case 7: too short for three segments of 256 chunks
+    ([32768], 32, ("2x2", False, 1024, 1)),           # case 10: two warps an SM already; windows of 1 GiB
+    ([65536] * 4, 16, ("4x1w", False, 16388, 1)),     # case 14: 64 pairs
+    ([65536] + [512] * 63, 32, ("4x1w", True, 6176, 1)),  # case 15: many pairs
+    ([8192], 96, ("4x1w", False, 512, 1)),            # case 1: late copies from 3 blocks an SM
+])
+def test_benchmark_cases(lengths, H, expected):
+    assert plan(lengths, H) == expected
+
+
+def test_segments_need_their_workspace_in_one_pass():
+    # 2^21 tokens on 8 heads: a one-pass workspace of 28 GB, past the segments' 8 GiB.
+    block, _, window, segments = plan([1 << 21], 8)
+    assert segments == 1 and window < slots([1 << 21])
+    # Records kept for the backward are one pass anyway.
+    assert plan([1 << 21], 8, kept_records=True)[3] == 6
+
+
+def test_the_hook_overrides():
+    with forced(window_slots=0):
+        assert plan([65536], 16)[2:] == (4096, 1)  # a forced window keeps the windowed path
+    with forced(segments=2):
+        assert plan([8192], 16)[3] == 2
+    with forced(segments=1):
+        assert plan([65536], 16)[3] == 1
+
+
+def test_fp32_state_takes_the_4x4_at_one_warp_an_sm():
+    assert plan([8192], 16, bf16_state=False)[0] == "4x4"
