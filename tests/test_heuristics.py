@@ -33,7 +33,7 @@ def plan(lengths, H, bf16_state=True, kept_records=False):
     ([32768], 32, ("2x2", False, 1024, 1)),           # case 10: two warps an SM already; windows of 1 GiB
     ([65536] * 4, 16, ("4x1w", False, 16388, 1)),     # case 14: 64 pairs
     ([65536] + [512] * 63, 32, ("4x1w", True, 6176, 1)),  # case 15: many pairs
-    ([8192], 96, ("4x1w", False, 512, 1)),            # case 1: late copies from 3 blocks an SM
+    ([8192], 96, ("4x1w", False, 512, 1)),            # case 1: 192 blocks, short of three an SM: no late copies
 ])
 def test_benchmark_cases(lengths, H, expected):
     assert plan(lengths, H) == expected
@@ -41,10 +41,12 @@ def test_benchmark_cases(lengths, H, expected):
 
 def test_segments_need_their_workspace_in_one_pass():
     # 2^21 tokens on 8 heads: a one-pass workspace of 28 GB, past the segments' 8 GiB.
-    block, _, window, segments = plan([1 << 21], 8)
+    _, _, window, segments = plan([1 << 21], 8)
     assert segments == 1 and window < slots([1 << 21])
-    # Records kept for the backward are one pass anyway.
-    assert plan([1 << 21], 8, kept_records=True)[3] == 6
+    # With the records kept for the backward the same choice (so that torch_kda.kda
+    # gives the same bits with and without a gradient), in one pass.
+    assert plan([1 << 21], 8, kept_records=True)[2:] == (slots([1 << 21]), 1)
+    assert plan([65536], 16, kept_records=True)[3] == 3
 
 
 def test_the_hook_overrides():
@@ -54,6 +56,8 @@ def test_the_hook_overrides():
         assert plan([8192], 16)[3] == 2
     with forced(segments=1):
         assert plan([65536], 16)[3] == 1
+    with forced(window_slots=4, segments=2):
+        assert plan([65536], 16)[2:] == (4096, 2)  # forced segments run in one pass
 
 
 def test_fp32_state_takes_the_4x4_at_one_warp_an_sm():

@@ -1,7 +1,7 @@
 """The testing hook's own rules (torch_kda.testing.forced, kda_testing::force and
-kda_testing::forced), which need a CUDA build but no GPU: nesting restores the
-settings it found, an inner block sets all three of its own, bad values raise
-before anything is set."""
+kda_testing::forced, kda_testing::force_segments), which need a CUDA build but no
+GPU: nesting restores the settings it found, an inner block sets all four of its
+own, bad values raise before anything is set."""
 import pytest
 import torch
 
@@ -33,12 +33,14 @@ def test_nested_blocks_restore_what_they_found():
     (dict(ds_block="1x1"), RuntimeError),
 ])
 def test_a_bad_value_sets_nothing(kw, error):
-    with forced("2x2", "4x1", 7):
+    with forced("2x2", "4x1", 7, segments=3):
         with pytest.raises(error):
-            with forced(**{"recurrence_block": "4x4", **kw}):
+            with forced(**{"recurrence_block": "4x4", "segments": 5, **kw}):
                 pass
         assert now() == ("2x2", "4x1", 7)
+        assert torch.ops.kda_testing.forced_segments() == 3
     assert now() == AUTO
+    assert torch.ops.kda_testing.forced_segments() == -1
 
 
 def test_none_means_automatic():

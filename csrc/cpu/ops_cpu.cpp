@@ -21,7 +21,8 @@ using std::optional;
 
 // One task per (sequence, head) leaves threads idle where the pairs are fewer
 // than the threads; segments (segments.h) cost about 2.3 passes' work, so they
-// pay from three a pair, each at least this long.
+// pay from three a pair, with the longest sequence at least this long a
+// segment. The choice follows the thread count, so the low bits do too.
 constexpr int64_t kMinSegmentsThatPay = 3;
 constexpr int64_t kMinSegmentTokens = 1024;
 
@@ -54,11 +55,10 @@ void segmented_forward(const Problem& p, const Activations& a, const std::vector
   const Tensor ends = at::empty({N * P, H, V, K}, options);
   recurrence_forward<T>(recurrence_args<T>(p, a, seg_offsets, first_starts), nullptr, ends.data_ptr<T>());
 
-  const Tensor no_values = at::zeros({seg_offsets.back(), H, K}, options);
   const Tensor identity = identity_states(N, P, H, K, options);
   RecurrenceArgs<T> transitions = recurrence_args<T>(p, a, seg_offsets, identity);
   transitions.V = K;
-  transitions.v = no_values.data_ptr<T>();
+  transitions.v = nullptr;  // v = 0
   const Tensor maps = at::empty({N * P, H, K, K}, options);
   recurrence_forward<T>(transitions, nullptr, maps.data_ptr<T>());
 

@@ -49,7 +49,7 @@ void store_state(const T* S, T* dst, int64_t K, int64_t V) {
 }
 
 // One token's state update in place. First pass: S <- Diag(alpha) S and the
-// prediction S^T k; w = v - S^T k (the un-scaled error) is kept for the
+// prediction S^T k; w = v - S^T k (the un-scaled error; v = 0 for a null vt) is kept for the
 // backward. Second pass: S <- S + k (beta w)^T. If `out` is given, it also
 // reads o = scale S^T q in the second pass.
 template <typename T>
@@ -67,7 +67,7 @@ void step(T* __restrict S, const T* kt, const T* at, const T* vt, T bt, const T*
     }
   }
   for (int64_t v = 0; v < V; ++v) {
-    w[v] = vt[v] - w[v];
+    w[v] = (vt != nullptr ? vt[v] : T(0)) - w[v];
     u[v] = bt * w[v];
   }
   if (out != nullptr) {
@@ -112,8 +112,9 @@ void recurrence_forward(const RecurrenceArgs<T>& a, T* out, T* final_state) {
       }
       for (int64_t t = a.offsets[n]; t < a.offsets[n + 1]; ++t) {
         const int64_t th = t * H + h;
-        step(S.data(), a.kn + th * K, a.alpha + th * K, a.v + th * V, a.beta[th], a.qn + th * K, a.scale, w.data(),
-             u.data(), out != nullptr ? out + th * V : nullptr, K, V);
+        const T* vt = a.v != nullptr ? a.v + th * V : nullptr;
+        step(S.data(), a.kn + th * K, a.alpha + th * K, vt, a.beta[th], a.qn + th * K, a.scale, w.data(), u.data(),
+             out != nullptr ? out + th * V : nullptr, K, V);
         if (a.after_token) {
           a.after_token(n, h, t - a.offsets[n], S.data());
         }

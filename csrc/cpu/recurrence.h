@@ -17,7 +17,7 @@ struct RecurrenceArgs {
   T scale = 1;
   const T* qn = nullptr;     // [tokens, H, K]
   const T* kn = nullptr;     // [tokens, H, K]
-  const T* v = nullptr;      // [tokens, H, V]
+  const T* v = nullptr;      // [tokens, H, V]; null in the forward: zeros
   const T* alpha = nullptr;  // [tokens, H, K]
   const T* beta = nullptr;   // [tokens, H]
   const T* initial_state = nullptr;  // [N, H, V, K], null means zeros

@@ -51,16 +51,18 @@ constexpr int64_t kSegmentWarpsPerSm = 3;
 constexpr int64_t kMinSegments = 3;
 constexpr int64_t kMinSegmentChunks = 256;
 // The segments' three passes read every record, so they run in one pass:
-// only where its workspace stays within this.
+// only where its workspace stays within this. Records kept for the backward
+// count too, so that kda::fwd and kda::_fwd_checkpointed always choose alike
+// (torch_kda.kda's outputs are the same bits with and without a gradient).
 constexpr int64_t kSegmentWorkspaceLimit = int64_t{8} << 30;
 
-int64_t automatic_segments(const FwdParams& p, bool kept_records) {
+int64_t automatic_segments(const FwdParams& p) {
   const int64_t pairs = std::max<int64_t>(p.N * p.H, 1);
   const int64_t rows = kHeadDim / 16;  // K2's row groups a pair: a warp each
   const int64_t by_warps = kSegmentWarpsPerSm * p.num_sms / (pairs * rows);
   const int64_t by_length = p.num_slots / (std::max<int64_t>(p.N, 1) * kMinSegmentChunks);
   const int64_t segments = std::min(by_warps, by_length);
-  const bool fits = kept_records || p.num_slots * std::max<int64_t>(p.H, 1) * kWsChunkBytes <= kSegmentWorkspaceLimit;
+  const bool fits = p.num_slots * std::max<int64_t>(p.H, 1) * kWsChunkBytes <= kSegmentWorkspaceLimit;
   return segments >= kMinSegments && fits ? segments : 1;
 }
 
@@ -152,7 +154,7 @@ ForwardPlan forward_plan(const FwdParams& p, bool kept_records) {
   ForwardPlan plan;
   // A forced window asks for the windowed path: segments then only if forced too.
   plan.segments =
-      forced_segments().value_or(f.window_slots.has_value() ? 1 : automatic_segments(p, kept_records));
+      forced_segments().value_or(f.window_slots.has_value() ? 1 : automatic_segments(p));
   if (plan.segments > 1) {
     FwdParams cut = p;
     cut.N = p.N * plan.segments;

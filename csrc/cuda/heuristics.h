@@ -1,13 +1,15 @@
 // Every automatic choice of the CUDA path, in one place: K2's and the dS
-// recurrence's block shapes, the 4x1w forward's copy point, and the windows of
-// chunk slots that bound the forward's workspace and the backward's scratch.
-// None of them changes a result's meaning; the block shapes change its low
-// bits (they sum in different orders), the windows none.
+// recurrence's block shapes, the 4x1w forward's copy point, the windows of
+// chunk slots that bound the forward's workspace and the backward's scratch,
+// and the segments a long sequence is cut into (segments.h). None of them
+// changes a result's meaning; the block shapes and the segments change its
+// low bits (they sum in different orders), the windows none.
 //
-// The testing hook (Forced, set by kda_testing::force) overrides the shapes
-// and the windows for the whole process, so that tests can run every shape
-// and put window edges inside small problems. An op reads it once per call,
-// before it enqueues the kernels whose shapes it sets.
+// The testing hook (Forced, set by kda_testing::force; the segments by
+// kda_testing::force_segments) overrides them for the whole process, so that
+// tests can run every shape and put window and segment edges inside small
+// problems. An op reads it once per call, before it enqueues the kernels
+// whose shapes it sets.
 #pragma once
 
 #include <cstdint>
