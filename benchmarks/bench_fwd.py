@@ -282,9 +282,21 @@ def gmean(xs):
     return math.exp(sum(math.log(x) for x in xs) / len(xs))
 
 
+def segments_of(c):
+    """The segments a sequence of case c runs in under the heuristics (and any forcing
+    in effect), from torch_kda's own plan (kda_testing::forward_plan)."""
+    T, N, H = c["T"], c["N"], c["H"]
+    slots = -(-T // 16) if N == 1 else min(T, -(-T // 16) + N)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    bf16_state = c["h0"].dtype == torch.bfloat16
+    return torch.ops.kda_testing.forward_plan(N, H, slots, sms, bf16_state, False)[3]
+
+
 def stages_note(c):
     st = stage_ms(run_torch_kda(c))
-    return f"K1 {st.get('prepare', float('nan')):.3f} K2 {st.get('recurrence', float('nan')):.3f}"
+    note = f"K1 {st.get('prepare', float('nan')):.3f} K2 {st.get('recurrence', float('nan')):.3f}"
+    segments = segments_of(c)
+    return note + (f" (3 K2 passes over {segments} segments a sequence)" if segments > 1 else "")
 
 
 def one_gate(args, bw, have_fla, fla_cases):
