@@ -285,11 +285,9 @@ def gmean(xs):
 def segments_of(c):
     """The segments a sequence of case c runs in under the heuristics (and any forcing
     in effect), from torch_kda's own plan (kda_testing::forward_plan)."""
-    T, N, H = c["T"], c["N"], c["H"]
-    slots = -(-T // 16) if N == 1 else min(T, -(-T // 16) + N)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     bf16_state = c["h0"].dtype == torch.bfloat16
-    return torch.ops.kda_testing.forward_plan(N, H, slots, sms, bf16_state, False)[3]
+    return torch.ops.kda_testing.forward_plan(c["N"], c["T"], c["cu"] is not None, c["H"], sms, bf16_state, False)[3]
 
 
 def stages_note(c):

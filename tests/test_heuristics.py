@@ -13,16 +13,10 @@ pytestmark = pytest.mark.skipif(not torch_kda.cuda_built(), reason="the heuristi
 SMS = 132
 
 
-def slots(lengths):
-    """Chunk slots as the ops count them: B * ceil(T / 16) for one length, else the varlen bound."""
-    if len(lengths) == 1:
-        return -(-lengths[0] // 16)
-    tokens = sum(lengths)
-    return min(tokens, -(-tokens // 16) + len(lengths))
-
-
 def plan(lengths, H, bf16_state=True, kept_records=False):
-    return tuple(torch.ops.kda_testing.forward_plan(len(lengths), H, slots(lengths), SMS, bf16_state, kept_records))
+    """One length: a fixed-length call; several: varlen, as bench_fwd.py runs them."""
+    return tuple(torch.ops.kda_testing.forward_plan(len(lengths), sum(lengths), len(lengths) > 1, H, SMS,
+                                                    bf16_state, kept_records))
 
 
 @pytest.mark.parametrize("lengths, H, expected", [
@@ -42,10 +36,10 @@ def test_benchmark_cases(lengths, H, expected):
 def test_segments_need_their_workspace_in_one_pass():
     # 2^21 tokens on 8 heads: a one-pass workspace of 28 GB, past the segments' 8 GiB.
     _, _, window, segments = plan([1 << 21], 8)
-    assert segments == 1 and window < slots([1 << 21])
+    assert segments == 1 and window < (1 << 21) // 16
     # With the records kept for the backward the same choice (so that torch_kda.kda
     # gives the same bits with and without a gradient), in one pass.
-    assert plan([1 << 21], 8, kept_records=True)[2:] == (slots([1 << 21]), 1)
+    assert plan([1 << 21], 8, kept_records=True)[2:] == ((1 << 21) // 16, 1)
     assert plan([65536], 16, kept_records=True)[3] == 3
 
 

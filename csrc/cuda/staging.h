@@ -37,6 +37,10 @@ struct Boundaries {
 Boundaries sequence_boundaries(const char* op, const Problem& p, const at::Tensor& q,
                                const std::optional<at::Tensor>& cu_seqlens, cudaStream_t stream);
 
+// The chunk slots of a call of B x T tokens and N sequences: B * ceil(T / 16)
+// for fixed length, else a bound (the lengths are on the device).
+int64_t chunk_slots(int64_t B, int64_t T, int64_t N, bool varlen);
+
 // Whether t starts on a 16-byte boundary: the kernels move 16-byte vectors.
 bool aligned16(const at::Tensor& t);
 

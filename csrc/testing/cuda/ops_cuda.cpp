@@ -74,14 +74,17 @@ std::tuple<std::string, std::string, int64_t> forced_now() {
   return {name_of(f.recurrence_block, kBlocks), name_of(f.ds_block, kDsBlocks), f.window_slots.value_or(-1)};
 }
 
-// heuristics.h's forward plan for a call of this size on a device of num_sms
-// SMs (host logic alone, no GPU needed), under the hook's settings: K2's block
-// shape, its late copies, the window in slots and the segments a sequence.
-std::tuple<std::string, bool, int64_t, int64_t> forward_plan_for(int64_t N, int64_t H, int64_t num_slots,
+// heuristics.h's forward plan for N sequences of `tokens` tokens in all (N of
+// equal length, or varlen) on a device of num_sms SMs (host logic alone, no GPU
+// needed), under the hook's settings: K2's block shape, its late copies, the
+// window in slots and the segments a sequence.
+std::tuple<std::string, bool, int64_t, int64_t> forward_plan_for(int64_t N, int64_t tokens, bool varlen, int64_t H,
                                                                  int64_t num_sms, bool bf16_products,
                                                                  bool kept_records) {
-  TORCH_CHECK(N >= 0 && H >= 0 && num_slots >= 0 && num_sms >= 1,
-              "kda_testing.forward_plan: N, H and num_slots must be >= 0 and num_sms >= 1");
+  TORCH_CHECK(N >= 1 && tokens >= 0 && H >= 0 && num_sms >= 1 && (varlen || tokens % N == 0),
+              "kda_testing.forward_plan: N and num_sms must be >= 1, tokens and H >= 0, and tokens a multiple of N "
+              "without varlen");
+  const int64_t num_slots = varlen ? chunk_slots(1, tokens, N, true) : chunk_slots(N, tokens / N, N, false);
   FwdParams p;
   p.N = N;
   p.H = H;
@@ -193,7 +196,7 @@ TORCH_LIBRARY_FRAGMENT(kda_testing, m) {
   // The testing hook: "auto" and -1 leave a choice to heuristics.h.
   m.def("force(str recurrence_block=\"auto\", str ds_block=\"auto\", int window_slots=-1) -> ()", &force);
   m.def("forced() -> (str recurrence_block, str ds_block, int window_slots)", &forced_now);
-  m.def("forward_plan(int N, int H, int num_slots, int num_sms, bool bf16_products, bool kept_records) -> "
+  m.def("forward_plan(int N, int tokens, bool varlen, int H, int num_sms, bool bf16_products, bool kept_records) -> "
         "(str recurrence_block, bool late_refill, int window, int segments)", &forward_plan_for);
 }
 
