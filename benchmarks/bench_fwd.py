@@ -19,8 +19,9 @@ host), it is timed eagerly and its row says so.
 libraries instead of the bounded one (lower_bound=-5). --softplus-params picks its
 A_log and dt_bias: "same" (the default) keeps the bounded case's, U(0, 1), so that
 the two gates differ in the gate alone; "strong" draws exp(A_log) ~ U(1, 16) per head
-and dt_bias ~ N(0, 1) per channel, whose chunks mostly decay past 2^-100 (K1's
-slower, level-by-level products). fla then runs without safe_gate, which it allows
+and dt_bias ~ N(0, 1) per channel (Kimi-Linear's ranges), whose chunks mostly decay
+past 2^-100 (K1's slower, level-by-level products); "resets" adds g ~ 10 N(0, 1) with
+half the tokens at +1000 (state resets), for both gates. fla then runs without safe_gate, which it allows
 only with a lower bound.
 --both-gates times torch_kda with both gates on the same q, k, v, g, beta and
 initial state, and fla with the softplus gate:
@@ -41,6 +42,7 @@ import torch_kda  # noqa: E402
 D = 128
 LOWER_BOUND = -5.0
 GATES = ("bounded", "softplus")
+STATE_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 # (name, sequence lengths, H); one length means one fixed-length sequence.
 CASES = {
@@ -131,18 +133,23 @@ def copy_bandwidth():
     return 2 * n / (ms * 1e-3)
 
 
-def make_case(lengths, H, gate="bounded", softplus_params_kind="same"):
+def make_case(lengths, H, gate="bounded", softplus_params_kind="same", state_dtype=torch.bfloat16):
     T = sum(lengths)
     N = len(lengths)
     dev, bf = "cuda", torch.bfloat16
     q = torch.nn.functional.normalize(torch.randn(1, T, H, D, device=dev), dim=-1).to(bf)
     k = torch.nn.functional.normalize(torch.randn(1, T, H, D, device=dev), dim=-1).to(bf)
     v = torch.randn(1, T, H, D, device=dev, dtype=bf)
-    g = torch.randn(1, T, H, D, device=dev, dtype=bf)
+    g = torch.randn(1, T, H, D, device=dev)
+    if softplus_params_kind == "resets":
+        # Both gates see these g: 10 N(0, 1), and half the tokens at +1000, whose
+        # softplus decay underflows (a state reset) and whose bounded decay is the bound.
+        g = torch.where(torch.rand(1, T, H, 1, device=dev) < 0.5, torch.full_like(g, 1000.0), 10 * g)
+    g = g.to(bf)
     beta = torch.randn(1, T, H, device=dev, dtype=bf)
     A_log = torch.rand(H, device=dev)
     dt_bias = torch.rand(H, D, device=dev)
-    h0 = torch.randn(N, H, D, D, device=dev, dtype=bf)
+    h0 = torch.randn(N, H, D, D, device=dev).to(state_dtype)
     cu = torch.tensor([0] + lengths, device=dev).cumsum(0) if N > 1 else None
     c = dict(q=q, k=k, v=v, g=g, beta=beta, A_log=A_log, dt_bias=dt_bias, h0=h0, cu=cu, T=T, N=N, H=H,
              gate="bounded", lower_bound=LOWER_BOUND)
@@ -155,8 +162,10 @@ def make_case(lengths, H, gate="bounded", softplus_params_kind="same"):
 # case's A_log, dt_bias ~ U(0, 1) (the specified random inputs: about 2 nats of decay a
 # token); "strong", exp(A_log) ~ U(1, 16) per head and dt_bias ~ N(0, 1) per
 # channel (about 9 nats a token: most chunks decay by more than 2^-100, where
-# K1 forms its products level by level).
-SOFTPLUS_PARAMS = ("same", "strong")
+# K1 forms its products level by level); "resets", strong's A_log and dt_bias
+# with g ~ 10 N(0, 1) and half the tokens at g = +1000 (make_case draws g so
+# for both gates).
+SOFTPLUS_PARAMS = ("same", "strong", "resets")
 
 
 def softplus_params(H, device, kind):
@@ -213,7 +222,7 @@ def usable(fn, label):
 
 def floor_bytes(c):
     per_token_head = 4 * D * 2 + 2 + D * 2  # q, k, v, g and beta read, out written (bf16)
-    states = 2 * c["N"] * c["H"] * D * D * 2  # bf16 initial state read, final state written
+    states = 2 * c["N"] * c["H"] * D * D * c["h0"].element_size()  # initial state read, final state written
     return c["T"] * c["H"] * per_token_head + states
 
 
@@ -307,7 +316,7 @@ def one_gate(args, bw, have_fla, fla_cases):
     speedups, rows = [], []
     for idx in [int(x) for x in args.cases.split(",")]:
         name, lengths, H = CASES[idx]
-        c = make_case(lengths, H, args.gate, args.softplus_params)
+        c = make_case(lengths, H, args.gate, args.softplus_params, STATE_DTYPES[args.state_dtype])
         floor = floor_bytes(c) / bw * 1e3
         with_fla = have_fla and (fla_cases is None or idx in fla_cases)
         ours_fn, theirs_fn = run_torch_kda(c), run_fla(c) if with_fla else None
@@ -369,11 +378,12 @@ def both_gates(args, bw, have_fla, fla_cases):
     print(f"gates: bounded (lower_bound={LOWER_BOUND}) and softplus (lower_bound=None) on the same q, k, v, g, beta, "
           f"initial state; fla with softplus, without safe_gate")
     print(f"{'#':>3} {'case':<18} {'H':>3} {'bounded ms':>10} {'softplus ms':>11} {'sp/bd':>6} "
-          f"{'fla sp ms':>9} {'speedup':>8} {'floor ms':>9}")
+          f"{'fla sp ms':>9} {'speedup':>8} {'floor ms':>9}   ({args.state_dtype} states, softplus parameters "
+          f"{args.softplus_params!r})")
     ratios, speedups = [], []
     for idx in [int(x) for x in args.cases.split(",")]:
         name, lengths, H = CASES[idx]
-        cb = make_case(lengths, H)
+        cb = make_case(lengths, H, "bounded", args.softplus_params, STATE_DTYPES[args.state_dtype])
         cs = with_gate(cb, "softplus", args.softplus_params)
         floor = floor_bytes(cb) / bw * 1e3
         with_fla = have_fla and (fla_cases is None or idx in fla_cases)
@@ -428,6 +438,8 @@ def main():
                          "(one gate; benchmarks/render_results.py makes the README's table and chart from it)")
     ap.add_argument("--softplus-params", choices=SOFTPLUS_PARAMS, default="same",
                     help="same: the bounded case's A_log and dt_bias; strong: exp(A_log) ~ U(1, 16), dt_bias ~ N(0, 1)")
+    ap.add_argument("--state-dtype", choices=tuple(STATE_DTYPES), default="bf16",
+                    help="the initial and final states' dtype (fp32: K2's bf16x3 products)")
     add_forcing_arguments(ap)
     args = ap.parse_args()
     if args.json and args.both_gates:

@@ -11,7 +11,7 @@ import torch
 
 import torch_kda
 from conftest import capture_graph, nan_filled_empty, positional, rel, run_reference
-from cuda_helpers import CUDA_MARKS, DEV, cuda_inputs, run_cuda
+from cuda_helpers import CUDA_MARKS, DEV, cuda_inputs, kernel_launches, run_cuda
 from torch_kda.testing import forced
 
 pytestmark = CUDA_MARKS
@@ -95,17 +95,47 @@ def test_deterministic_and_one_buffer_for_both_states():
     assert torch.equal(out, a[0]) and torch.equal(state, a[1])
 
 
-def test_graph_replay_with_new_inputs():
-    _, g = cuda_inputs(B=1, T=1000, H=2)
+def replayed_and_eager(g, lower_bound, fresh):
+    """A CUDA graph of run_cuda captured on copies of g's tensors, replayed after
+    every one of them took fresh's values, and the eager call on fresh."""
     static = {name: (t.clone() if isinstance(t, torch.Tensor) else t) for name, t in g.items()}
+    graph, (out, final) = capture_graph(lambda: run_cuda(static, lower_bound=lower_bound))
+    for name, t in static.items():
+        if isinstance(t, torch.Tensor):
+            t.copy_(fresh[name])
+    out.fill_(float("nan"))
+    final.fill_(float("nan"))
+    graph.replay()
+    want = run_cuda(fresh, lower_bound=lower_bound)
+    return (out, final), want
+
+
+@GATES
+def test_graph_replay_with_new_inputs(lower_bound):
+    _, g = cuda_inputs(B=1, T=1000, H=2)
+    _, fresh = cuda_inputs(B=1, T=1000, H=2)
     with forced(segments=3):
-        graph, (out, final) = capture_graph(lambda: run_cuda(static))
-        _, fresh = cuda_inputs(B=1, T=1000, H=2)
-        for name in ("q", "k", "v", "g", "beta", "initial_state"):
-            static[name].copy_(fresh[name])
-        graph.replay()
-        want = run_cuda(fresh)
-    assert torch.equal(out, want[0]) and torch.equal(final, want[1])
+        got, want = replayed_and_eager(g, lower_bound, fresh)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+@GATES
+@STATE_DTYPES
+def test_graph_replay_where_the_heuristic_cuts(lower_bound, state_dtype):
+    """A shape that the heuristic itself sends to segments, captured and replayed
+    with all-new inputs (the gate parameters too): bitwise the eager call."""
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    T, H = 65536, 2
+    plan = torch.ops.kda_testing.forward_plan(1, T, False, H, sms, state_dtype == torch.bfloat16, False)
+    if plan[3] < 2:
+        pytest.skip(f"{sms} SMs: the heuristic keeps 1 x {T} x {H} heads whole")
+    _, g = cuda_inputs(B=1, T=T, H=H, state_dtype=state_dtype)
+    _, fresh = cuda_inputs(B=1, T=T, H=H, state_dtype=state_dtype)
+    got, want = replayed_and_eager(g, lower_bound, fresh)
+    assert torch.equal(got[0], want[0]), "out"
+    assert torch.equal(got[1], want[1]), "final state"
+    _, k1, k2 = kernel_launches(lambda: run_cuda(fresh, lower_bound=lower_bound))
+    assert (k1, k2) == (1, 3), "the eager call did not run over segments (K1 once, K2 three times)"
 
 
 @GATES
@@ -133,23 +163,19 @@ def test_saved_states_serve_the_backward(varlen, save, lower_bound):
 
 
 def test_heuristic_cuts_few_long_pairs():
-    """One sequence of 1024 chunks on two heads: the heuristic's three warps an SM
-    (csrc/cuda/heuristics.cpp) call for many segments, 256 chunks each cap them at
-    four. A long sequence on many heads stays whole."""
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
-    expected = min(3 * sms // (2 * 8), 1024 // 256)
-    if expected < 3:
-        pytest.skip(f"{sms} SMs: too few for segments at two heads")
-    _, g = cuda_inputs(B=1, T=16384, H=2)
+    """One sequence of 4,096 chunks on two heads: the heuristic (csrc/cuda/heuristics.cpp)
+    aims at 64 pairs, which segments of at least 512 chunks cap at eight. A long
+    sequence on many heads stays whole."""
+    _, g = cuda_inputs(B=1, T=65536, H=2)
     g["g"].fill_(-1000.0)  # no decay: every segment's start state reaches the outputs
     automatic = run_cuda(g, lower_bound=-1.0)
-    with forced(segments=expected):
+    with forced(segments=8):
         cut = run_cuda(g, lower_bound=-1.0)
     with forced(segments=1):
         whole = run_cuda(g, lower_bound=-1.0)
     assert torch.equal(automatic[0], cut[0]) and torch.equal(automatic[1], cut[1])
     assert not torch.equal(automatic[1], whole[1])
-    _, many = cuda_inputs(B=1, T=16384, H=64)
+    _, many = cuda_inputs(B=1, T=65536, H=16)
     with forced(segments=1):
         whole = run_cuda(many)
     assert torch.equal(run_cuda(many)[0], whole[0])

@@ -40,28 +40,51 @@ constexpr int64_t kWindowScratchSeveralSequences = int64_t{8} << 30;
 constexpr int64_t kWindowScratch = int64_t{1} << 30;
 constexpr int64_t kMinWindowSlots = 16;
 
-// Segments (segments.h) run three passes of K2 where one would do (the two
-// without outputs about two thirds of one each: ~2.3x the work) to give K2
-// more (sequence, head) pairs at once. Counted from the bounded gate's K2 on
-// an H200: a step takes ~0.41 us at one warp an SM and ~0.145 us a warp at
-// three or more, where the SMs' issue saturates. So segments pay only from
-// about three a sequence, with at most one warp an SM without them, and
-// enough chunks per segment to cover the extra passes' fixed costs (~50 us).
-constexpr int64_t kSegmentWarpsPerSm = 3;
-constexpr int64_t kMinSegments = 3;
-constexpr int64_t kMinSegmentChunks = 256;
+// Segments (segments.h) run three passes of K2 where one would do (~2.3x the
+// work) to give K2 more (sequence, head) pairs at once. Measured on an H100
+// (docs/performance-notes.md, "Sequence parallelism: segments"): with at most 8
+// pairs running at once they pay 1.3-2.3x once the cut gives 64 pairs or more,
+// with segments of at least 512 chunks; at 16 pairs they gained at most 11 %
+// and lost up to 13 % (always lost with fp32 states); 2 or 3 segments a
+// sequence lost almost everywhere, 4 only gained at far more than 512 chunks.
+constexpr int64_t kSegmentMaxPairs = 8;
+constexpr int64_t kSegmentTargetPairs = 64;
+constexpr int64_t kMinSegmentChunks = 512;
+constexpr int64_t kMinSegments = 4;
 // The segments' three passes read every record, so they run in one pass:
 // only where its workspace stays within this. Records kept for the backward
 // count too, so that kda::fwd and kda::_fwd_checkpointed always choose alike
 // (torch_kda.kda's outputs are the same bits with and without a gradient).
 constexpr int64_t kSegmentWorkspaceLimit = int64_t{8} << 30;
 
+// The chunk slots a window holds in a forward without segments and without
+// kept records: as many equal windows as keep each within kWorkspaceLimit.
+int64_t unsegmented_window(const FwdParams& p) {
+  const int64_t slot_bytes = std::max<int64_t>(p.H, 1) * kWsChunkBytes;
+  if (recurrence_warps_per_sm(p) > 2 || p.num_slots * slot_bytes <= kWorkspaceLimit) {
+    return p.num_slots;
+  }
+  const int64_t per_window = std::max<int64_t>(kWorkspaceLimit / slot_bytes, 1);
+  const int64_t windows = (p.num_slots + per_window - 1) / per_window;
+  return (p.num_slots + windows - 1) / windows;
+}
+
 int64_t automatic_segments(const FwdParams& p) {
-  const int64_t pairs = std::max<int64_t>(p.N * p.H, 1);
-  const int64_t rows = kHeadDim / 16;  // K2's row groups a pair: a warp each
-  const int64_t by_warps = kSegmentWarpsPerSm * p.num_sms / (pairs * rows);
-  const int64_t by_length = p.num_slots / (std::max<int64_t>(p.N, 1) * kMinSegmentChunks);
-  const int64_t segments = std::min(by_warps, by_length);
+  const int64_t N = std::max<int64_t>(p.N, 1);
+  if (p.num_slots == 0) {
+    return 1;
+  }
+  // The pairs one pass runs at once: windows cut from the call's slots hold
+  // about N window / slots of its sequences (at least one), whatever the
+  // records kept, so that the choice does not depend on them.
+  const int64_t sequences = std::clamp<int64_t>(N * unsegmented_window(p) / p.num_slots, 1, N);
+  const int64_t pairs = std::max<int64_t>(sequences * p.H, 1);
+  if (pairs > kSegmentMaxPairs) {
+    return 1;
+  }
+  const int64_t by_pairs = (kSegmentTargetPairs + pairs - 1) / pairs;
+  const int64_t by_length = p.num_slots / (N * kMinSegmentChunks);
+  const int64_t segments = std::min(by_pairs, by_length);
   const bool fits = p.num_slots * std::max<int64_t>(p.H, 1) * kWsChunkBytes <= kSegmentWorkspaceLimit;
   return segments >= kMinSegments && fits ? segments : 1;
 }
@@ -163,15 +186,10 @@ ForwardPlan forward_plan(const FwdParams& p, bool kept_records) {
     return plan;
   }
   plan.recurrence = recurrence_shape(p, f);
-  const int64_t slot_bytes = std::max<int64_t>(p.H, 1) * kWsChunkBytes;
   if (f.window_slots.has_value()) {
     plan.window = forced_window(*f.window_slots, p.num_slots);
-  } else if (kept_records || recurrence_warps_per_sm(p) > 2 || p.num_slots * slot_bytes <= kWorkspaceLimit) {
-    plan.window = p.num_slots;
   } else {
-    const int64_t per_window = std::max<int64_t>(kWorkspaceLimit / slot_bytes, 1);
-    const int64_t windows = (p.num_slots + per_window - 1) / per_window;
-    plan.window = (p.num_slots + windows - 1) / windows;
+    plan.window = kept_records ? p.num_slots : unsegmented_window(p);
   }
   return plan;
 }
