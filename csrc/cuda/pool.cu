@@ -4,31 +4,42 @@
 //
 // The decode is bound by the state's bytes: each (request, head) reads its
 // 128 x 128 state once and writes it once (after every token with
-// speculative decoding), while a token's arithmetic is 4 * 128 * 128 FMAs. So
-// one block of eight warps per (request, head) holds the state in registers
-// across the request's tokens, 16 rows (value channels) a warp, four key
-// columns a lane: a row's loads and stores are one coalesced 512-byte (fp32)
-// or 256-byte (bf16) access per warp, and the chunked forward's per-chunk
-// record is never formed. With the V-first layout the rows evolve
-// independently given the token's activations, which the block computes once
-// into shared memory:
+// speculative decoding), while a token's arithmetic is 4 * 128 * 128 FMAs.
+// With the V-first layout the state's rows (value channels) evolve
+// independently given the token's activations:
 //   s <- s * alpha;  w = s . k^;  u = beta (v - w);  s <- s + u k^;  o = s . (scale q^)
-// in fp32 throughout (the state is stored in the pool's dtype, rounded once).
+// so a block of 128 threads carries a slab of 32 rows in registers across the
+// request's tokens, four blocks a (request, head): 8 lanes a row, each lane
+// 16 key columns as 16-byte vectors (kVec elements apart by 8 vectors, so that
+// a warp's access is four rows' whole 512 (fp32) or 256 (bf16) bytes, and its
+// shared-memory reads of k^, q^ and alpha hit distinct banks), a row's sums in
+// three shuffles. Each warp computes whole tokens' activations (norms by warp
+// sums), for a tile of tokens at once: one barrier a tile. fp32 throughout;
+// the state is stored in the pool's dtype, rounded once.
 #include <c10/cuda/CUDAException.h>
 
 #include <string>
 
 #include "cuda/device_utils.cuh"
 #include "cuda/launch.h"
+#include "cuda/mma.cuh"
 
 namespace kda::cuda {
 namespace {
 
 constexpr int D = kHeadDim;
-constexpr int kThreads = 256;
-constexpr int kWarps = kThreads / 32;
-constexpr int kRows = D / kWarps;  // state rows a warp carries
-static_assert(D == 128 && kRows * kWarps == D, "four key columns a lane, whole rows a warp");
+constexpr int kThreads = 256;  // the copy kernels
+constexpr int kDecodeThreads = 128;
+constexpr int kDecodeWarps = kDecodeThreads / 32;
+constexpr int kSlabRows = 32;                            // value rows a decode block carries
+constexpr int kSlabs = D / kSlabRows;                    // decode blocks a (request, head)
+constexpr int kRowLanes = 8;                             // lanes a row
+constexpr int kRowGroups = kDecodeThreads / kRowLanes;   // rows a block updates at once
+constexpr int kRowsPerThread = kSlabRows / kRowGroups;
+constexpr int kLaneCols = D / kRowLanes;                 // key columns a lane
+constexpr int kTileTokens = 8;                           // tokens whose activations one barrier covers
+static_assert(kRowsPerThread * kRowGroups == kSlabRows && kSlabs * kSlabRows == D, "whole rows, whole slabs");
+static_assert(D == 32 * 4 && kTileTokens % kDecodeWarps == 0, "a warp's lanes take four channels of a token");
 
 __device__ __forceinline__ int64_t clamp64(int64_t x, int64_t lo, int64_t hi) {
   return x < lo ? lo : x > hi ? hi : x;
@@ -60,145 +71,234 @@ __device__ __forceinline__ Request request_of(const PoolParams& p, int64_t n) {
   return r;
 }
 
-__device__ __forceinline__ void zero_out_rows(const PoolParams& p, const Request& r, int64_t h, int tid) {
-  if (tid < D) {
+// Zeros in out for `rows` value channels from `first`, at every token of r.
+__device__ __forceinline__ void zero_out_rows(const PoolParams& p, const Request& r, int64_t h, int first, int rows,
+                                              int tid) {
+  if (tid < rows) {
     for (int64_t t = r.bos; t < r.eos; ++t) {
-      static_cast<__nv_bfloat16*>(p.out)[(t * p.H + h) * D + tid] = __float2bfloat16_rn(0.f);
+      static_cast<__nv_bfloat16*>(p.out)[(t * p.H + h) * D + first + tid] = __float2bfloat16_rn(0.f);
     }
   }
 }
 
-// Row `row` of head h in `slot`, at this lane's four key columns.
-template <bool kFp32>
-__device__ __forceinline__ void load_row(const PoolParams& p, int64_t slot, int64_t h, int row, int lane,
-                                         float (&x)[4]) {
-  const int64_t at = slot * p.pool_stride + (h * D + row) * D + 4 * lane;
-  if constexpr (kFp32) {
-    const float4 v = *reinterpret_cast<const float4*>(static_cast<const float*>(p.pool) + at);
-    x[0] = v.x, x[1] = v.y, x[2] = v.z, x[3] = v.w;
-  } else {
-    const uint2 v = *reinterpret_cast<const uint2*>(static_cast<const __nv_bfloat16*>(p.pool) + at);
-    const __nv_bfloat162 a = *reinterpret_cast<const __nv_bfloat162*>(&v.x);
-    const __nv_bfloat162 b = *reinterpret_cast<const __nv_bfloat162*>(&v.y);
-    x[0] = __low2float(a), x[1] = __high2float(a), x[2] = __low2float(b), x[3] = __high2float(b);
-  }
+// 16-byte global accesses, written out so that the compiler cannot split them.
+__device__ __forceinline__ uint4 load16(const void* at) {
+  uint4 v;
+  asm volatile("ld.global.v4.u32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(at));
+  return v;
 }
 
-template <bool kFp32>
-__device__ __forceinline__ void store_row(const PoolParams& p, int64_t slot, int64_t h, int row, int lane,
-                                          const float (&x)[4]) {
-  const int64_t at = slot * p.pool_stride + (h * D + row) * D + 4 * lane;
-  if constexpr (kFp32) {
-    *reinterpret_cast<float4*>(static_cast<float*>(p.pool) + at) = make_float4(x[0], x[1], x[2], x[3]);
-  } else {
-    const __nv_bfloat162 a = __floats2bfloat162_rn(x[0], x[1]), b = __floats2bfloat162_rn(x[2], x[3]);
-    uint2 v;
-    v.x = *reinterpret_cast<const uint32_t*>(&a);
-    v.y = *reinterpret_cast<const uint32_t*>(&b);
-    *reinterpret_cast<uint2*>(static_cast<__nv_bfloat16*>(p.pool) + at) = v;
-  }
+__device__ __forceinline__ void store16(void* at, const uint4& v) {
+  asm volatile("st.global.v4.u32 [%0], {%1, %2, %3, %4};" ::"l"(at), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w)
+               : "memory");
 }
 
-// Shared memory of the decode block: one token's activations and its output.
-struct TokenSmem {
-  float q[D];      // scale q^
-  float k[D];      // k^
-  float alpha[D];  // exp(lambda)
-  float v[D];
-  float o[D];
-  float sq[2][4];  // the four channel warps' sums of q^2 and k^2
+// A lane's key columns: vector j (of kVec elements, 16 bytes in the pool's
+// dtype) starts at column kVec (kRowLanes j + c), c the lane's place in its row.
+template <bool kFp32>
+struct LaneColumns {
+  static constexpr int kVec = kFp32 ? 4 : 8;
+  static constexpr int kVecs = kLaneCols / kVec;
+  __device__ __forceinline__ static int column(int c, int j) { return kVec * (kRowLanes * j + c); }
 };
 
-// Threads 0..127 (channel d = tid): token th's activations into s. The scale
-// is folded into q^.
-__device__ __forceinline__ void token_activations(const PoolParams& p, int64_t th, float A, float bias, int tid,
-                                                  TokenSmem& s) {
-  const int lane = tid % 32, warp = tid / 32;
-  float qd = 0.f, kd = 0.f;
-  if (tid < D) {
-    qd = load_bf16(p.q, th * D + tid);
-    kd = load_bf16(p.k, th * D + tid);
-    const float x = load_bf16(p.g, th * D + tid) + bias;
-    // The gates in fp32: bounded lower_bound * sigmoid(A x); softplus -A softplus(x).
-    const float lam = p.softplus ? -A * (fmaxf(x, 0.f) + log1pf(expf(-fabsf(x))))
-                                 : p.lower_bound / (1.f + expf(-A * x));
-    s.alpha[tid] = expf(lam);
-    s.v[tid] = load_bf16(p.v, th * D + tid);
-    const float a = warp_sum(qd * qd), b = warp_sum(kd * kd);
-    if (lane == 0) {
-      s.sq[0][warp] = a;
-      s.sq[1][warp] = b;
+// One state row's 16 columns of this lane from the pool (slot, head h, row).
+template <bool kFp32>
+__device__ __forceinline__ void load_row(const PoolParams& p, int64_t slot, int64_t h, int row, int c,
+                                         float (&x)[kLaneCols]) {
+  using L = LaneColumns<kFp32>;
+  const int64_t base = slot * p.pool_stride + (h * D + row) * D;
+#pragma unroll
+  for (int j = 0; j < L::kVecs; ++j) {
+    const int64_t at = base + L::column(c, j);
+    if constexpr (kFp32) {
+      const uint4 v = load16(static_cast<const float*>(p.pool) + at);
+      x[4 * j] = __uint_as_float(v.x), x[4 * j + 1] = __uint_as_float(v.y);
+      x[4 * j + 2] = __uint_as_float(v.z), x[4 * j + 3] = __uint_as_float(v.w);
+    } else {
+      const uint4 v = load16(static_cast<const __nv_bfloat16*>(p.pool) + at);
+      const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        x[8 * j + 2 * e] = lo_half(w[e]), x[8 * j + 2 * e + 1] = hi_half(w[e]);
+      }
     }
   }
-  __syncthreads();
-  if (tid < D) {
-    const float sq = (s.sq[0][0] + s.sq[0][1]) + (s.sq[0][2] + s.sq[0][3]);
-    const float sk = (s.sq[1][0] + s.sq[1][1]) + (s.sq[1][2] + s.sq[1][3]);
-    s.q[tid] = qd * rsqrtf(sq + static_cast<float>(kNormEps)) * p.scale;
-    s.k[tid] = kd * rsqrtf(sk + static_cast<float>(kNormEps));
+}
+
+template <bool kFp32>
+__device__ __forceinline__ void store_row(const PoolParams& p, int64_t slot, int64_t h, int row, int c,
+                                          const float (&x)[kLaneCols]) {
+  using L = LaneColumns<kFp32>;
+  const int64_t base = slot * p.pool_stride + (h * D + row) * D;
+#pragma unroll
+  for (int j = 0; j < L::kVecs; ++j) {
+    const int64_t at = base + L::column(c, j);
+    if constexpr (kFp32) {
+      store16(static_cast<float*>(p.pool) + at,
+              make_uint4(__float_as_uint(x[4 * j]), __float_as_uint(x[4 * j + 1]), __float_as_uint(x[4 * j + 2]),
+                         __float_as_uint(x[4 * j + 3])));
+    } else {
+      store16(static_cast<__nv_bfloat16*>(p.pool) + at,
+              make_uint4(pack_bf16x2_rn(x[8 * j], x[8 * j + 1]), pack_bf16x2_rn(x[8 * j + 2], x[8 * j + 3]),
+                         pack_bf16x2_rn(x[8 * j + 4], x[8 * j + 5]), pack_bf16x2_rn(x[8 * j + 6], x[8 * j + 7])));
+    }
+  }
+}
+
+// A tile of tokens' activations, shared by the block: the scale folded into q^.
+struct DecodeTile {
+  float q[kTileTokens][D];      // scale q^
+  float k[kTileTokens][D];      // k^
+  float alpha[kTileTokens][D];  // exp(lambda)
+  float v[kTileTokens][kSlabRows];  // the block's value channels
+  float beta[kTileTokens];
+};
+
+// Warp w: tokens t0 + w, t0 + w + 4, ... (< eos) whole, lane l channels 4 l..4 l + 3.
+__device__ __forceinline__ void tile_activations(const PoolParams& p, int64_t t0, int64_t eos, int64_t h, int slab,
+                                                 float A, const float (&bias)[4], int warp, int lane,
+                                                 DecodeTile& s) {
+#pragma unroll 1
+  for (int tt = warp; tt < kTileTokens && t0 + tt < eos; tt += kDecodeWarps) {
+    const int64_t th = (t0 + tt) * p.H + h;
+    const uint2 qv = *reinterpret_cast<const uint2*>(static_cast<const __nv_bfloat16*>(p.q) + th * D + 4 * lane);
+    const uint2 kv = *reinterpret_cast<const uint2*>(static_cast<const __nv_bfloat16*>(p.k) + th * D + 4 * lane);
+    const uint2 gv = *reinterpret_cast<const uint2*>(static_cast<const __nv_bfloat16*>(p.g) + th * D + 4 * lane);
+    const float q[4] = {lo_half(qv.x), hi_half(qv.x), lo_half(qv.y), hi_half(qv.y)};
+    const float k[4] = {lo_half(kv.x), hi_half(kv.x), lo_half(kv.y), hi_half(kv.y)};
+    const float g[4] = {lo_half(gv.x), hi_half(gv.x), lo_half(gv.y), hi_half(gv.y)};
+    const float sq = warp_sum((q[0] * q[0] + q[1] * q[1]) + (q[2] * q[2] + q[3] * q[3]));
+    const float sk = warp_sum((k[0] * k[0] + k[1] * k[1]) + (k[2] * k[2] + k[3] * k[3]));
+    const float qn = rsqrtf(sq + static_cast<float>(kNormEps)) * p.scale, kn = rsqrtf(sk + static_cast<float>(kNormEps));
+    float al[4];
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      // The gates in fp32: bounded lower_bound * sigmoid(A x); softplus -A softplus(x).
+      const float x = g[e] + bias[e];
+      const float lam = p.softplus ? -A * (fmaxf(x, 0.f) + log1pf(expf(-fabsf(x)))) : p.lower_bound / (1.f + expf(-A * x));
+      al[e] = expf(lam);
+    }
+    *reinterpret_cast<float4*>(&s.q[tt][4 * lane]) = make_float4(q[0] * qn, q[1] * qn, q[2] * qn, q[3] * qn);
+    *reinterpret_cast<float4*>(&s.k[tt][4 * lane]) = make_float4(k[0] * kn, k[1] * kn, k[2] * kn, k[3] * kn);
+    *reinterpret_cast<float4*>(&s.alpha[tt][4 * lane]) = make_float4(al[0], al[1], al[2], al[3]);
+    s.v[tt][lane] = load_bf16(p.v, th * D + slab * kSlabRows + lane);
+    if (lane == 0) {
+      s.beta[tt] = 1.f / (1.f + expf(-load_bf16(p.beta, th)));
+    }
+  }
+}
+
+// The sum over a row's kRowLanes lanes (lanes 8 m .. 8 m + 7 of the warp).
+__device__ __forceinline__ float row_sum(float x) {
+#pragma unroll
+  for (int m = 1; m < kRowLanes; m *= 2) {
+    x += __shfl_xor_sync(0xffffffffu, x, m);
+  }
+  return x;
+}
+
+// This lane's 16 entries of one of the tile's [D] vectors.
+template <bool kFp32>
+__device__ __forceinline__ void lane_entries(const float* vec, int c, float (&y)[kLaneCols]) {
+  using L = LaneColumns<kFp32>;
+#pragma unroll
+  for (int j = 0; j < L::kVecs; ++j) {
+#pragma unroll
+    for (int e = 0; e < L::kVec; e += 4) {
+      const float4 f = *reinterpret_cast<const float4*>(vec + L::column(c, j) + e);
+      y[L::kVec * j + e] = f.x, y[L::kVec * j + e + 1] = f.y, y[L::kVec * j + e + 2] = f.z,
+      y[L::kVec * j + e + 3] = f.w;
+    }
   }
 }
 
 // kSpec: speculative decoding (PoolParams::accepted): the state after every
 // token goes to that token's slot; else the final state goes to the start slot.
+// Block b: (request, head) b / kSlabs, value rows kSlabRows (b % kSlabs)..
 template <bool kFp32, bool kSpec>
-__global__ void __launch_bounds__(kThreads) pool_decode_kernel(const PoolParams p) {
-  __shared__ __align__(16) TokenSmem s;
+__global__ void __launch_bounds__(kDecodeThreads) pool_decode_kernel(const PoolParams p) {
+  __shared__ __align__(16) DecodeTile s;
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
-  const int64_t n = blockIdx.x / p.H, h = blockIdx.x % p.H;
+  const int slab = blockIdx.x % kSlabs;
+  const int64_t pair = blockIdx.x / kSlabs, n = pair / p.H, h = pair % p.H;
   const Request r = request_of(p, n);
   if (r.slot < 0) {
-    zero_out_rows(p, r, h, tid);
+    zero_out_rows(p, r, h, slab * kSlabRows, kSlabRows, tid);
     return;
   }
-  float x[kRows][4];  // rows warp * kRows + i, key columns 4 lane..
+  const int group = tid / kRowLanes, c = tid % kRowLanes;
+  int rows[kRowsPerThread];  // this thread's rows of the head's state
 #pragma unroll
-  for (int i = 0; i < kRows; ++i) {
-    load_row<kFp32>(p, r.slot, h, warp * kRows + i, lane, x[i]);
+  for (int i = 0; i < kRowsPerThread; ++i) {
+    rows[i] = slab * kSlabRows + group + kRowGroups * i;
+  }
+  float x[kRowsPerThread][kLaneCols];
+#pragma unroll
+  for (int i = 0; i < kRowsPerThread; ++i) {
+    load_row<kFp32>(p, r.slot, h, rows[i], c, x[i]);
   }
   const float A = expf(p.A_log[h]);
-  const float bias = tid < D ? p.dt_bias[h * D + tid] : 0.f;
-  for (int64_t t = r.bos; t < r.eos; ++t) {
-    const int64_t th = t * p.H + h;
-    // The previous token's rows have all been read (the barrier before the
-    // output), so its activations may be overwritten.
-    token_activations(p, th, A, bias, tid, s);
-    const float beta = 1.f / (1.f + expf(-load_bf16(p.beta, th)));
-    __syncthreads();
-    const float4 al = *reinterpret_cast<const float4*>(&s.alpha[4 * lane]);
-    const float4 kk = *reinterpret_cast<const float4*>(&s.k[4 * lane]);
-    const float4 qq = *reinterpret_cast<const float4*>(&s.q[4 * lane]);
+  float bias[4];
 #pragma unroll
-    for (int i = 0; i < kRows; ++i) {
-      float (&y)[4] = x[i];
-      y[0] *= al.x, y[1] *= al.y, y[2] *= al.z, y[3] *= al.w;
-      const float w = warp_sum(fmaf(y[3], kk.w, fmaf(y[2], kk.z, fmaf(y[1], kk.y, y[0] * kk.x))));
-      const float u = beta * (s.v[warp * kRows + i] - w);
-      y[0] = fmaf(u, kk.x, y[0]), y[1] = fmaf(u, kk.y, y[1]), y[2] = fmaf(u, kk.z, y[2]), y[3] = fmaf(u, kk.w, y[3]);
-      const float o = warp_sum(fmaf(y[3], qq.w, fmaf(y[2], qq.z, fmaf(y[1], qq.y, y[0] * qq.x))));
-      if (lane == 0) {
-        s.o[warp * kRows + i] = o;
+  for (int e = 0; e < 4; ++e) {
+    bias[e] = p.dt_bias[h * D + 4 * lane + e];
+  }
+  auto* out = static_cast<__nv_bfloat16*>(p.out);
+  for (int64_t t0 = r.bos; t0 < r.eos; t0 += kTileTokens) {
+    if (t0 != r.bos) {
+      __syncthreads();  // every read of the previous tile is done
+    }
+    tile_activations(p, t0, r.eos, h, slab, A, bias, warp, lane, s);
+    __syncthreads();
+    const int tokens = static_cast<int>(r.eos - t0 < kTileTokens ? r.eos - t0 : kTileTokens);
+#pragma unroll 1
+    for (int tt = 0; tt < tokens; ++tt) {
+      float al[kLaneCols], kk[kLaneCols], qq[kLaneCols];
+      lane_entries<kFp32>(s.alpha[tt], c, al);
+      lane_entries<kFp32>(s.k[tt], c, kk);
+      lane_entries<kFp32>(s.q[tt], c, qq);
+      const float beta = s.beta[tt];
+      const int64_t th = (t0 + tt) * p.H + h;
+#pragma unroll
+      for (int i = 0; i < kRowsPerThread; ++i) {
+        float(&y)[kLaneCols] = x[i];
+        float w = 0.f;
+#pragma unroll
+        for (int e = 0; e < kLaneCols; ++e) {
+          y[e] *= al[e];
+          w = fmaf(y[e], kk[e], w);
+        }
+        const float u = beta * (s.v[tt][group + kRowGroups * i] - row_sum(w));
+        float o = 0.f;
+#pragma unroll
+        for (int e = 0; e < kLaneCols; ++e) {
+          y[e] = fmaf(u, kk[e], y[e]);
+          o = fmaf(y[e], qq[e], o);
+        }
+        o = row_sum(o);
+        if (c == 0) {
+          out[th * D + rows[i]] = __float2bfloat16_rn(o);
+        }
       }
-    }
-    __syncthreads();
-    if (tid < D) {
-      static_cast<__nv_bfloat16*>(p.out)[th * D + tid] = __float2bfloat16_rn(s.o[tid]);
-    }
-    if constexpr (kSpec) {
-      const int64_t col = t - r.bos;
-      const int64_t slot = col < p.index_cols ? load_int(p.indices, p.indices_int32, n * p.index_cols + col) : -1;
-      if (slot >= 0 && slot < p.slots) {
+      if constexpr (kSpec) {
+        const int64_t col = t0 + tt - r.bos;
+        const int64_t slot = col < p.index_cols ? load_int(p.indices, p.indices_int32, n * p.index_cols + col) : -1;
+        if (slot >= 0 && slot < p.slots) {
 #pragma unroll
-        for (int i = 0; i < kRows; ++i) {
-          store_row<kFp32>(p, slot, h, warp * kRows + i, lane, x[i]);
+          for (int i = 0; i < kRowsPerThread; ++i) {
+            store_row<kFp32>(p, slot, h, rows[i], c, x[i]);
+          }
         }
       }
     }
   }
   if constexpr (!kSpec) {
 #pragma unroll
-    for (int i = 0; i < kRows; ++i) {
-      store_row<kFp32>(p, r.slot, h, warp * kRows + i, lane, x[i]);
+    for (int i = 0; i < kRowsPerThread; ++i) {
+      store_row<kFp32>(p, r.slot, h, rows[i], c, x[i]);
     }
   }
 }
@@ -236,12 +336,12 @@ __global__ void __launch_bounds__(kThreads) pool_zero_padding_kernel(const PoolP
   const int64_t n = blockIdx.x / p.H, h = blockIdx.x % p.H;
   const Request r = request_of(p, n);
   if (r.slot < 0) {
-    zero_out_rows(p, r, h, threadIdx.x);
+    zero_out_rows(p, r, h, 0, D, threadIdx.x);
   }
 }
 
-unsigned int grid_of(const PoolParams& p) {
-  const int64_t blocks = p.N * p.H;
+unsigned int grid_of(const PoolParams& p, int64_t blocks_per_pair = 1) {
+  const int64_t blocks = p.N * p.H * blocks_per_pair;
   TORCH_CHECK(blocks <= INT32_MAX, "kda.fwd_pool_: ", std::to_string(p.N), " requests x ", std::to_string(p.H),
               " heads is more blocks than one launch takes");
   return static_cast<unsigned int>(blocks);
@@ -253,10 +353,9 @@ void launch_pool_decode(const PoolParams& p, cudaStream_t stream) {
   if (p.N == 0 || p.H == 0) {
     return;
   }
-  const unsigned int grid = grid_of(p);
   auto* kernel = p.pool_fp32 ? (p.accepted != nullptr ? pool_decode_kernel<true, true> : pool_decode_kernel<true, false>)
                              : (p.accepted != nullptr ? pool_decode_kernel<false, true> : pool_decode_kernel<false, false>);
-  kernel<<<grid, kThreads, 0, stream>>>(p);
+  kernel<<<grid_of(p, kSlabs), kDecodeThreads, 0, stream>>>(p);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 

@@ -1,0 +1,69 @@
+"""Small calls of the CUDA kernels, for compute-sanitizer (memcheck, racecheck):
+
+    compute-sanitizer --tool memcheck python3 tools/sanitize_cases.py decode
+    compute-sanitizer --tool racecheck python3 tools/sanitize_cases.py segments
+
+decode: kda_pool's decode kernel (fp32 and bf16 pools; one token, a varlen batch
+with a padding row and a request past a tile of tokens, speculative decoding).
+segments: a forward over forced segments (K1, three K2 passes, the scan).
+Each result is checked finite; a sanitizer's report is the test.
+"""
+import sys
+
+import torch
+
+import torch_kda
+from torch_kda.testing import forced
+
+D = 128
+
+
+def inputs(T, H, gen):
+    def r(*s):
+        return torch.randn(*s, device="cuda", generator=gen).to(torch.bfloat16)
+    return r(1, T, H, D), r(1, T, H, D), r(1, T, H, D), r(1, T, H, D), r(1, T, H)
+
+
+def decode():
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    H = 2
+    A_log = torch.rand(H, device="cuda", generator=gen)
+    dt_bias = torch.rand(H, D, device="cuda", generator=gen)
+    for pool_dtype in (torch.float32, torch.bfloat16):
+        for lower_bound in (-5.0, None):
+            pool = torch.randn(6, H, D, D, device="cuda", generator=gen).to(pool_dtype)
+            # varlen: 1, 11 (past a tile of 8), 0 and 2 tokens; request 2 a padding row
+            cu = torch.tensor([0, 1, 12, 12, 14], device="cuda")
+            q, k, v, g, beta = inputs(14, H, gen)
+            idx = torch.tensor([3, 0, -1, 5], device="cuda")
+            out = torch_kda.kda_pool(q, k, v, g, beta, A_log, dt_bias, pool, idx, lower_bound=lower_bound,
+                                     cu_seqlens=cu)
+            assert torch.isfinite(out).all() and torch.isfinite(pool.float()).all()
+            # speculative: 3 requests of 4 tokens
+            q, k, v, g, beta = (t.view(3, 4, *t.shape[2:]) for t in inputs(12, H, gen))
+            idx = torch.tensor([[0, 1, 2, 3], [4, 5, -1, -1], [-1, -1, -1, -1]], device="cuda")
+            accepted = torch.tensor([2, 1, 1], device="cuda")
+            out = torch_kda.kda_pool(q, k, v, g, beta, A_log, dt_bias, pool, idx, lower_bound=lower_bound,
+                                     num_accepted_tokens=accepted)
+            assert torch.isfinite(out).all()
+    torch.cuda.synchronize()
+
+
+def segments():
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    H = 2
+    A_log = torch.rand(H, device="cuda", generator=gen)
+    dt_bias = torch.rand(H, D, device="cuda", generator=gen)
+    q, k, v, g, beta = inputs(700, H, gen)
+    h0 = torch.randn(1, H, D, D, device="cuda", generator=gen)
+    for lower_bound in (-5.0, None):
+        with forced(segments=4):
+            out, final = torch_kda.kda(q, k, v, g, beta, A_log, dt_bias, lower_bound=lower_bound, initial_state=h0,
+                                       output_final_state=True)
+        assert torch.isfinite(out).all() and torch.isfinite(final).all()
+    torch.cuda.synchronize()
+
+
+if __name__ == "__main__":
+    {"decode": decode, "segments": segments}[sys.argv[1]]()
+    print(f"{sys.argv[1]}: done")
