@@ -5,20 +5,9 @@
 
 #include <ATen/ops/empty.h>
 
-#include "cuda/params.h"
+#include "constants.h"
 
 namespace kda {
-namespace {
-
-c10::SymInt saved_slots(const Problem& p, bool varlen) {
-  const c10::SymInt C = cuda::kChunk;
-  if (varlen) {  // B == 1: T is the batch's tokens
-    return p.T.min((p.T + C - 1) / C + p.N);
-  }
-  return p.B * ((p.T + C - 1) / C);
-}
-
-}  // namespace
 
 Save parse_save(const char* op, c10::string_view save) {
   if (save == "states_and_records") {
@@ -37,11 +26,11 @@ namespace {
 // The shapes of the two outputs for `slots` chunk slots: what the forward
 // allocates is what the backward accepts.
 std::vector<c10::SymInt> checkpoints_shape(const Problem& p, const c10::SymInt& slots) {
-  return {slots, p.H, cuda::kHeadDim, cuda::kHeadDim};
+  return {slots, p.H, kHeadDim, kHeadDim};
 }
 
 std::vector<c10::SymInt> records_shape(const Problem& p, const c10::SymInt& slots) {
-  return {slots, p.H, cuda::kWsChunkFloats};
+  return {slots, p.H, kRecordBytes / 4};
 }
 
 // `name` as the forward returned it for these shapes: contiguous, of this
@@ -63,14 +52,14 @@ bool given(const std::optional<at::Tensor>& t) {
 SavedForBackward allocate_saved(const Problem& p, const at::Tensor& q, bool varlen, Save save) {
   const bool states = save != Save::kNone;
   const bool records = save == Save::kStatesAndRecords;
-  const c10::SymInt slots = states ? saved_slots(p, varlen) : c10::SymInt(0);  // records only with states
+  const c10::SymInt slots = states ? chunk_slots(p.B, p.T, p.N, varlen) : c10::SymInt(0);  // records only with states
   return {at::empty_symint(checkpoints_shape(p, slots), q.options().dtype(at::kBFloat16)),
           at::empty_symint(records_shape(p, records ? slots : c10::SymInt(0)), q.options().dtype(at::kFloat))};
 }
 
 void check_saved(const char* op, const Problem& p, bool varlen, const at::Tensor& q,
                  const std::optional<at::Tensor>& checkpoints, const std::optional<at::Tensor>& records) {
-  const c10::SymInt slots = saved_slots(p, varlen);
+  const c10::SymInt slots = chunk_slots(p.B, p.T, p.N, varlen);
   if (given(checkpoints)) {
     check_kept(op, "checkpoints", *checkpoints, q, at::kBFloat16, checkpoints_shape(p, slots));
   }

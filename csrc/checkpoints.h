@@ -1,8 +1,7 @@
 // What kda._fwd_checkpointed keeps for the CUDA backward: the state at the
-// start of every chunk slot, in bf16 as the backward's record gradients read it
-// (cuda/backward/schedule.h), so that the backward runs no recurrence pass of
-// its own; and K1's records of every chunk slot (cuda/params.h), so that it
-// runs no K1 for them either. Shared by the real and the Meta kernels, so that
+// start of every chunk slot, in bf16 as the backward's record gradients read it,
+// so that the backward runs no recurrence pass of its own; and K1's records of
+// every chunk slot, so that it runs no K1 for them either. Shared by the real and the Meta kernels, so that
 // the shapes agree by construction.
 #pragma once
 
@@ -32,11 +31,10 @@ Save parse_save(const char* op, c10::string_view save);
 // kda._fwd_checkpointed's two extra outputs, as `save` asks; functions of the
 // shapes and `save` alone.
 //   checkpoints: bf16 [slots, H, 128, 128] on q's device, slot s the state at
-//     the start of chunk slot s (as the CUDA kernels number the slots: B *
-//     ceil(T / 16) for fixed length, min(T, ceil(T / 16) + N) with cu_seqlens;
-//     the slots past a varlen batch's chunks are not written), or [0, H, 128,
-//     128] when the states are not saved.
-//   records: fp32 [slots, H, 6784] (a record's bytes as fp32 elements) on q's
+//     the start of chunk slot s (slots: chunk_slots in kda.h; the slots past a
+//     varlen batch's chunks are not written), or [0, H, 128, 128] when the
+//     states are not saved.
+//   records: fp32 [slots, H, 6784] (kRecordBytes as fp32 elements) on q's
 //     device, the slots as for the checkpoints, or [0, H, 6784] when the
 //     records are not kept.
 struct SavedForBackward {

@@ -7,4 +7,13 @@ namespace kda {
 // Epsilon inside the L2 norm of q and k: x / sqrt(sum(x^2) + kNormEps) (as the model defines it).
 constexpr double kNormEps = 1e-6;
 
+// The CUDA kernels' sizes, which also shape what every backend allocates for
+// them (checkpoints.h) and where segments may start (segments.h).
+constexpr int kHeadDim = 128;  // K = V = 128: the only head size the CUDA kernels serve
+constexpr int kChunk = 16;     // tokens per chunk
+
+// The bytes of one record, K1's output per (chunk slot, head). Its layout is
+// the CUDA kernels' own (params.h, which checks it against this size).
+constexpr int kRecordBytes = 27136;
+
 }  // namespace kda

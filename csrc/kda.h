@@ -99,8 +99,8 @@ std::vector<int64_t> read_and_check_cu_seqlens(const char* op, const at::Tensor&
 std::vector<int64_t> sequence_offsets(const char* op, const Problem& p, const std::optional<at::Tensor>& cu_seqlens);
 
 // Numbers in error messages are formatted with these, never by inserting them
-// into a std::ostream: on the H200 machine (torch 2.11, GCC 13) streaming a
-// double from inside this extension crashed in libstdc++'s locale code.
+// into a std::ostream: streaming a double from inside this extension can crash
+// in libstdc++'s locale code (torch 2.11, GCC 13).
 std::string int_str(int64_t x);
 std::string float_str(double x);
 std::string sym_str(const c10::SymInt& x);
@@ -123,6 +123,16 @@ double resolved_scale(const Problem& p);
 
 inline int64_t concrete(const c10::SymInt& s) {
   return s.expect_int();
+}
+
+// The chunk slots of a call of B x T tokens and N sequences, as the CUDA
+// kernels number them: B * ceil(T / kChunk) for fixed length; with cu_seqlens
+// (B = 1, T the batch's tokens) a bound, as the lengths are on the device:
+// each sequence adds at most one partial chunk, and every chunk holds a token.
+inline c10::SymInt chunk_slots(const c10::SymInt& B, const c10::SymInt& T, const c10::SymInt& N, bool varlen) {
+  const c10::SymInt C = kChunk;
+  const c10::SymInt chunks = (T + C - 1) / C;
+  return varlen ? T.min(chunks + N) : B * chunks;
 }
 
 // Outputs are allocated in one place for the real and the Meta kernels, so

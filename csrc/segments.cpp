@@ -1,24 +1,6 @@
 #include "segments.h"
 
-#include <mutex>
-
 namespace kda {
-namespace {
-
-std::mutex forced_mutex;
-std::optional<int64_t> forced_setting;
-
-}  // namespace
-
-std::optional<int64_t> forced_segments() {
-  std::lock_guard<std::mutex> lock(forced_mutex);
-  return forced_setting;
-}
-
-void set_forced_segments(std::optional<int64_t> segments) {
-  std::lock_guard<std::mutex> lock(forced_mutex);
-  forced_setting = segments;
-}
 
 at::Tensor segment_offsets(const at::Tensor& seq_offsets, int64_t P) {
   TORCH_INTERNAL_ASSERT(P >= 1 && seq_offsets.dim() == 1 && seq_offsets.scalar_type() == at::kLong);

@@ -25,18 +25,14 @@
 #include <ATen/ATen.h>
 
 #include <cstdint>
-#include <optional>
+
+#include "constants.h"
 
 namespace kda {
 
-// Segments are whole chunks of the CUDA kernels (16 tokens) from their
-// sequence's start, so that the segmented call's chunks are the call's own.
-constexpr int64_t kSegmentAlign = 16;
-
-// The testing hook's override of the number of segments per sequence
-// (kda_testing::force_segments): unset, the heuristics choose; P >= 1 forces P.
-std::optional<int64_t> forced_segments();
-void set_forced_segments(std::optional<int64_t> segments);
+// Segments are whole chunks of the CUDA kernels from their sequence's start,
+// so that the segmented call's chunks are the call's own.
+constexpr int64_t kSegmentAlign = kChunk;
 
 // The token offsets [N * P + 1] (int64, on seq_offsets' device) of P segments
 // per sequence, from the sequences' offsets [N + 1] (int64, non-decreasing):

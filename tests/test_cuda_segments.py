@@ -164,12 +164,12 @@ def test_saved_states_serve_the_backward(varlen, save, lower_bound):
 
 def test_heuristic_cuts_few_long_pairs():
     """One sequence of 4,096 chunks on two heads: the heuristic (csrc/cuda/heuristics.cpp)
-    aims at 64 pairs, which segments of at least 512 chunks cap at eight. A long
+    takes its most segments, 32 (64 chunks each, 32 for each of its two pairs). A long
     sequence on many heads stays whole."""
     _, g = cuda_inputs(B=1, T=65536, H=2)
     g["g"].fill_(-1000.0)  # no decay: every segment's start state reaches the outputs
     automatic = run_cuda(g, lower_bound=-1.0)
-    with forced(segments=8):
+    with forced(segments=32):
         cut = run_cuda(g, lower_bound=-1.0)
     with forced(segments=1):
         whole = run_cuda(g, lower_bound=-1.0)

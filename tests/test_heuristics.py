@@ -22,24 +22,38 @@ def plan(lengths, H, bf16_state=True, kept_records=False):
 @pytest.mark.parametrize("lengths, H, expected", [
     # (K2 block, late copies, window in slots, segments); the segments as measured
     # on an H100 (benchmarks/bench_segments.py, docs/performance-notes.md)
-    ([65536], 16, ("2x2", False, 2048, 1)),           # case 12: 16 pairs gained little or lost: whole
-    ([262144], 8, ("4x1w", False, 16384, 8)),         # case 13: 8 pairs: eight segments, 64 pairs
-    ([131072], 8, ("4x1w", False, 8192, 8)),          # 8 pairs
-    ([524288], 8, ("4x1w", False, 32768, 8)),         # 8 pairs, 7 GB of records: within the 8 GiB
-    ([65536], 8, ("4x1w", False, 4096, 8)),           # 8 pairs, segments of 512 chunks
-    ([262144], 4, ("4x1w", False, 16384, 16)),        # 4 pairs: sixteen segments
-    ([131072] * 2, 8, ("4x1w", False, 16386, 8)),     # windows of one sequence: 8 pairs at once
-    ([32768] * 4, 8, ("2x2", False, 4098, 1)),        # windows of two sequences: 16 pairs
-    ([131072], 16, ("2x2", False, 2048, 1)),          # 16 pairs
-    ([32768], 16, ("2x2", False, 2048, 1)),           # 16 pairs
-    ([8192], 16, ("2x2", False, 512, 1)),             # case 7: 16 pairs
-    ([32768], 32, ("2x2", False, 1024, 1)),           # case 10: two warps an SM already; windows of 1 GiB
+    ([65536], 16, ("4x1w", False, 4096, 8)),          # case 12: 16 pairs, bf16 products: 8 segments of 512 chunks
+    ([262144], 8, ("4x1w", False, 16384, 16)),        # case 13: 8 pairs: 16 segments, 128 pairs
+    ([131072], 8, ("4x1w", False, 8192, 16)),         # 8 pairs
+    ([524288], 8, ("4x1w", False, 32768, 16)),        # 8 pairs, 7 GB of records: within the 8 GiB
+    ([65536], 8, ("4x1w", False, 4096, 16)),          # 8 pairs, segments of 256 chunks
+    ([32768], 8, ("4x1w", False, 2048, 8)),           # 8 pairs: 256 chunks cap it at 8 segments
+    ([262144], 4, ("4x1w", False, 16384, 32)),        # 4 pairs: 32 segments
+    ([1048576], 2, ("4x1w", False, 65536, 32)),       # 2 pairs: at most 32 segments
+    ([131072] * 2, 8, ("4x1w", False, 16386, 8)),     # windows of one sequence: 8 pairs at once, 128 after
+    ([65536] * 3, 4, ("4x1w", False, 12291, 16)),     # windows of one sequence: 4 pairs at once
+    ([32768] * 4, 8, ("4x1w", False, 8196, 4)),       # windows of two sequences: 16 pairs at once, 128 after
+    ([131072], 12, ("4x1w", False, 8192, 16)),        # 12 pairs, bf16 products
+    ([131072], 16, ("4x1w", False, 8192, 8)),         # 16 pairs, bf16 products
+    ([32768], 16, ("2x2", False, 2048, 1)),           # 16 pairs: 4 segments of 512 chunks would gain only 4x
+    ([8192], 16, ("2x2", False, 512, 1)),             # case 7: too short
+    ([32768], 32, ("2x2", False, 1024, 1)),           # case 10: 32 pairs
     ([65536] * 4, 16, ("4x1w", False, 16388, 1)),     # case 14: 64 pairs
     ([65536] + [512] * 63, 32, ("4x1w", True, 6176, 1)),  # case 15: many pairs
     ([8192], 96, ("4x1w", False, 512, 1)),            # case 1: 192 blocks, short of three an SM: no late copies
 ])
 def test_benchmark_cases(lengths, H, expected):
     assert plan(lengths, H) == expected
+
+
+@pytest.mark.parametrize("lengths, H, expected", [
+    ([65536], 16, ("4x4", False, 2048, 1)),           # case 12: 16 pairs never gained with fp32 states
+    ([131072], 12, ("4x4", False, 2731, 1)),          # 12 pairs: nor here
+    ([262144], 8, ("4x1w", False, 16384, 16)),        # case 13: 8 pairs
+    ([32768] * 4, 8, ("2x2", False, 4098, 1)),        # 16 pairs at once
+])
+def test_fp32_state_cases(lengths, H, expected):
+    assert plan(lengths, H, bf16_state=False) == expected
 
 
 def test_segments_need_their_workspace_in_one_pass():
@@ -49,7 +63,7 @@ def test_segments_need_their_workspace_in_one_pass():
     # With the records kept for the backward the same choice (so that torch_kda.kda
     # gives the same bits with and without a gradient), in one pass.
     assert plan([1 << 21], 8, kept_records=True)[2:] == ((1 << 21) // 16, 1)
-    assert plan([262144], 8, kept_records=True)[3] == 8
+    assert plan([262144], 8, kept_records=True)[3] == 16
 
 
 def test_the_hook_overrides():

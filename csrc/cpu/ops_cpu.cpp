@@ -12,6 +12,7 @@
 #include "cpu/recurrence_args.h"
 #include "kda.h"
 #include "segments.h"
+#include "testing/hook.h"
 
 namespace kda::cpu {
 namespace {
@@ -27,8 +28,8 @@ constexpr int64_t kMinSegmentsThatPay = 3;
 constexpr int64_t kMinSegmentTokens = 1024;
 
 int64_t segments_per_sequence(const std::vector<int64_t>& offsets, int64_t H) {
-  if (const auto forced = forced_segments()) {
-    return *forced;
+  if (const optional<int64_t> segments = forced().segments) {
+    return *segments;
   }
   const int64_t N = static_cast<int64_t>(offsets.size()) - 1;
   int64_t longest = 0;

@@ -186,7 +186,7 @@ __device__ __forceinline__ void load_chunk_inputs(const FwdParams& p, const Chun
   // dt_bias), in base 2: lambda log2(e) = lower_bound log2(e) / (1 + 2^(-x
   // log2(e))); softplus, softplus_lam2 (device_utils.cuh). Every row is
   // computed and the padding selected away, which is cheaper than a branch per
-  // row now that a row costs five instructions.
+  // row, as a row costs five instructions.
   const float A = expf(p.A_log[c.h]);
   const float a2 = -A * kLog2e;
   const float bias = p.dt_bias[c.h * D + d];

@@ -2,18 +2,14 @@
 
 #include <algorithm>
 #include <cmath>
-#include <mutex>
 
-#include "segments.h"
+#include "testing/hook.h"
 
 namespace kda::cuda {
 namespace {
 
-std::mutex forced_mutex;
-Forced forced_settings;
-
 // The forward's windows bound its workspace where it grows large: each window
-// costs ~13 us beyond its share of the work (K1's last wave, K2's state reload
+// costs time beyond its share of the work (K1's last wave, K2's state reload
 // and first stages, two launches), so a call runs in as few equal windows as
 // keep each one's workspace within this, and only where K2 runs at most two
 // warps per SM (with more (sequence, head) pairs the carry grows with them, and
@@ -27,9 +23,8 @@ constexpr int64_t kFp32StateBytes = kHeadDim * kHeadDim * 4;
 constexpr int64_t kOnePassScratch = int64_t{256} << 20;
 // Windows are cut from the call's slots, so with several sequences a window
 // holds few of them and the sequential kernels lose their parallelism across
-// sequences (8 x 8192 tokens x 32 heads: 41 -> 66 ms a step, H200). Calls of
-// several sequences keep one pass up to this much scratch (at most a quarter
-// of the device's memory).
+// sequences. Calls of several sequences keep one pass up to this much scratch
+// (at most a quarter of the device's memory).
 constexpr int64_t kOnePassScratchSeveralSequences = int64_t{32} << 30;
 // With the forward's chunk-start states a window costs no forward pass, only
 // the dS recurrence's parallelism across the sequences it holds: calls of
@@ -42,15 +37,22 @@ constexpr int64_t kMinWindowSlots = 16;
 
 // Segments (segments.h) run three passes of K2 where one would do (~2.3x the
 // work) to give K2 more (sequence, head) pairs at once. Measured on an H100
-// (docs/performance-notes.md, "Sequence parallelism: segments"): with at most 8
-// pairs running at once they pay 1.3-2.3x once the cut gives 64 pairs or more,
-// with segments of at least 512 chunks; at 16 pairs they gained at most 11 %
-// and lost up to 13 % (always lost with fp32 states); 2 or 3 segments a
-// sequence lost almost everywhere, 4 only gained at far more than 512 chunks.
+// over 22 shapes (docs/performance-notes.md, "Sequence parallelism: segments"):
+// - they pay where one pass runs at most 8 pairs at once, and with bf16
+//   products (a third cheaper a step) up to 16; with fp32 states at 12-16
+//   pairs they gained nothing;
+// - best near 128 pairs after the cut, and only where the cut multiplies the
+//   pairs at once by 8 or more (fewer segments lost at 16 pairs);
+// - each segment at least 32 chunks for every pair at once (256 chunks at 8
+//   pairs, 512 at 16): shorter ones lost to the extra passes' fixed costs;
+// - powers of two cut power-of-two lengths evenly (12 segments ran erratically
+//   with fp32 states); measured up to 32.
 constexpr int64_t kSegmentMaxPairs = 8;
-constexpr int64_t kSegmentTargetPairs = 64;
-constexpr int64_t kMinSegmentChunks = 512;
-constexpr int64_t kMinSegments = 4;
+constexpr int64_t kSegmentMaxPairsBf16 = 16;
+constexpr int64_t kSegmentTargetPairs = 128;
+constexpr int64_t kSegmentMinGain = 8;
+constexpr int64_t kSegmentChunksPerPair = 32;
+constexpr int64_t kMaxSegments = 32;
 // The segments' three passes read every record, so they run in one pass:
 // only where its workspace stays within this. Records kept for the backward
 // count too, so that kda::fwd and kda::_fwd_checkpointed always choose alike
@@ -69,8 +71,25 @@ int64_t unsegmented_window(const FwdParams& p) {
   return (p.num_slots + windows - 1) / windows;
 }
 
+// The powers of two at most and at least x >= 1.
+int64_t pow2_floor(int64_t x) {
+  int64_t y = 1;
+  while (2 * y <= x) {
+    y *= 2;
+  }
+  return y;
+}
+
+int64_t pow2_ceil(int64_t x) {
+  int64_t y = 1;
+  while (y < x) {
+    y *= 2;
+  }
+  return y;
+}
+
 int64_t automatic_segments(const FwdParams& p) {
-  const int64_t N = std::max<int64_t>(p.N, 1);
+  const int64_t N = std::max<int64_t>(p.N, 1), H = std::max<int64_t>(p.H, 1);
   if (p.num_slots == 0) {
     return 1;
   }
@@ -78,15 +97,15 @@ int64_t automatic_segments(const FwdParams& p) {
   // about N window / slots of its sequences (at least one), whatever the
   // records kept, so that the choice does not depend on them.
   const int64_t sequences = std::clamp<int64_t>(N * unsegmented_window(p) / p.num_slots, 1, N);
-  const int64_t pairs = std::max<int64_t>(sequences * p.H, 1);
-  if (pairs > kSegmentMaxPairs) {
+  const int64_t pairs = sequences * H;
+  if (pairs > (p.bf16_products ? kSegmentMaxPairsBf16 : kSegmentMaxPairs)) {
     return 1;
   }
-  const int64_t by_pairs = (kSegmentTargetPairs + pairs - 1) / pairs;
-  const int64_t by_length = p.num_slots / (N * kMinSegmentChunks);
-  const int64_t segments = std::min(by_pairs, by_length);
-  const bool fits = p.num_slots * std::max<int64_t>(p.H, 1) * kWsChunkBytes <= kSegmentWorkspaceLimit;
-  return segments >= kMinSegments && fits ? segments : 1;
+  const int64_t wanted = pow2_ceil((kSegmentTargetPairs + N * H - 1) / (N * H));
+  const int64_t by_length = p.num_slots / (N * kSegmentChunksPerPair * pairs);
+  const int64_t segments = std::min({wanted, by_length >= 1 ? pow2_floor(by_length) : 0, kMaxSegments});
+  const bool fits = p.num_slots * H * kWsChunkBytes <= kSegmentWorkspaceLimit;
+  return segments * N * H >= kSegmentMinGain * pairs && fits ? segments : 1;
 }
 
 // A forced window: 0 one pass, n at most the call's slots.
@@ -108,8 +127,8 @@ RecurrenceBlock automatic_recurrence_block(const FwdParams& p) {
 
 // The 4x1w forward issues a step's copies after its first products where its
 // blocks (two a (sequence, head)) fill every SM three times over: the steps
-// then wait on DRAM's throughput and the later copies spread out (K2 -5 to
-// -13 %); at one block an SM the later copies cost 16 %.
+// then wait on DRAM's throughput and the later copies spread out; at one block
+// an SM the later copies only lengthen the step.
 bool late_refill_pays(const FwdParams& p) {
   return p.N * p.H * (kHeadDim / 64) >= int64_t{3} * p.num_sms;
 }
@@ -162,22 +181,11 @@ int64_t backward_window(const FwdParams& p, int64_t device_memory, bool saved_st
 
 }  // namespace
 
-Forced forced() {
-  std::lock_guard<std::mutex> lock(forced_mutex);
-  return forced_settings;
-}
-
-void set_forced(const Forced& f) {
-  std::lock_guard<std::mutex> lock(forced_mutex);
-  forced_settings = f;
-}
-
 ForwardPlan forward_plan(const FwdParams& p, bool kept_records) {
   const Forced f = forced();
   ForwardPlan plan;
   // A forced window asks for the windowed path: segments then only if forced too.
-  plan.segments =
-      forced_segments().value_or(f.window_slots.has_value() ? 1 : automatic_segments(p));
+  plan.segments = f.segments.value_or(f.window_slots.has_value() ? 1 : automatic_segments(p));
   if (plan.segments > 1) {
     FwdParams cut = p;
     cut.N = p.N * plan.segments;

@@ -3,32 +3,16 @@
 // chunk slots that bound the forward's workspace and the backward's scratch,
 // and the segments a long sequence is cut into (segments.h). None of them
 // changes a result's meaning; the block shapes and the segments change its
-// low bits (they sum in different orders), the windows none.
-//
-// The testing hook (Forced, set by kda_testing::force; the segments by
-// kda_testing::force_segments) overrides them for the whole process, so that
-// tests can run every shape and put window and segment edges inside small
-// problems. An op reads it once per call, before it enqueues the kernels
-// whose shapes it sets.
+// low bits (they sum in different orders), the windows none. The testing hook
+// (testing/hook.h) overrides each of them for the whole process.
 #pragma once
 
 #include <cstdint>
-#include <optional>
 
 #include "cuda/launch.h"
 #include "cuda/params.h"
 
 namespace kda::cuda {
-
-struct Forced {
-  std::optional<RecurrenceBlock> recurrence_block;
-  std::optional<DsBlock> ds_block;
-  std::optional<int64_t> window_slots;  // 0: one pass; n > 0: windows of n slots
-};
-
-// The hook's settings now (a copy), and their replacement.
-Forced forced();
-void set_forced(const Forced& f);
 
 // The warps that K2 gives each SM when every (sequence, head) has its eight row
 // groups resident at once; its block shape follows from this.

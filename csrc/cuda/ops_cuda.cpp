@@ -203,9 +203,8 @@ BackwardTuple backward_by_kernels(const Problem& p, const Tensor& grad_out, cons
   BackwardOutputs o = allocate_backward_outputs(p, q, k, v, g, beta, A_log, dt_bias, initial_state);
   // The gradients straight from K1's backward (bf16, contiguous: allocated so,
   // and the CUDA op takes bf16 inputs only). Zeros where no chunk covers a
-  // token (only a malformed cu_seqlens leaves any): those tokens alone, where
-  // zeroing the five tensors whole took 0.64 ms of a step at 8 x 8192 tokens x
-  // 32 heads (H200).
+  // token (only a malformed cu_seqlens leaves any): those tokens alone, as
+  // zeroing the five tensors whole would write each of them once more.
   if (cu_seqlens.has_value()) {
     ZeroRows rows;
     int r = 0;
@@ -285,9 +284,10 @@ void fwd_pool(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g
   Tensor out_c = out.is_contiguous() && aligned16(out) ? out : at::empty_like(out, at::MemoryFormat::Contiguous);
   // What the kernels read while they write the pool and out comes from a copy
   // where it shares memory with either (the chunked path's forward makes its
-  // own copies as kda::fwd_ does, and its copies of the pool run in order).
+  // own copies as kda::fwd_ does, and its copies of the pool run in order);
+  // the decode kernel's vector loads want 16-byte aligned rows.
   auto read_safely = [&](const Tensor& t) {
-    Tensor c = t.contiguous();
+    Tensor c = staged16(t);
     for (const Tensor* written : {&state_pool, &out_c}) {
       if (c.storage().is_alias_of(written->storage()) &&
           at::get_overlap_status(c, *written) != at::MemOverlapStatus::No) {

@@ -8,8 +8,8 @@
 
 namespace kda::cuda {
 
-constexpr int kHeadDim = 128;  // K = V = 128: the only head size the CUDA kernels serve
-constexpr int kChunk = 16;     // tokens per chunk
+// kHeadDim and kChunk are in constants.h: every backend shapes what it
+// allocates for these kernels by them.
 
 // Per (chunk, head) the prepare kernel leaves one record in the workspace for
 // the recurrence kernel. The recurrence multiplies on the tensor cores in bf16,
@@ -34,15 +34,11 @@ constexpr int kChunk = 16;     // tokens per chunk
 //   M   [16][16]  hi, lo  (I + A_kk)^-1 diag(beta)      (U0 = M v)
 // The recurrence and the backward's record gradients form U0 = M v themselves,
 // from the chunk's v (bf16, exact) and M's two planes: 1 KB of M where U0 takes
-// 8 KB, and K1 then neither reads v nor writes U0 (in the forward 35 instead of
-// 46 KB of K1 traffic per chunk and head; for the backward's records, against a
-// record that held U0, K1 -20 % and the record gradients -6 % at 8192 x 96
-// heads, H200). 27,136 bytes a record.
+// 8 KB, and K1 then neither reads v nor writes U0. 27,136 bytes a record
+// (kRecordBytes).
 // Qs and Aqk reach only the output, which is rounded to bf16: the forward's
-// recurrence multiplies by their hi planes alone (out 1.66e-3 -> ~2.3e-3 of
-// float64 where the state dominates it; the state's products keep bf16x3;
-// S Qs^T also takes the state's hi part alone in most block shapes, 2.4e-3 to
-// 2.9e-3),
+// recurrence multiplies by their hi planes alone (the state's products keep
+// bf16x3; S Qs^T also takes the state's hi part alone in most block shapes),
 // and copies the record's first kWsQsLo bytes verbatim. The backward's dS
 // recurrence carries dO^T Qs into the initial state's gradient, which stays
 // fp32-accurate with both planes.
@@ -59,7 +55,7 @@ constexpr int kWsM = kWsGl + kHeadDim * 4;  // hi plane, then lo plane, [i][j] r
 constexpr int kWsChunkBytes = kWsM + 2 * kAqkPlaneBytes;
 constexpr int kWsChunkFloats = kWsChunkBytes / 4;  // the host allocates fp32 elements
 static_assert(kWsChunkBytes % 16 == 0, "records stay 16-byte aligned");
-static_assert(kWsChunkBytes == 27136, "the record's size, as the docs and tests give it");
+static_assert(kWsChunkBytes == kRecordBytes, "the layout fills the record that every backend allocates");
 
 struct FwdParams {
   int64_t H = 0;  // heads

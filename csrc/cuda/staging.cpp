@@ -82,7 +82,7 @@ Boundaries sequence_boundaries(const char* op, const Problem& p, const Tensor& q
                                cudaStream_t stream) {
   const int64_t B = concrete(p.B), T = concrete(p.T), N = concrete(p.N), tokens = B * T;
   Boundaries b;
-  b.num_slots = chunk_slots(B, T, N, cu_seqlens.has_value());
+  b.num_slots = concrete(chunk_slots(p.B, p.T, p.N, cu_seqlens.has_value()));
   check_grid_sizes(op, p, b.num_slots);
   if (!cu_seqlens.has_value()) {
     return b;
@@ -93,15 +93,6 @@ Boundaries sequence_boundaries(const char* op, const Problem& p, const Tensor& q
   launch_boundaries(cu.data_ptr(), cu.scalar_type() == at::kInt, N, tokens, seq, seq + (N + 1), seq + 2 * (N + 1),
                     stream);
   return b;
-}
-
-int64_t chunk_slots(int64_t B, int64_t T, int64_t N, bool varlen) {
-  if (!varlen) {
-    return B * ((T + kChunk - 1) / kChunk);
-  }
-  // Each sequence adds at most one partial chunk, and every chunk holds a token.
-  const int64_t tokens = B * T;
-  return std::min(tokens, (tokens + kChunk - 1) / kChunk + N);
 }
 
 bool aligned16(const Tensor& t) {

@@ -26,7 +26,7 @@ Problem check_all(const char* op, const at::Tensor& q, const at::Tensor& k, cons
 // kernel (boundaries.cu: cu_seqlens clamped into [0, tokens] and made
 // non-decreasing, so a malformed one gives wrong numbers, never an access out
 // of bounds). A fixed-length batch needs none (params.h). num_slots: the
-// workspace's capacity in chunks.
+// workspace's capacity in chunks (chunk_slots, kda.h).
 struct Boundaries {
   at::Tensor offsets;  // [3, N + 1] int64: seq, chunks, then seq_order; undefined for fixed length
   int64_t num_slots = 0;
@@ -36,10 +36,6 @@ struct Boundaries {
 // before anything is enqueued, so a rejected call leaves no kernel behind.
 Boundaries sequence_boundaries(const char* op, const Problem& p, const at::Tensor& q,
                                const std::optional<at::Tensor>& cu_seqlens, cudaStream_t stream);
-
-// The chunk slots of a call of B x T tokens and N sequences: B * ceil(T / 16)
-// for fixed length, else a bound (the lengths are on the device).
-int64_t chunk_slots(int64_t B, int64_t T, int64_t N, bool varlen);
 
 // Whether t starts on a 16-byte boundary: the kernels move 16-byte vectors.
 bool aligned16(const at::Tensor& t);

@@ -6,20 +6,22 @@
 
 #include <string>
 
-#include "segments.h"
+#include "testing/hook.h"
 
 namespace {
 
-// The part of the testing hook that both devices read (segments.h): -1 leaves
-// the number of segments per sequence to the heuristics, P >= 1 forces it.
+// The part of the testing hook that both devices read (testing/hook.h): -1
+// leaves the number of segments per sequence to the heuristics, P >= 1 forces
+// it. Leaves the CUDA settings as they are.
 void force_segments(int64_t segments) {
   TORCH_CHECK(segments == -1 || segments >= 1, "kda_testing.force_segments: segments must be -1 (automatic) or ",
               "a number of segments per sequence >= 1, got ", std::to_string(segments));
-  kda::set_forced_segments(segments == -1 ? std::nullopt : std::optional<int64_t>(segments));
+  const std::optional<int64_t> P = segments == -1 ? std::nullopt : std::optional<int64_t>(segments);
+  kda::change_forced([&](kda::Forced& f) { f.segments = P; });
 }
 
 int64_t forced_segments_now() {
-  return kda::forced_segments().value_or(-1);
+  return kda::forced().segments.value_or(-1);
 }
 
 }  // namespace

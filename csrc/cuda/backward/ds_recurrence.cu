@@ -14,7 +14,7 @@
 //    of one chunk's products, then run one block per (chunk slot, head), all
 //    chunks at once.
 // One block per (sequence, head) doing both would keep the GPU mostly idle
-// where there are few heads (11 us per chunk, 32 of 132 SMs busy at 32 heads).
+// where there are few heads: a latency-bound block per pair, one SM each.
 // The dS recurrence's products in bf16x3 as in K2 (mma.cuh): dS, dU and dO are
 // split into hi/lo there; the record's planes are already split.
 #include <c10/cuda/CUDAException.h>
@@ -242,12 +242,10 @@ __global__ void __launch_bounds__(kWarps * 32) ds_recurrence_kernel(const SweepB
   // satfinite (the same bf16 values, but for an infinity) so that ptxas cannot
   // merge it with the next step's splits of the same values, which then stay
   // live across the barrier (255 registers and spills); the splits' own hi
-  // parts, stored from inside the products' loop, slowed the step where the
-  // step is the chain (8192 x 64 heads: the dS recurrence 0.997 -> 1.213 ms).
-  // (Through a shared-memory tile and one bulk copy per 256-byte row instead,
-  // the dS recurrence was 15-20 % slower at 8192 and 32768 x 32 heads and 12 %
-  // faster at 8192 x 64: the copies' operands are uniform registers, and each
-  // copy took a loop of its own.)
+  // parts, stored from inside the products' loop, lengthen the step where the
+  // step is the chain. Not through a shared-memory tile and one bulk copy per
+  // 256-byte row: the copies' operands are uniform registers, and each copy
+  // takes a loop of its own (docs/performance-notes.md).
   const bool odd = t4 & 1;
   auto store_ds1 = [&](int64_t wslot) {
     __nv_bfloat16* out = static_cast<__nv_bfloat16*>(bp.d_states) + ((wslot * H + h) * D + v0 + g) * D + 8 * j0 +

@@ -628,10 +628,10 @@ __device__ __forceinline__ void wgmma_body(const FwdParams& p) {
 // per slice), so that what depends on the slice (which partial sum is the
 // warp's own, which n-tile of U0 and which quarter of out it takes) costs no
 // select of its own; -1 with two (the slice from the warp index: the 2x2
-// measured slower specialised).
-// kQsLo: S Qs^T with the state's lo part too (the 2x2 with bf16x3, where
-// dropping it measured slower); elsewhere its hi part alone, as the output is
-// rounded to bf16.
+// runs slower specialised).
+// kQsLo: S Qs^T with the state's lo part too (the 2x2 with bf16x3, which runs
+// slower without it); elsewhere its hi part alone, as the output is rounded to
+// bf16.
 template <int kSplit, int kKs>
 constexpr int kOwn4 = kSplit == 4 ? kKs / 2 : 0;  // four split warps: the warp's n-tile of U0
 

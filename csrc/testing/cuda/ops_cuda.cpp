@@ -1,6 +1,7 @@
-// The CUDA kernels of torch.ops.kda_testing (testing/ops.cpp), and the testing
-// hook: kda_testing::force sets what heuristics.h then takes in place of its
-// automatic choices, for every op of the process until it is set again.
+// The CUDA kernels of torch.ops.kda_testing (testing/ops.cpp), and the CUDA
+// part of the testing hook (testing/hook.h): kda_testing::force sets what
+// heuristics.cpp then takes in place of its automatic choices, for every op of
+// the process until it is set again.
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
@@ -16,6 +17,7 @@
 #include "cuda/launch.h"
 #include "cuda/staging.h"
 #include "kda.h"
+#include "testing/hook.h"
 
 namespace kda::cuda {
 namespace {
@@ -55,17 +57,18 @@ std::string name_of(const std::optional<Shape>& shape, const std::pair<const cha
   return "auto";
 }
 
-// Validates every argument before it sets any.
+// Validates every argument before it sets any; leaves the segments as they are.
 void force(c10::string_view recurrence_block, c10::string_view ds_block, int64_t window_slots) {
-  Forced f;
-  f.recurrence_block = shape_named("recurrence_block", recurrence_block, kBlocks);
-  f.ds_block = shape_named("ds_block", ds_block, kDsBlocks);
+  const std::optional<RecurrenceBlock> recurrence = shape_named("recurrence_block", recurrence_block, kBlocks);
+  const std::optional<DsBlock> ds = shape_named("ds_block", ds_block, kDsBlocks);
   TORCH_CHECK(window_slots >= -1, "kda_testing.force: window_slots must be -1 (automatic), 0 (one pass) or a "
               "positive number of chunk slots, got ", std::to_string(window_slots));
-  if (window_slots >= 0) {
-    f.window_slots = window_slots;
-  }
-  set_forced(f);
+  const std::optional<int64_t> window = window_slots >= 0 ? std::optional<int64_t>(window_slots) : std::nullopt;
+  change_forced([&](Forced& f) {
+    f.recurrence_block = recurrence;
+    f.ds_block = ds;
+    f.window_slots = window;
+  });
 }
 
 // The settings now, as force takes them.
@@ -84,7 +87,7 @@ std::tuple<std::string, bool, int64_t, int64_t> forward_plan_for(int64_t N, int6
   TORCH_CHECK(N >= 1 && tokens >= 0 && H >= 0 && num_sms >= 1 && (varlen || tokens % N == 0),
               "kda_testing.forward_plan: N and num_sms must be >= 1, tokens and H >= 0, and tokens a multiple of N "
               "without varlen");
-  const int64_t num_slots = varlen ? chunk_slots(1, tokens, N, true) : chunk_slots(N, tokens / N, N, false);
+  const int64_t num_slots = concrete(varlen ? chunk_slots(1, tokens, N, true) : chunk_slots(N, tokens / N, N, false));
   FwdParams p;
   p.N = N;
   p.H = H;
@@ -117,7 +120,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> prepare_bwd(const Tensor& q, 
   const char* op = "kda_testing.prepare_bwd";
   Problem p = check_all(op, q, k, v, g, beta, A_log, dt_bias, scale, lower_bound, std::nullopt, std::nullopt);
   const int64_t B = concrete(p.B), T = concrete(p.T), H = concrete(p.H);
-  const int64_t slots = B * ((T + kChunk - 1) / kChunk);
+  const int64_t slots = concrete(chunk_slots(p.B, p.T, p.N, false));
   check_scratch_input(op, "d_record", d_record, q, {slots, H, kDRecFloats});
   c10::cuda::CUDAGuard guard(q.device());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(q.device().index()).stream();
@@ -146,8 +149,8 @@ std::tuple<Tensor, Tensor, Tensor> sweep_bwd(const Tensor& q, const Tensor& k, c
                                      double lower_bound) {
   const char* op = "kda_testing.sweep_bwd";
   Problem p = check_all(op, q, k, v, g, beta, A_log, dt_bias, scale, lower_bound, std::nullopt, std::nullopt);
-  const int64_t B = concrete(p.B), T = concrete(p.T), H = concrete(p.H);
-  const int64_t slots = B * ((T + kChunk - 1) / kChunk);
+  const int64_t B = concrete(p.B), H = concrete(p.H);
+  const int64_t slots = concrete(chunk_slots(p.B, p.T, p.N, false));
   check_scratch_input(op, "states", states, q, {slots, H, kHeadDim, kHeadDim}, at::kBFloat16);
   TORCH_CHECK(grad_out.device() == q.device() && grad_out.scalar_type() == at::kBFloat16 &&
                   grad_out.sizes() == v.sizes(),
@@ -193,7 +196,7 @@ std::tuple<Tensor, Tensor, Tensor> sweep_bwd(const Tensor& q, const Tensor& k, c
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(kda_testing, m) {
-  // The testing hook: "auto" and -1 leave a choice to heuristics.h.
+  // The testing hook's CUDA settings: "auto" and -1 leave a choice to heuristics.cpp.
   m.def("force(str recurrence_block=\"auto\", str ds_block=\"auto\", int window_slots=-1) -> ()", &force);
   m.def("forced() -> (str recurrence_block, str ds_block, int window_slots)", &forced_now);
   m.def("forward_plan(int N, int tokens, bool varlen, int H, int num_sms, bool bf16_products, bool kept_records) -> "
