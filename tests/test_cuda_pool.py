@@ -275,3 +275,63 @@ def test_forward_cached_matches_the_full_forward():
     err = rel(got, ref)
     print(f"\nforward_cached steps against the full forward: {err:.2e}")
     assert err <= 2e-2
+
+
+# kda::fwd_ (torch_kda.fwd, the flash_kda drop-in) with decode shapes runs the decode kernel.
+
+@pytest.mark.parametrize("lower_bound", GATES)
+@pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16, None], ids=["fp32", "bf16", "no_initial"])
+@pytest.mark.parametrize("varlen", [False, True], ids=["fixed", "varlen"])
+def test_fwd_inplace_decode_shapes(lower_bound, state_dtype, varlen):
+    """One to a few tokens a sequence (empty and 11-token ones past a tile of 8 among
+    them when varlen): the decode kernel alone, out and the final state against
+    float64 into NaN-poisoned buffers, the inputs unchanged."""
+    shape = dict(seqlens=[1, 0, 11, 2, 1, 3]) if varlen else dict(B=5, T=2)
+    d = make_inputs(H=3, K=D, V=D, dtype=torch.bfloat16, state_dtype=state_dtype or torch.float32, **shape)
+    g = to_dev(d)
+    if state_dtype is None:
+        g["initial_state"] = None
+    N = 6 if varlen else 5
+    out = torch.full(g["v"].shape, float("nan"), device=DEV, dtype=torch.bfloat16)
+    final = torch.full((N, 3, D, D), float("nan"), device=DEV, dtype=state_dtype or torch.float32)
+    before = {n: t.clone() for n, t in g.items() if isinstance(t, torch.Tensor)}
+    _, k1, k2 = kernel_launches(lambda: torch_kda.fwd(
+        *positional(g)[:5], None, out, g["A_log"], g["dt_bias"], lower_bound, initial_state=g["initial_state"],
+        final_state=final, cu_seqlens=g["cu_seqlens"]))
+    assert (k1, k2) == (0, 0), "decode shapes ran the chunked kernels"
+    init = g["initial_state"].double() if g["initial_state"] is not None else None
+    cu = g["cu_seqlens"]
+    outs, finals = [], []
+    for n in range(N):
+        s, e = (cu[n].item(), cu[n + 1].item()) if varlen else (0, 2)
+        b = 0 if varlen else n
+        x = [t[b:b + 1, s:e] for t in positional(g)[:5]]
+        o, f = kda_naive(*x, g["A_log"], g["dt_bias"], lower_bound=lower_bound,
+                         initial_state=init[n:n + 1] if init is not None else None)
+        outs.append(o)
+        finals.append(f)
+    ref_out = torch.cat(outs, 1) if varlen else torch.cat(outs, 0)
+    ref_final = torch.cat(finals, 0)
+    tol_state = 5e-3 if state_dtype == torch.bfloat16 else 1e-4
+    assert rel(out, ref_out) <= 5e-3 and rel(final, ref_final) <= tol_state
+    for n, t in before.items():
+        assert torch.equal(t, g[n]), f"{n} was modified"
+
+
+def test_fwd_inplace_decode_one_buffer_for_both_states():
+    """The same buffer as initial and final state (serving's in-place update); a
+    shifted view of it is read from a copy."""
+    d = make_inputs(B=4, T=1, H=2, K=D, V=D, dtype=torch.bfloat16, state_dtype=torch.float32)
+    g = to_dev(d)
+    out = torch.empty_like(g["v"])
+    ref_out, ref_final = kda_naive(*positional(g)[:5], g["A_log"], g["dt_bias"], lower_bound=-5.0,
+                                   initial_state=g["initial_state"].double())
+    same = g["initial_state"].clone()
+    torch_kda.fwd(*positional(g)[:5], None, out, g["A_log"], g["dt_bias"], -5.0, initial_state=same,
+                  final_state=same)
+    assert rel(same, ref_final) <= 1e-4 and rel(out, ref_out) <= 5e-3
+    buf = torch.empty(5, 2, D, D, device=DEV)
+    buf[:4] = g["initial_state"]
+    torch_kda.fwd(*positional(g)[:5], None, out, g["A_log"], g["dt_bias"], -5.0, initial_state=buf[:4],
+                  final_state=buf[1:])
+    assert rel(buf[1:], ref_final) <= 1e-4

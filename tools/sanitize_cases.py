@@ -4,7 +4,8 @@
     compute-sanitizer --tool racecheck python3 tools/sanitize_cases.py segments
 
 decode: kda_pool's decode kernel (fp32 and bf16 pools; one token, a varlen batch
-with a padding row and a request past a tile of tokens, speculative decoding).
+with a padding row and a request past a tile of tokens, speculative decoding), and
+kda::fwd_ with decode shapes (with and without an initial state).
 segments: a forward over forced segments (K1, three K2 passes, the scan).
 Each result is checked finite; a sanitizer's report is the test.
 """
@@ -46,6 +47,15 @@ def decode():
             out = torch_kda.kda_pool(q, k, v, g, beta, A_log, dt_bias, pool, idx, lower_bound=lower_bound,
                                      num_accepted_tokens=accepted)
             assert torch.isfinite(out).all()
+            # kda::fwd_ with decode shapes: varlen 1, 0 and 3 tokens
+            q, k, v, g, beta = inputs(4, H, gen)
+            cu = torch.tensor([0, 1, 1, 4], device="cuda")
+            out = torch.empty_like(v)
+            final = torch.empty(3, H, D, D, device="cuda", dtype=pool_dtype)
+            for init in (None, pool[:3].clone()):
+                torch_kda.fwd(q, k, v, g, beta, None, out, A_log, dt_bias, lower_bound, initial_state=init,
+                              final_state=final, cu_seqlens=cu)
+                assert torch.isfinite(out).all() and torch.isfinite(final.float()).all()
     torch.cuda.synchronize()
 
 

@@ -43,10 +43,10 @@ struct BackwardPlan {
 };
 BackwardPlan backward_plan(const FwdParams& params, int64_t device_memory, bool saved_states, bool saved_records);
 
-// Whether kda::fwd_pool_ runs its decode kernel (pool.cu), token by token per
-// (request, head), rather than the chunked forward between copies from and to
-// the pool: for speculative decoding always (it writes a state after every
-// token), else where the requests average few tokens.
+// Whether kda::fwd_pool_ (and kda::fwd_) run the decode kernel (pool.cu),
+// token by token per (request, head), rather than the chunked forward (between
+// copies from and to the pool): for speculative decoding always (it writes a
+// state after every token), else where the requests average few tokens.
 bool pool_by_decode(int64_t tokens, int64_t requests, bool speculative);
 
 }  // namespace kda::cuda

@@ -1,5 +1,5 @@
 // CUDA registrations of kda::fwd, kda::fwd_, kda::_fwd_checkpointed and
-// kda::bwd: the shared host steps (staging.h), then the kernels on the current
+// kda::bwd (kda::fwd_pool_'s are in pool_ops.cpp): the shared host steps (staging.h), then the kernels on the current
 // stream of the tensors' device, as heuristics.h plans them. Neither the
 // forward nor the backward synchronises with the host unless TORCH_KDA_CHECK=1
 // asks for the contents of cu_seqlens and A_log to be checked.
@@ -16,6 +16,7 @@
 #include "checkpoints.h"
 #include "cuda/backward/schedule.h"
 #include "cuda/forward/schedule.h"
+#include "cuda/forward_call.h"
 #include "cuda/heuristics.h"
 #include "cuda/launch.h"
 #include "cuda/staging.h"
@@ -44,16 +45,18 @@ void run_windows(const FwdParams& params, const Tensor& q, ForwardPlan plan, flo
   run_forward(params, q, plan, kept_records);
 }
 
-// Runs the forward into `out` / `final_state`. Inputs are made contiguous
-// (copies only where the caller's tensors are not). An output that is not
-// contiguous or not 16-byte aligned, or a final_state whose dtype is not the one the kernels write
-// (p.state_dtype: the initial state's, else fp32), gets a staging tensor that is
-// copied back afterwards.
+}  // namespace
+
+// Runs the forward into `out` / `final_state` (cuda/forward_call.h). Inputs are
+// made contiguous (copies only where the caller's tensors are not). An output
+// that is not contiguous or not 16-byte aligned, or a final_state whose dtype is
+// not the one the kernels write (p.state_dtype: the initial state's, else fp32),
+// gets a staging tensor that is copied back afterwards.
 void forward_into(const char* op, const Problem& p, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g,
                   const Tensor& beta, const Tensor& A_log, const Tensor& dt_bias,
                   const optional<Tensor>& initial_state, const optional<Tensor>& cu_seqlens, const Tensor& out,
-                  const optional<Tensor>& final_state, const Tensor& chunk_states = Tensor(),
-                  const Tensor& records = Tensor()) {
+                  const optional<Tensor>& final_state, const Tensor& chunk_states, const Tensor& records,
+                  bool decode_short_requests) {
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(q.device().index()).stream();
   Boundaries bounds = sequence_boundaries(op, p, q, cu_seqlens, stream);
   CallInputs in = call_inputs(p, q, k, v, g, beta, A_log, dt_bias, bounds);
@@ -88,26 +91,43 @@ void forward_into(const char* op, const Problem& p, const Tensor& q, const Tenso
   params.initial_state = init.defined() ? init.data_ptr() : nullptr;
   params.final_state = final_c.defined() ? final_c.data_ptr() : nullptr;
   params.out = out_c.data_ptr();
-  // Every chunk-start state, for the backward (kda._fwd_checkpointed):
-  // run_forward moves the pointer to each window's first slot.
-  if (chunk_states.defined() && chunk_states.numel() > 0) {
-    params.chunk_states = chunk_states.data_ptr();
-  }
-  // Every chunk slot's record, kept for the backward: K1 writes them with the
-  // lo planes the backward reads (K2 reads the same planes as from its own
-  // workspace), all of them in this buffer.
-  float* kept_records = nullptr;
-  if (records.defined() && records.numel() > 0) {
-    kept_records = records.data_ptr<float>();
-    params.lo_for_backward = true;
-  }
-
-  ForwardPlan plan = forward_plan(params, kept_records != nullptr);
-  if (plan.segments > 1) {
-    run_segmented_forward(params, q, plan, bounds.offsets.defined() ? bounds.offsets.select(0, 0) : Tensor(), init,
-                          final_c, kept_records);
+  if (decode_short_requests && !chunk_states.defined() && !records.defined() &&
+      pool_by_decode(concrete(p.B) * concrete(p.T), concrete(p.N), false)) {
+    // One kernel reads every input while it writes out and the final states,
+    // in vectors of up to 16 bytes.
+    for (Tensor* input : {&in.q, &in.k, &in.g, &in.beta, &in.A_log, &in.dt_bias}) {
+      *input = staged16(*input);
+      if (at::get_overlap_status(*input, out_c) != at::MemOverlapStatus::No ||
+          (final_c.defined() && at::get_overlap_status(*input, final_c) != at::MemOverlapStatus::No)) {
+        *input = input->clone();
+      }
+    }
+    params.q = in.q.data_ptr(), params.k = in.k.data_ptr(), params.g = in.g.data_ptr();
+    params.beta = in.beta.data_ptr(), params.A_log = in.A_log.data_ptr<float>();
+    params.dt_bias = in.dt_bias.data_ptr<float>();
+    decode_forward(params, init, final_c, p.state_dtype == at::kFloat, stream);
   } else {
-    run_windows(params, q, plan, kept_records, in, out_c, final_c);
+    // Every chunk-start state, for the backward (kda._fwd_checkpointed):
+    // run_forward moves the pointer to each window's first slot.
+    if (chunk_states.defined() && chunk_states.numel() > 0) {
+      params.chunk_states = chunk_states.data_ptr();
+    }
+    // Every chunk slot's record, kept for the backward: K1 writes them with the
+    // lo planes the backward reads (K2 reads the same planes as from its own
+    // workspace), all of them in this buffer.
+    float* kept_records = nullptr;
+    if (records.defined() && records.numel() > 0) {
+      kept_records = records.data_ptr<float>();
+      params.lo_for_backward = true;
+    }
+
+    ForwardPlan plan = forward_plan(params, kept_records != nullptr);
+    if (plan.segments > 1) {
+      run_segmented_forward(params, q, plan, bounds.offsets.defined() ? bounds.offsets.select(0, 0) : Tensor(), init,
+                            final_c, kept_records);
+    } else {
+      run_windows(params, q, plan, kept_records, in, out_c, final_c);
+    }
   }
 
   if (!out_c.is_same(out)) {
@@ -117,6 +137,8 @@ void forward_into(const char* op, const Problem& p, const Tensor& q, const Tenso
     final_state->copy_(final_c);
   }
 }
+
+namespace {
 
 std::tuple<Tensor, Tensor> fwd(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g, const Tensor& beta,
                                const Tensor& A_log, const Tensor& dt_bias, optional<double> scale,
@@ -168,7 +190,10 @@ void fwd_inplace(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor
   check_inplace_buffers("kda.fwd_", p, q, out, final_state, initial_state);
   check_outputs_disjoint("kda.fwd_", out, final_state);
   c10::cuda::CUDAGuard guard(q.device());
-  forward_into("kda.fwd_", p, q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, out, final_state);
+  // Serving code written for flash_kda calls this with one token or a few a
+  // sequence: those take the decode kernel (heuristics.h, pool_by_decode).
+  forward_into("kda.fwd_", p, q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, out, final_state, Tensor(),
+               Tensor(), true);
 }
 
 // kda.bwd with the backward kernels (backward/schedule.h: K1 for the records
@@ -256,97 +281,6 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> bwd(
                              cu_seqlens, checkpoints.value_or(Tensor()), records.value_or(Tensor()));
 }
 
-// kda::fwd_pool_: the decode kernel (pool.cu) for speculative calls and short
-// requests, else the chunked forward from the pool's states, copied out first,
-// with the final states copied back (heuristics.h, pool_by_decode). Nothing
-// waits on the host: padding rows and indices past the pool are found on the
-// device (checked under TORCH_KDA_CHECK=1, which reads them).
-void fwd_pool(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g, const Tensor& beta,
-              const Tensor& A_log, const Tensor& dt_bias, Tensor& state_pool, const Tensor& state_indices, Tensor& out,
-              optional<double> scale, optional<double> lower_bound, const optional<Tensor>& cu_seqlens,
-              const optional<Tensor>& num_accepted_tokens) {
-  const char* op = "kda.fwd_pool_";
-  Problem p = check_all(op, q, k, v, g, beta, A_log, dt_bias, scale, lower_bound, std::nullopt, cu_seqlens);
-  check_pool_args(op, p, q, cu_seqlens.has_value(), state_pool, state_indices, num_accepted_tokens, out);
-  TORCH_CHECK(p.state_dtype == at::kBFloat16 || p.state_dtype == at::kFloat,
-              op, ": on CUDA, state_pool must have dtype bfloat16 or float32, got ", dtype_name(p.state_dtype));
-  const int64_t elem = state_pool.element_size();
-  TORCH_CHECK(aligned16(state_pool) && (state_pool.size(0) <= 1 || state_pool.stride(0) * elem % 16 == 0),
-              op, ": on CUDA, state_pool's slots must start on 16-byte boundaries (its data and its slot stride "
-              "in bytes multiples of 16)");
-  check_pool_disjoint(op, out, state_pool);
-  if (debug_checks_enabled()) {
-    check_pool_indices(op, state_indices, num_accepted_tokens, state_pool.size(0));
-  }
-  c10::cuda::CUDAGuard guard(q.device());
-  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(q.device().index()).stream();
-  const int64_t N = concrete(p.N), H = concrete(p.H), tokens = concrete(p.B) * concrete(p.T);
-  Tensor out_c = out.is_contiguous() && aligned16(out) ? out : at::empty_like(out, at::MemoryFormat::Contiguous);
-  // What the kernels read while they write the pool and out comes from a copy
-  // where it shares memory with either (the chunked path's forward makes its
-  // own copies as kda::fwd_ does, and its copies of the pool run in order);
-  // the decode kernel's vector loads want 16-byte aligned rows.
-  auto read_safely = [&](const Tensor& t) {
-    Tensor c = staged16(t);
-    for (const Tensor* written : {&state_pool, &out_c}) {
-      if (c.storage().is_alias_of(written->storage()) &&
-          at::get_overlap_status(c, *written) != at::MemOverlapStatus::No) {
-        return c.clone();
-      }
-    }
-    return c;
-  };
-  const Tensor indices = read_safely(state_indices);
-  const Tensor accepted = num_accepted_tokens.has_value() ? read_safely(*num_accepted_tokens) : Tensor();
-  // A varlen batch's request boundaries as the forward takes them (boundaries.cu:
-  // clamped, non-decreasing), so that no two requests share a row of out.
-  const Boundaries bounds = sequence_boundaries(op, p, q, cu_seqlens, stream);
-
-  PoolParams pp;
-  pp.out = out_c.data_ptr();
-  pp.pool = state_pool.data_ptr();
-  pp.pool_stride = state_pool.size(0) <= 1 ? H * kHeadDim * kHeadDim : state_pool.stride(0);
-  pp.slots = state_pool.size(0);
-  pp.pool_fp32 = p.state_dtype == at::kFloat;
-  pp.indices = indices.data_ptr();
-  pp.indices_int32 = indices.scalar_type() == at::kInt;
-  pp.index_cols = indices.dim() == 2 ? indices.size(1) : 1;
-  pp.accepted = accepted.defined() ? accepted.data_ptr() : nullptr;
-  pp.accepted_int32 = accepted.defined() && accepted.scalar_type() == at::kInt;
-  pp.seq_offsets = bounds.offsets.defined() ? bounds.offsets.data_ptr<int64_t>() : nullptr;  // row 0: seq
-  pp.T = cu_seqlens.has_value() ? tokens : concrete(p.T);
-  pp.N = N;
-  pp.H = H;
-  pp.scale = static_cast<float>(resolved_scale(p));
-  pp.softplus = p.gate == Gate::kSoftplus;
-  pp.lower_bound = static_cast<float>(p.lower_bound);
-
-  if (pool_by_decode(tokens, N, accepted.defined())) {
-    const Tensor qc = read_safely(q), kc = read_safely(k), vc = read_safely(v), gc = read_safely(g);
-    const Tensor bc = read_safely(beta), ac = read_safely(A_log), dc = read_safely(dt_bias);
-    pp.q = qc.data_ptr();
-    pp.k = kc.data_ptr();
-    pp.v = vc.data_ptr();
-    pp.g = gc.data_ptr();
-    pp.beta = bc.data_ptr();
-    pp.A_log = ac.data_ptr<float>();
-    pp.dt_bias = dc.data_ptr<float>();
-    launch_pool_decode(pp, stream);
-  } else {
-    Tensor states = at::empty({N, H, kHeadDim, kHeadDim}, state_pool.options().dtype(p.state_dtype));
-    Tensor final_states = at::empty_like(states);
-    pp.states = states.data_ptr();
-    launch_pool_gather(pp, stream);
-    forward_into(op, p, q, k, v, g, beta, A_log, dt_bias, states, cu_seqlens, out_c, final_states);
-    pp.states = final_states.data_ptr();
-    launch_pool_scatter(pp, stream);
-    launch_pool_zero_padding(pp, stream);
-  }
-  if (!out_c.is_same(out)) {
-    out.copy_(out_c);
-  }
-}
-
 }  // namespace
 
 TORCH_LIBRARY_IMPL(kda, CUDA, m) {
@@ -354,7 +288,6 @@ TORCH_LIBRARY_IMPL(kda, CUDA, m) {
   m.impl("fwd_", &fwd_inplace);
   m.impl("_fwd_checkpointed", &fwd_checkpointed);
   m.impl("bwd", &bwd);
-  m.impl("fwd_pool_", &fwd_pool);
 }
 
 }  // namespace kda::cuda

@@ -215,29 +215,24 @@ struct SweepBwdParams {
 // outside [1, index_cols]) marks a padding row: nothing read or written, out
 // rows zero.
 struct PoolParams {
-  const void* q = nullptr;     // bf16 [tokens, H, K], contiguous
-  const void* k = nullptr;     // bf16 [tokens, H, K]
-  const void* v = nullptr;     // bf16 [tokens, H, V]
-  const void* g = nullptr;     // bf16 [tokens, H, K]
-  const void* beta = nullptr;  // bf16 [tokens, H]
-  const float* A_log = nullptr;
-  const float* dt_bias = nullptr;
-  void* out = nullptr;         // bf16 [tokens, H, V], contiguous
-  void* pool = nullptr;        // [slots, H, V, K], each slot contiguous
+  // The tokens, gate, sizes and offsets as the forward takes them: q, k, v, g,
+  // beta, A_log, dt_bias, out, seq_offsets (or T tokens a request), N requests,
+  // H, scale and the gate.
+  FwdParams fwd;
+  void* pool = nullptr;        // [slots, H, V, K], each slot contiguous; null: no state is stored
   int64_t pool_stride = 0;     // elements from one slot to the next
   int64_t slots = 0;
   bool pool_fp32 = true;       // else bf16
+  // Request n's slot: indices[n * index_cols + col] (int64 or int32), or n itself where null.
   const void* indices = nullptr;
   bool indices_int32 = false;
   int64_t index_cols = 1;
   const void* accepted = nullptr;  // [N], or null
   bool accepted_int32 = false;
-  const int64_t* seq_offsets = nullptr;  // [N + 1] from launch_boundaries, or null (fixed length)
-  int64_t T = 0;  // tokens per request for fixed length; all the call's tokens with seq_offsets
-  int64_t N = 0, H = 0;
-  float scale = 1.f;
-  bool softplus = false;
-  float lower_bound = -5.f;
+  // Where the start states are read, laid out as the pool; null: the pool
+  // itself, or zeros with zero_start (kda::fwd_ without an initial state).
+  const void* start = nullptr;
+  bool zero_start = false;
   // The copies around the chunked forward: states [N, H, V, K] in the pool's dtype.
   void* states = nullptr;
 };

@@ -38,6 +38,7 @@ constexpr int kRowGroups = kDecodeThreads / kRowLanes;   // rows a block updates
 constexpr int kRowsPerThread = kSlabRows / kRowGroups;
 constexpr int kLaneCols = D / kRowLanes;                 // key columns a lane
 constexpr int kTileTokens = 8;                           // tokens whose activations one barrier covers
+constexpr int kDecodeBlocksPerSm = 7;                    // a cap of 72 registers a thread (token_step)
 static_assert(kRowsPerThread * kRowGroups == kSlabRows && kSlabs * kSlabRows == D, "whole rows, whole slabs");
 static_assert(D == 32 * 4 && kTileTokens % kDecodeWarps == 0, "a warp's lanes take four channels of a token");
 
@@ -51,13 +52,18 @@ struct Request {
 };
 
 __device__ __forceinline__ Request request_of(const PoolParams& p, int64_t n) {
+  const FwdParams& f = p.fwd;
   Request r;
-  if (p.seq_offsets != nullptr) {
-    r.bos = clamp64(p.seq_offsets[n], 0, p.T);
-    r.eos = clamp64(p.seq_offsets[n + 1], r.bos, p.T);
+  if (f.seq_offsets != nullptr) {
+    r.bos = clamp64(f.seq_offsets[n], 0, f.T);
+    r.eos = clamp64(f.seq_offsets[n + 1], r.bos, f.T);
   } else {
-    r.bos = n * p.T;
-    r.eos = r.bos + p.T;
+    r.bos = n * f.T;
+    r.eos = r.bos + f.T;
+  }
+  if (p.indices == nullptr) {
+    r.slot = n;
+    return r;
   }
   int64_t col = 0;
   bool ok = true;
@@ -76,7 +82,7 @@ __device__ __forceinline__ void zero_out_rows(const PoolParams& p, const Request
                                               int tid) {
   if (tid < rows) {
     for (int64_t t = r.bos; t < r.eos; ++t) {
-      static_cast<__nv_bfloat16*>(p.out)[(t * p.H + h) * D + first + tid] = __float2bfloat16_rn(0.f);
+      static_cast<__nv_bfloat16*>(p.fwd.out)[(t * p.fwd.H + h) * D + first + tid] = __float2bfloat16_rn(0.f);
     }
   }
 }
@@ -106,19 +112,19 @@ struct LaneColumns {
 
 // One state row's 16 columns of this lane from the pool (slot, head h, row).
 template <bool kFp32>
-__device__ __forceinline__ void load_row(const PoolParams& p, int64_t slot, int64_t h, int row, int c,
-                                         float (&x)[kLaneCols]) {
+__device__ __forceinline__ void load_row(const PoolParams& p, const void* states, int64_t slot, int64_t h, int row,
+                                         int c, float (&x)[kLaneCols]) {
   using L = LaneColumns<kFp32>;
   const int64_t base = slot * p.pool_stride + (h * D + row) * D;
 #pragma unroll
   for (int j = 0; j < L::kVecs; ++j) {
     const int64_t at = base + L::column(c, j);
     if constexpr (kFp32) {
-      const uint4 v = load16(static_cast<const float*>(p.pool) + at);
+      const uint4 v = load16(static_cast<const float*>(states) + at);
       x[4 * j] = __uint_as_float(v.x), x[4 * j + 1] = __uint_as_float(v.y);
       x[4 * j + 2] = __uint_as_float(v.z), x[4 * j + 3] = __uint_as_float(v.w);
     } else {
-      const uint4 v = load16(static_cast<const __nv_bfloat16*>(p.pool) + at);
+      const uint4 v = load16(static_cast<const __nv_bfloat16*>(states) + at);
       const uint32_t w[4] = {v.x, v.y, v.z, v.w};
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
@@ -158,7 +164,7 @@ struct DecodeTile {
 };
 
 // Warp w: tokens t0 + w, t0 + w + 4, ... (< eos) whole, lane l channels 4 l..4 l + 3.
-__device__ __forceinline__ void tile_activations(const PoolParams& p, int64_t t0, int64_t eos, int64_t h, int slab,
+__device__ __forceinline__ void tile_activations(const FwdParams& p, int64_t t0, int64_t eos, int64_t h, int slab,
                                                  float A, const float (&bias)[4], int warp, int lane,
                                                  DecodeTile& s) {
 #pragma unroll 1
@@ -200,18 +206,58 @@ __device__ __forceinline__ float row_sum(float x) {
   return x;
 }
 
-// This lane's 16 entries of one of the tile's [D] vectors.
+// Where this lane's key columns 4 m .. 4 m + 3 (of its 16, in x's order) sit
+// in one of the tile's [D] vectors.
 template <bool kFp32>
-__device__ __forceinline__ void lane_entries(const float* vec, int c, float (&y)[kLaneCols]) {
+__device__ __forceinline__ int quad_column(int c, int m) {
   using L = LaneColumns<kFp32>;
+  constexpr int kQuads = L::kVec / 4;  // 4-column groups a vector
+  return L::column(c, m / kQuads) + 4 * (m % kQuads);
+}
+
+// One token on this thread's rows: the tile's activations read from shared
+// memory four columns at a time where they are used, not held for the whole
+// step, so that the kernel fits 64 registers a thread and eight blocks an SM
+// (the decode's rate is the state bytes that the resident blocks have in
+// flight; each block's state loads wait on its slot index first).
+template <bool kFp32>
+__device__ __forceinline__ void token_step(const DecodeTile& s, int tt, int group, int c,
+                                           float (&x)[kRowsPerThread][kLaneCols], float (&o)[kRowsPerThread]) {
+  float w[kRowsPerThread] = {};
 #pragma unroll
-  for (int j = 0; j < L::kVecs; ++j) {
+  for (int m = 0; m < kLaneCols / 4; ++m) {
+    const int col = quad_column<kFp32>(c, m);
+    const float4 a = *reinterpret_cast<const float4*>(&s.alpha[tt][col]);
+    const float4 k = *reinterpret_cast<const float4*>(&s.k[tt][col]);
 #pragma unroll
-    for (int e = 0; e < L::kVec; e += 4) {
-      const float4 f = *reinterpret_cast<const float4*>(vec + L::column(c, j) + e);
-      y[L::kVec * j + e] = f.x, y[L::kVec * j + e + 1] = f.y, y[L::kVec * j + e + 2] = f.z,
-      y[L::kVec * j + e + 3] = f.w;
+    for (int i = 0; i < kRowsPerThread; ++i) {
+      float* y = &x[i][4 * m];
+      y[0] *= a.x, y[1] *= a.y, y[2] *= a.z, y[3] *= a.w;
+      w[i] = fmaf(y[3], k.w, fmaf(y[2], k.z, fmaf(y[1], k.y, fmaf(y[0], k.x, w[i]))));
     }
+  }
+  float u[kRowsPerThread];
+#pragma unroll
+  for (int i = 0; i < kRowsPerThread; ++i) {
+    u[i] = s.beta[tt] * (s.v[tt][group + kRowGroups * i] - row_sum(w[i]));
+    o[i] = 0.f;
+  }
+#pragma unroll
+  for (int m = 0; m < kLaneCols / 4; ++m) {
+    const int col = quad_column<kFp32>(c, m);
+    const float4 k = *reinterpret_cast<const float4*>(&s.k[tt][col]);
+    const float4 q = *reinterpret_cast<const float4*>(&s.q[tt][col]);
+#pragma unroll
+    for (int i = 0; i < kRowsPerThread; ++i) {
+      float* y = &x[i][4 * m];
+      y[0] = fmaf(u[i], k.x, y[0]), y[1] = fmaf(u[i], k.y, y[1]), y[2] = fmaf(u[i], k.z, y[2]),
+      y[3] = fmaf(u[i], k.w, y[3]);
+      o[i] = fmaf(y[3], q.w, fmaf(y[2], q.z, fmaf(y[1], q.y, fmaf(y[0], q.x, o[i]))));
+    }
+  }
+#pragma unroll
+  for (int i = 0; i < kRowsPerThread; ++i) {
+    o[i] = row_sum(o[i]);
   }
 }
 
@@ -219,11 +265,12 @@ __device__ __forceinline__ void lane_entries(const float* vec, int c, float (&y)
 // token goes to that token's slot; else the final state goes to the start slot.
 // Block b: (request, head) b / kSlabs, value rows kSlabRows (b % kSlabs)..
 template <bool kFp32, bool kSpec>
-__global__ void __launch_bounds__(kDecodeThreads) pool_decode_kernel(const PoolParams p) {
+__global__ void __launch_bounds__(kDecodeThreads, kDecodeBlocksPerSm) pool_decode_kernel(const PoolParams p) {
   __shared__ __align__(16) DecodeTile s;
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+  const FwdParams& f = p.fwd;
   const int slab = blockIdx.x % kSlabs;
-  const int64_t pair = blockIdx.x / kSlabs, n = pair / p.H, h = pair % p.H;
+  const int64_t pair = blockIdx.x / kSlabs, n = pair / f.H, h = pair % f.H;
   const Request r = request_of(p, n);
   if (r.slot < 0) {
     zero_out_rows(p, r, h, slab * kSlabRows, kSlabRows, tid);
@@ -235,52 +282,36 @@ __global__ void __launch_bounds__(kDecodeThreads) pool_decode_kernel(const PoolP
   for (int i = 0; i < kRowsPerThread; ++i) {
     rows[i] = slab * kSlabRows + group + kRowGroups * i;
   }
-  float x[kRowsPerThread][kLaneCols];
+  float x[kRowsPerThread][kLaneCols] = {};
+  if (!p.zero_start) {
 #pragma unroll
-  for (int i = 0; i < kRowsPerThread; ++i) {
-    load_row<kFp32>(p, r.slot, h, rows[i], c, x[i]);
+    for (int i = 0; i < kRowsPerThread; ++i) {
+      load_row<kFp32>(p, p.start != nullptr ? p.start : p.pool, r.slot, h, rows[i], c, x[i]);
+    }
   }
-  const float A = expf(p.A_log[h]);
+  const float A = expf(f.A_log[h]);
   float bias[4];
 #pragma unroll
   for (int e = 0; e < 4; ++e) {
-    bias[e] = p.dt_bias[h * D + 4 * lane + e];
+    bias[e] = f.dt_bias[h * D + 4 * lane + e];
   }
-  auto* out = static_cast<__nv_bfloat16*>(p.out);
+  auto* out = static_cast<__nv_bfloat16*>(f.out);
   for (int64_t t0 = r.bos; t0 < r.eos; t0 += kTileTokens) {
     if (t0 != r.bos) {
       __syncthreads();  // every read of the previous tile is done
     }
-    tile_activations(p, t0, r.eos, h, slab, A, bias, warp, lane, s);
+    tile_activations(f, t0, r.eos, h, slab, A, bias, warp, lane, s);
     __syncthreads();
     const int tokens = static_cast<int>(r.eos - t0 < kTileTokens ? r.eos - t0 : kTileTokens);
 #pragma unroll 1
     for (int tt = 0; tt < tokens; ++tt) {
-      float al[kLaneCols], kk[kLaneCols], qq[kLaneCols];
-      lane_entries<kFp32>(s.alpha[tt], c, al);
-      lane_entries<kFp32>(s.k[tt], c, kk);
-      lane_entries<kFp32>(s.q[tt], c, qq);
-      const float beta = s.beta[tt];
-      const int64_t th = (t0 + tt) * p.H + h;
+      float o[kRowsPerThread];
+      token_step<kFp32>(s, tt, group, c, x, o);
+      if (c == 0) {
+        const int64_t th = (t0 + tt) * f.H + h;
 #pragma unroll
-      for (int i = 0; i < kRowsPerThread; ++i) {
-        float(&y)[kLaneCols] = x[i];
-        float w = 0.f;
-#pragma unroll
-        for (int e = 0; e < kLaneCols; ++e) {
-          y[e] *= al[e];
-          w = fmaf(y[e], kk[e], w);
-        }
-        const float u = beta * (s.v[tt][group + kRowGroups * i] - row_sum(w));
-        float o = 0.f;
-#pragma unroll
-        for (int e = 0; e < kLaneCols; ++e) {
-          y[e] = fmaf(u, kk[e], y[e]);
-          o = fmaf(y[e], qq[e], o);
-        }
-        o = row_sum(o);
-        if (c == 0) {
-          out[th * D + rows[i]] = __float2bfloat16_rn(o);
+        for (int i = 0; i < kRowsPerThread; ++i) {
+          out[th * D + rows[i]] = __float2bfloat16_rn(o[i]);
         }
       }
       if constexpr (kSpec) {
@@ -295,7 +326,7 @@ __global__ void __launch_bounds__(kDecodeThreads) pool_decode_kernel(const PoolP
       }
     }
   }
-  if constexpr (!kSpec) {
+  if (!kSpec && p.pool != nullptr) {
 #pragma unroll
     for (int i = 0; i < kRowsPerThread; ++i) {
       store_row<kFp32>(p, r.slot, h, rows[i], c, x[i]);
@@ -308,11 +339,11 @@ __global__ void __launch_bounds__(kDecodeThreads) pool_decode_kernel(const PoolP
 // (kToPool: nothing for it).
 template <bool kToPool>
 __global__ void __launch_bounds__(kThreads) pool_copy_kernel(const PoolParams p) {
-  const int64_t n = blockIdx.x / p.H, h = blockIdx.x % p.H;
+  const int64_t n = blockIdx.x / p.fwd.H, h = blockIdx.x % p.fwd.H;
   const Request r = request_of(p, n);
   const int64_t elem = p.pool_fp32 ? 4 : 2;
   constexpr int64_t kElems = int64_t{D} * D;
-  auto* states = reinterpret_cast<uint4*>(static_cast<unsigned char*>(p.states) + (n * p.H + h) * kElems * elem);
+  auto* states = reinterpret_cast<uint4*>(static_cast<unsigned char*>(p.states) + (n * p.fwd.H + h) * kElems * elem);
   const int64_t pieces = kElems * elem / 16;
   if (r.slot < 0) {
     if (!kToPool) {
@@ -333,7 +364,7 @@ __global__ void __launch_bounds__(kThreads) pool_copy_kernel(const PoolParams p)
 }
 
 __global__ void __launch_bounds__(kThreads) pool_zero_padding_kernel(const PoolParams p) {
-  const int64_t n = blockIdx.x / p.H, h = blockIdx.x % p.H;
+  const int64_t n = blockIdx.x / p.fwd.H, h = blockIdx.x % p.fwd.H;
   const Request r = request_of(p, n);
   if (r.slot < 0) {
     zero_out_rows(p, r, h, 0, D, threadIdx.x);
@@ -341,8 +372,8 @@ __global__ void __launch_bounds__(kThreads) pool_zero_padding_kernel(const PoolP
 }
 
 unsigned int grid_of(const PoolParams& p, int64_t blocks_per_pair = 1) {
-  const int64_t blocks = p.N * p.H * blocks_per_pair;
-  TORCH_CHECK(blocks <= INT32_MAX, "kda.fwd_pool_: ", std::to_string(p.N), " requests x ", std::to_string(p.H),
+  const int64_t blocks = p.fwd.N * p.fwd.H * blocks_per_pair;
+  TORCH_CHECK(blocks <= INT32_MAX, "kda.fwd_pool_: ", std::to_string(p.fwd.N), " requests x ", std::to_string(p.fwd.H),
               " heads is more blocks than one launch takes");
   return static_cast<unsigned int>(blocks);
 }
@@ -350,7 +381,7 @@ unsigned int grid_of(const PoolParams& p, int64_t blocks_per_pair = 1) {
 }  // namespace
 
 void launch_pool_decode(const PoolParams& p, cudaStream_t stream) {
-  if (p.N == 0 || p.H == 0) {
+  if (p.fwd.N == 0 || p.fwd.H == 0) {
     return;
   }
   auto* kernel = p.pool_fp32 ? (p.accepted != nullptr ? pool_decode_kernel<true, true> : pool_decode_kernel<true, false>)
@@ -360,7 +391,7 @@ void launch_pool_decode(const PoolParams& p, cudaStream_t stream) {
 }
 
 void launch_pool_gather(const PoolParams& p, cudaStream_t stream) {
-  if (p.N == 0 || p.H == 0) {
+  if (p.fwd.N == 0 || p.fwd.H == 0) {
     return;
   }
   pool_copy_kernel<false><<<grid_of(p), kThreads, 0, stream>>>(p);
@@ -368,7 +399,7 @@ void launch_pool_gather(const PoolParams& p, cudaStream_t stream) {
 }
 
 void launch_pool_scatter(const PoolParams& p, cudaStream_t stream) {
-  if (p.N == 0 || p.H == 0) {
+  if (p.fwd.N == 0 || p.fwd.H == 0) {
     return;
   }
   pool_copy_kernel<true><<<grid_of(p), kThreads, 0, stream>>>(p);
@@ -376,7 +407,7 @@ void launch_pool_scatter(const PoolParams& p, cudaStream_t stream) {
 }
 
 void launch_pool_zero_padding(const PoolParams& p, cudaStream_t stream) {
-  if (p.N == 0 || p.H == 0) {
+  if (p.fwd.N == 0 || p.fwd.H == 0) {
     return;
   }
   pool_zero_padding_kernel<<<grid_of(p), kThreads, 0, stream>>>(p);

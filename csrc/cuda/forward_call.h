@@ -1,0 +1,34 @@
+// The CUDA forward's host entry, shared by the ops that run it (ops_cuda.cpp,
+// pool_ops.cpp), and the decode kernel run as a forward.
+#pragma once
+
+#include <ATen/ATen.h>
+#include <cuda_runtime.h>
+
+#include <optional>
+
+#include "cuda/params.h"
+#include "kda.h"
+
+namespace kda::cuda {
+
+// The forward of p into `out` and `final_state` (ops_cuda.cpp has the staging
+// rules). chunk_states and records: kept for the backward (kda._fwd_checkpointed).
+// decode_short_requests: a call whose sequences average a few tokens runs the
+// decode kernel instead of the chunked pair (kda::fwd_ only: torch_kda.kda
+// gives the same bits with and without a gradient, so kda::fwd and
+// kda::_fwd_checkpointed always take the chunked kernels).
+void forward_into(const char* op, const Problem& p, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                  const at::Tensor& g, const at::Tensor& beta, const at::Tensor& A_log, const at::Tensor& dt_bias,
+                  const std::optional<at::Tensor>& initial_state, const std::optional<at::Tensor>& cu_seqlens,
+                  const at::Tensor& out, const std::optional<at::Tensor>& final_state,
+                  const at::Tensor& chunk_states = at::Tensor(), const at::Tensor& records = at::Tensor(),
+                  bool decode_short_requests = false);
+
+// The decode kernel (pool.cu) over params' requests, each from its initial
+// state (zeros where undefined) to its final state (not stored where
+// undefined), both [N, H, V, K] contiguous in the states' dtype.
+void decode_forward(const FwdParams& params, const at::Tensor& initial_state, const at::Tensor& final_state,
+                    bool state_fp32, cudaStream_t stream);
+
+}  // namespace kda::cuda

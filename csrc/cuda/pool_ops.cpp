@@ -1,0 +1,132 @@
+// kda::fwd_pool_ on CUDA, and the decode path of kda::fwd_ (forward_call.h):
+// the host side of serving from a state pool (pool.cu has the kernels).
+#include <ATen/MemoryOverlap.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <torch/library.h>
+
+#include "cuda/forward_call.h"
+#include "cuda/heuristics.h"
+#include "cuda/launch.h"
+#include "cuda/staging.h"
+#include "kda.h"
+
+namespace kda::cuda {
+
+using at::Tensor;
+using std::optional;
+
+void decode_forward(const FwdParams& params, const Tensor& initial_state, const Tensor& final_state, bool state_fp32,
+                    cudaStream_t stream) {
+  PoolParams pp;
+  pp.fwd = params;
+  pp.pool = final_state.defined() ? final_state.data_ptr() : nullptr;
+  pp.pool_stride = params.H * kHeadDim * kHeadDim;
+  pp.slots = params.N;
+  pp.pool_fp32 = state_fp32;
+  pp.start = initial_state.defined() ? initial_state.data_ptr() : nullptr;
+  pp.zero_start = !initial_state.defined();
+  launch_pool_decode(pp, stream);
+}
+
+namespace {
+
+// kda::fwd_pool_: the decode kernel (pool.cu) for speculative calls and short
+// requests, else the chunked forward from the pool's states, copied out first,
+// with the final states copied back (heuristics.h, pool_by_decode). Nothing
+// waits on the host: padding rows and indices past the pool are found on the
+// device (checked under TORCH_KDA_CHECK=1, which reads them).
+void fwd_pool(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g, const Tensor& beta,
+              const Tensor& A_log, const Tensor& dt_bias, Tensor& state_pool, const Tensor& state_indices, Tensor& out,
+              optional<double> scale, optional<double> lower_bound, const optional<Tensor>& cu_seqlens,
+              const optional<Tensor>& num_accepted_tokens) {
+  const char* op = "kda.fwd_pool_";
+  Problem p = check_all(op, q, k, v, g, beta, A_log, dt_bias, scale, lower_bound, std::nullopt, cu_seqlens);
+  check_pool_args(op, p, q, cu_seqlens.has_value(), state_pool, state_indices, num_accepted_tokens, out);
+  TORCH_CHECK(p.state_dtype == at::kBFloat16 || p.state_dtype == at::kFloat,
+              op, ": on CUDA, state_pool must have dtype bfloat16 or float32, got ", dtype_name(p.state_dtype));
+  const int64_t elem = state_pool.element_size();
+  TORCH_CHECK(aligned16(state_pool) && (state_pool.size(0) <= 1 || state_pool.stride(0) * elem % 16 == 0),
+              op, ": on CUDA, state_pool's slots must start on 16-byte boundaries (its data and its slot stride "
+              "in bytes multiples of 16)");
+  check_pool_disjoint(op, out, state_pool);
+  if (debug_checks_enabled()) {
+    check_pool_indices(op, state_indices, num_accepted_tokens, state_pool.size(0));
+  }
+  c10::cuda::CUDAGuard guard(q.device());
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(q.device().index()).stream();
+  const int64_t N = concrete(p.N), H = concrete(p.H), tokens = concrete(p.B) * concrete(p.T);
+  Tensor out_c = out.is_contiguous() && aligned16(out) ? out : at::empty_like(out, at::MemoryFormat::Contiguous);
+  // What the kernels read while they write the pool and out comes from a copy
+  // where it shares memory with either (the chunked path's forward makes its
+  // own copies as kda::fwd_ does, and its copies of the pool run in order);
+  // the decode kernel's vector loads want 16-byte aligned rows.
+  auto read_safely = [&](const Tensor& t) {
+    Tensor c = staged16(t);
+    for (const Tensor* written : {&state_pool, &out_c}) {
+      if (c.storage().is_alias_of(written->storage()) &&
+          at::get_overlap_status(c, *written) != at::MemOverlapStatus::No) {
+        return c.clone();
+      }
+    }
+    return c;
+  };
+  const Tensor indices = read_safely(state_indices);
+  const Tensor accepted = num_accepted_tokens.has_value() ? read_safely(*num_accepted_tokens) : Tensor();
+  // A varlen batch's request boundaries as the forward takes them (boundaries.cu:
+  // clamped, non-decreasing), so that no two requests share a row of out.
+  const Boundaries bounds = sequence_boundaries(op, p, q, cu_seqlens, stream);
+
+  PoolParams pp;
+  pp.fwd.out = out_c.data_ptr();
+  pp.pool = state_pool.data_ptr();
+  pp.pool_stride = state_pool.size(0) <= 1 ? H * kHeadDim * kHeadDim : state_pool.stride(0);
+  pp.slots = state_pool.size(0);
+  pp.pool_fp32 = p.state_dtype == at::kFloat;
+  pp.indices = indices.data_ptr();
+  pp.indices_int32 = indices.scalar_type() == at::kInt;
+  pp.index_cols = indices.dim() == 2 ? indices.size(1) : 1;
+  pp.accepted = accepted.defined() ? accepted.data_ptr() : nullptr;
+  pp.accepted_int32 = accepted.defined() && accepted.scalar_type() == at::kInt;
+  pp.fwd.seq_offsets = bounds.offsets.defined() ? bounds.offsets.data_ptr<int64_t>() : nullptr;  // row 0: seq
+  pp.fwd.T = cu_seqlens.has_value() ? tokens : concrete(p.T);
+  pp.fwd.N = N;
+  pp.fwd.H = H;
+  pp.fwd.scale = static_cast<float>(resolved_scale(p));
+  pp.fwd.softplus = p.gate == Gate::kSoftplus;
+  pp.fwd.lower_bound = static_cast<float>(p.lower_bound);
+
+  if (pool_by_decode(tokens, N, accepted.defined())) {
+    const Tensor qc = read_safely(q), kc = read_safely(k), vc = read_safely(v), gc = read_safely(g);
+    const Tensor bc = read_safely(beta), ac = read_safely(A_log), dc = read_safely(dt_bias);
+    pp.fwd.q = qc.data_ptr();
+    pp.fwd.k = kc.data_ptr();
+    pp.fwd.v = vc.data_ptr();
+    pp.fwd.g = gc.data_ptr();
+    pp.fwd.beta = bc.data_ptr();
+    pp.fwd.A_log = ac.data_ptr<float>();
+    pp.fwd.dt_bias = dc.data_ptr<float>();
+    launch_pool_decode(pp, stream);
+  } else {
+    Tensor states = at::empty({N, H, kHeadDim, kHeadDim}, state_pool.options().dtype(p.state_dtype));
+    Tensor final_states = at::empty_like(states);
+    pp.states = states.data_ptr();
+    launch_pool_gather(pp, stream);
+    forward_into(op, p, q, k, v, g, beta, A_log, dt_bias, states, cu_seqlens, out_c, final_states);
+    pp.states = final_states.data_ptr();
+    launch_pool_scatter(pp, stream);
+    launch_pool_zero_padding(pp, stream);
+  }
+  if (!out_c.is_same(out)) {
+    out.copy_(out_c);
+  }
+}
+
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(kda, CUDA, m) {
+  m.impl("fwd_pool_", &fwd_pool);
+}
+
+}  // namespace kda::cuda
