@@ -1,5 +1,5 @@
 """The CUDA path's automatic choices (csrc/cuda/heuristics.cpp) for the benchmark's
-cases on a 132-SM H200, read through kda_testing::forward_plan: host logic, so a CUDA
+cases on a 132-SM GPU (H100, H200), read through kda_testing::forward_plan: host logic, so a CUDA
 build checks them without a GPU. The expected values follow the rules the heuristics'
 comments state (docs/performance-notes.md has the counts behind them)."""
 import pytest
