@@ -14,6 +14,25 @@ at::Tensor l2_normalize_backward(const at::Tensor& xn, const at::Tensor& r, cons
   return (dxn - xn * (xn * dxn).sum(-1, /*keepdim=*/true)) * r;
 }
 
+// Grouped value heads: query/key head h serves value heads h G .. h G + G - 1.
+int64_t group_size(const Problem& p) {
+  return concrete(p.H) / concrete(p.H_qk);
+}
+
+// [B, T, H_qk, K] -> [B, T, H, K], each head repeated for its group (a copy:
+// the recurrence reads one head's rows contiguously).
+at::Tensor to_value_heads(const at::Tensor& x, int64_t group) {
+  return group == 1 ? x : x.repeat_interleave(group, /*dim=*/2).contiguous();
+}
+
+// The gradient of to_value_heads: a group's value heads summed into its query/key head.
+at::Tensor to_qk_heads(const at::Tensor& dx, int64_t group) {
+  if (group == 1) {
+    return dx;
+  }
+  return dx.unflatten(2, {dx.size(2) / group, group}).sum(3);
+}
+
 }  // namespace
 
 Activations compute_activations(
@@ -27,8 +46,10 @@ Activations compute_activations(
     const at::Tensor& A_log,
     const at::Tensor& dt_bias) {
   Activations a;
-  std::tie(a.qn, a.q_rnorm) = l2_normalize(q.to(acc));
-  std::tie(a.kn, a.k_rnorm) = l2_normalize(k.to(acc));
+  std::tie(a.qn_heads, a.q_rnorm) = l2_normalize(q.to(acc));
+  std::tie(a.kn_heads, a.k_rnorm) = l2_normalize(k.to(acc));
+  a.qn = to_value_heads(a.qn_heads, group_size(p));
+  a.kn = to_value_heads(a.kn_heads, group_size(p));
   a.v = v.to(acc).contiguous();
   a.beta = at::sigmoid(beta.to(acc)).contiguous();
 
@@ -56,8 +77,8 @@ void backprop_activations(
     const ActivationGrads& d,
     const at::Tensor& A_log,
     BackwardOutputs& o) {
-  o.dq.copy_(l2_normalize_backward(a.qn, a.q_rnorm, d.dqn));
-  o.dk.copy_(l2_normalize_backward(a.kn, a.k_rnorm, d.dkn));
+  o.dq.copy_(l2_normalize_backward(a.qn_heads, a.q_rnorm, to_qk_heads(d.dqn, group_size(p))));
+  o.dk.copy_(l2_normalize_backward(a.kn_heads, a.k_rnorm, to_qk_heads(d.dkn, group_size(p))));
   o.dv.copy_(d.dv);
   o.dbeta.copy_(d.dbeta * a.beta * (1 - a.beta));
 

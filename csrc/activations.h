@@ -20,8 +20,9 @@ inline at::Tensor to_acc(const std::optional<at::Tensor>& t, at::ScalarType acc)
 
 // Everything the recurrence reads, in the accumulation dtype, contiguous.
 struct Activations {
-  at::Tensor qn, kn;          // [B, T, H, K] L2-normalised q and k
-  at::Tensor q_rnorm, k_rnorm;  // [B, T, H, 1] 1 / sqrt(sum(x^2) + eps)
+  at::Tensor qn, kn;          // [B, T, H, K] L2-normalised q and k, one per value head
+  at::Tensor qn_heads, kn_heads;  // [B, T, H_qk, K] the same per query/key head (qn, kn where H_qk = H)
+  at::Tensor q_rnorm, k_rnorm;  // [B, T, H_qk, 1] 1 / sqrt(sum(x^2) + eps)
   at::Tensor v;               // [B, T, H, V]
   at::Tensor lam;             // [B, T, H, K] log decay, <= 0
   at::Tensor alpha;           // [B, T, H, K] exp(lam)

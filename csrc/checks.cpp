@@ -62,11 +62,11 @@ void check_shape(const char* op, const char* name, const at::Tensor& t, const ch
 }
 
 void check_state_shape(const char* op, const char* name, const at::Tensor& t, const Problem& p) {
-  check_shape(op, name, t, "[N, H, V, K]", {{"N", p.N}, {"H", p.H}, {"V", p.V}, {"K", p.K}});
+  check_shape(op, name, t, "[N, HV, V, K]", {{"N", p.N}, {"HV", p.H}, {"V", p.V}, {"K", p.K}});
 }
 
 void check_token_output_shape(const char* op, const char* name, const at::Tensor& t, const Problem& p) {
-  check_shape(op, name, t, "[B, T, H, V]", {{"B", p.B}, {"T", p.T}, {"H", p.H}, {"V", p.V}});
+  check_shape(op, name, t, "[B, T, HV, V]", {{"B", p.B}, {"T", p.T}, {"HV", p.H}, {"V", p.V}});
 }
 
 bool is_float_dtype(at::ScalarType s) {
@@ -209,35 +209,38 @@ Problem check_forward_args(
   // Ranks and shapes.
   check_rank(op, "q", q, 4, "[B, T, H, K]");
   check_rank(op, "k", k, 4, "[B, T, H, K]");
-  check_rank(op, "v", v, 4, "[B, T, H, V]");
-  check_rank(op, "g", g, 4, "[B, T, H, K]");
-  check_rank(op, "beta", beta, 3, "[B, T, H]");
-  check_rank(op, "A_log", A_log, 1, "[H]");
-  check_rank(op, "dt_bias", dt_bias, 2, "[H, K]");
+  check_rank(op, "v", v, 4, "[B, T, HV, V]");
+  check_rank(op, "g", g, 4, "[B, T, HV, K]");
+  check_rank(op, "beta", beta, 3, "[B, T, HV]");
+  check_rank(op, "A_log", A_log, 1, "[HV]");
+  check_rank(op, "dt_bias", dt_bias, 2, "[HV, K]");
 
   Problem p;
   p.B = q.sym_size(0);
   p.T = q.sym_size(1);
-  p.H = q.sym_size(2);
+  p.H_qk = q.sym_size(2);
+  p.H = v.sym_size(2);
   p.K = q.sym_size(3);
   p.V = v.sym_size(3);
   TORCH_CHECK(p.K > 0, op, ": q must have a positive head size K (dim 3), got shape ", shape_str(q));
   TORCH_CHECK(p.V > 0, op, ": v must have a positive head size V (dim 3), got shape ", shape_str(v));
-  TORCH_CHECK(p.H > 0, op, ": q must have at least one head (dim 2), got shape ", shape_str(q));
+  TORCH_CHECK(p.H_qk > 0, op, ": q must have at least one head (dim 2), got shape ", shape_str(q));
 
   TORCH_CHECK(
       k.sym_sizes() == q.sym_sizes(),
       op, ": k must have the shape of q ", shape_str(q), ", got ", shape_str(k));
-  TORCH_CHECK(
-      g.sym_sizes() == q.sym_sizes(),
-      op, ": g must have the shape of q ", shape_str(q), ", got ", shape_str(g));
-  for (int64_t d = 0; d < 3; ++d) {
-    check_size(op, "v", v, d, q.sym_size(d), d == 0 ? "B" : (d == 1 ? "T" : "H"), "[B, T, H, V]");
-    check_size(op, "beta", beta, d, q.sym_size(d), d == 0 ? "B" : (d == 1 ? "T" : "H"), "[B, T, H]");
+  for (int64_t d = 0; d < 2; ++d) {
+    check_size(op, "v", v, d, q.sym_size(d), d == 0 ? "B" : "T", "[B, T, HV, V]");
   }
-  check_size(op, "A_log", A_log, 0, p.H, "H", "[H]");
-  check_size(op, "dt_bias", dt_bias, 0, p.H, "H", "[H, K]");
-  check_size(op, "dt_bias", dt_bias, 1, p.K, "K", "[H, K]");
+  TORCH_CHECK(
+      p.H >= p.H_qk && p.H % p.H_qk == 0,
+      op, ": v must have a number of heads HV (dim 2) that is a multiple of q's H = ", sym_str(p.H_qk),
+      " (value head j uses query/key head j // (HV / H)), got shape ", shape_str(v));
+  check_shape(op, "g", g, "[B, T, HV, K]", {{"B", p.B}, {"T", p.T}, {"HV", p.H}, {"K", p.K}});
+  check_shape(op, "beta", beta, "[B, T, HV]", {{"B", p.B}, {"T", p.T}, {"HV", p.H}});
+  check_size(op, "A_log", A_log, 0, p.H, "HV", "[HV]");
+  check_size(op, "dt_bias", dt_bias, 0, p.H, "HV", "[HV, K]");
+  check_size(op, "dt_bias", dt_bias, 1, p.K, "K", "[HV, K]");
 
   if (cu_seqlens.has_value()) {
     TORCH_CHECK(
@@ -336,10 +339,10 @@ void check_pool_args(
   TORCH_CHECK(
       is_state_dtype(state_pool.scalar_type()),
       op, ": state_pool must have dtype bfloat16, float32 or float64, got ", dtype_name(state_pool.scalar_type()));
-  check_rank(op, "state_pool", state_pool, 4, "[slots, H, V, K]");
-  check_size(op, "state_pool", state_pool, 1, p.H, "H", "[slots, H, V, K]");
-  check_size(op, "state_pool", state_pool, 2, p.V, "V", "[slots, H, V, K]");
-  check_size(op, "state_pool", state_pool, 3, p.K, "K", "[slots, H, V, K]");
+  check_rank(op, "state_pool", state_pool, 4, "[slots, HV, V, K]");
+  check_size(op, "state_pool", state_pool, 1, p.H, "HV", "[slots, HV, V, K]");
+  check_size(op, "state_pool", state_pool, 2, p.V, "V", "[slots, HV, V, K]");
+  check_size(op, "state_pool", state_pool, 3, p.K, "K", "[slots, HV, V, K]");
   // A slot's [H, V, K] is contiguous; the slots may lie apart (a view of a larger cache).
   const c10::SymInt hvk = p.H * p.V * p.K;
   TORCH_CHECK(

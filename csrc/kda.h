@@ -17,7 +17,11 @@ enum class Gate { kBounded, kSoftplus };
 // Shapes are SymInts so that the Meta kernels serve symbolic shapes; real
 // kernels read them through concrete().
 struct Problem {
+  // H: the value heads (v, g, beta, A_log, dt_bias, the states, out); H_qk:
+  // q's and k's, of which H is a multiple (grouped value heads: value head j
+  // uses query/key head j / (H / H_qk)).
   c10::SymInt B, T, H, K, V;
+  c10::SymInt H_qk;
   c10::SymInt N;  // number of sequences: B, or len(cu_seqlens) - 1
   Gate gate = Gate::kBounded;
   double lower_bound = 0.0;  // only meaningful for Gate::kBounded

@@ -66,10 +66,13 @@ def make_inputs(
     state_dtype=None,
     param_dtype=None,
     requires_grad=False,
+    HV=None,
 ):
     """Fresh random inputs: q, k, v, g ~ N(0, 1), beta logits ~ N(0, 1),
     A_log, dt_bias ~ U(0, 1), initial_state ~ N(0, 1) when state_dtype is given.
     A_log and dt_bias are float32 (float64 when dtype is float64) unless param_dtype says.
+    HV: grouped value heads (v, g, beta, A_log, dt_bias and the state have HV, q
+    and k H); None for HV = H.
 
     seqlens (a list of lengths) packs sequences along T with B = 1 and sets cu_seqlens.
     Returns a dict with keys q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens.
@@ -83,19 +86,20 @@ def make_inputs(
     else:
         cu = None
         N = B
+    HV = H if HV is None else HV
     d = {
         "q": torch.randn(B, T, H, K, dtype=torch.float64).to(dtype),
         "k": torch.randn(B, T, H, K, dtype=torch.float64).to(dtype),
-        "v": torch.randn(B, T, H, V, dtype=torch.float64).to(dtype),
-        "g": torch.randn(B, T, H, K, dtype=torch.float64).to(dtype),
-        "beta": torch.randn(B, T, H, dtype=torch.float64).to(dtype),
-        "A_log": torch.rand(H, dtype=torch.float64).to(param_dtype),
-        "dt_bias": torch.rand(H, K, dtype=torch.float64).to(param_dtype),
+        "v": torch.randn(B, T, HV, V, dtype=torch.float64).to(dtype),
+        "g": torch.randn(B, T, HV, K, dtype=torch.float64).to(dtype),
+        "beta": torch.randn(B, T, HV, dtype=torch.float64).to(dtype),
+        "A_log": torch.rand(HV, dtype=torch.float64).to(param_dtype),
+        "dt_bias": torch.rand(HV, K, dtype=torch.float64).to(param_dtype),
         "initial_state": None,
         "cu_seqlens": cu,
     }
     if state_dtype is not None:
-        d["initial_state"] = torch.randn(N, H, V, K, dtype=torch.float64).to(state_dtype)
+        d["initial_state"] = torch.randn(N, HV, V, K, dtype=torch.float64).to(state_dtype)
     if requires_grad:
         for name in INPUT_NAMES + ("initial_state",):
             if d[name] is not None:

@@ -335,3 +335,30 @@ def test_fwd_inplace_decode_one_buffer_for_both_states():
     torch_kda.fwd(*positional(g)[:5], None, out, g["A_log"], g["dt_bias"], -5.0, initial_state=buf[:4],
                   final_state=buf[1:])
     assert rel(buf[1:], ref_final) <= 1e-4
+
+
+def test_fwd_inplace_decode_graph_replay():
+    """torch_kda.fwd with decode shapes captured in a CUDA graph (serving's decode
+    step), replayed after every input took new values: bitwise the eager call."""
+    def fresh():
+        return to_dev(make_inputs(seqlens=[1, 2, 0, 1], H=2, K=D, V=D, dtype=torch.bfloat16,
+                                  state_dtype=torch.float32))
+
+    static, new = fresh(), fresh()
+    out = torch.empty_like(static["v"])
+    final = torch.empty_like(static["initial_state"])
+
+    def step(x=static, out=out, final=final):
+        torch_kda.fwd(*positional(x)[:5], None, out, x["A_log"], x["dt_bias"], -5.0,
+                      initial_state=x["initial_state"], final_state=final, cu_seqlens=x["cu_seqlens"])
+
+    graph, _ = capture_graph(step)
+    for name, t in static.items():
+        if isinstance(t, torch.Tensor):
+            t.copy_(new[name])
+    out.fill_(float("nan"))
+    final.fill_(float("nan"))
+    graph.replay()
+    want_out, want_final = torch.empty_like(out), torch.empty_like(final)
+    step(new, want_out, want_final)
+    assert torch.equal(out, want_out) and torch.equal(final, want_final)

@@ -220,22 +220,22 @@ class TestRank(ErrorTestCase):
         self.assertRejects(self.fwd(k=randn(B, T, H, K, 1)), "k", """kda.fwd: k must be a 4-D tensor [B, T, H, K], got a 5-D tensor of shape [2, 5, 3, 4, 1]""")
 
     def test_v_rank(self):
-        self.assertRejects(self.fwd(v=randn(B, T, H * V)), "v", """kda.fwd: v must be a 4-D tensor [B, T, H, V], got a 3-D tensor of shape [2, 5, 18]""")
+        self.assertRejects(self.fwd(v=randn(B, T, H * V)), "v", """kda.fwd: v must be a 4-D tensor [B, T, HV, V], got a 3-D tensor of shape [2, 5, 18]""")
 
     def test_g_rank(self):
-        self.assertRejects(self.fwd(g=randn(B, T, H * K)), "g", """kda.fwd: g must be a 4-D tensor [B, T, H, K], got a 3-D tensor of shape [2, 5, 12]""")
+        self.assertRejects(self.fwd(g=randn(B, T, H * K)), "g", """kda.fwd: g must be a 4-D tensor [B, T, HV, K], got a 3-D tensor of shape [2, 5, 12]""")
 
     def test_beta_rank(self):
-        self.assertRejects(self.fwd(beta=randn(B, T, H, 1)), "beta", """kda.fwd: beta must be a 3-D tensor [B, T, H], got a 4-D tensor of shape [2, 5, 3, 1]""")
+        self.assertRejects(self.fwd(beta=randn(B, T, H, 1)), "beta", """kda.fwd: beta must be a 3-D tensor [B, T, HV], got a 4-D tensor of shape [2, 5, 3, 1]""")
 
     def test_A_log_rank(self):
-        self.assertRejects(self.fwd(A_log=randn(1, H)), "A_log", """kda.fwd: A_log must be a 1-D tensor [H], got a 2-D tensor of shape [1, 3]""")
+        self.assertRejects(self.fwd(A_log=randn(1, H)), "A_log", """kda.fwd: A_log must be a 1-D tensor [HV], got a 2-D tensor of shape [1, 3]""")
 
     def test_dt_bias_rank(self):
-        self.assertRejects(self.fwd(dt_bias=randn(H * K)), "dt_bias", """kda.fwd: dt_bias must be a 2-D tensor [H, K], got a 1-D tensor of shape [12]""")
+        self.assertRejects(self.fwd(dt_bias=randn(H * K)), "dt_bias", """kda.fwd: dt_bias must be a 2-D tensor [HV, K], got a 1-D tensor of shape [12]""")
 
     def test_initial_state_rank(self):
-        self.assertRejects(self.fwd(initial_state=randn(B * H, V, K)), "initial_state", """kda.fwd: initial_state must be a 4-D tensor [N, H, V, K], got a 3-D tensor of shape [6, 6, 4]""")
+        self.assertRejects(self.fwd(initial_state=randn(B * H, V, K)), "initial_state", """kda.fwd: initial_state must be a 4-D tensor [N, HV, V, K], got a 3-D tensor of shape [6, 6, 4]""")
 
     def test_cu_seqlens_rank(self):
         cu = torch.tensor([[0, 2, 2, 5]])
@@ -245,16 +245,16 @@ class TestRank(ErrorTestCase):
         self.assertRejects(self.fwd_varlen(cu_seqlens=torch.tensor(5)), "cu_seqlens", """kda.fwd: cu_seqlens must be a 1-D tensor [N + 1], got a 0-D tensor of shape []""")
 
     def test_out_rank(self):
-        self.assertRejects(self.fwd_(out=randn(B, T, H * V)), "out", """kda.fwd_: out must be a 4-D tensor [B, T, H, V], got a 3-D tensor of shape [2, 5, 18]""")
+        self.assertRejects(self.fwd_(out=randn(B, T, H * V)), "out", """kda.fwd_: out must be a 4-D tensor [B, T, HV, V], got a 3-D tensor of shape [2, 5, 18]""")
 
     def test_final_state_rank(self):
-        self.assertRejects(self.fwd_(final_state=randn(B, H, V * K)), "final_state", """kda.fwd_: final_state must be a 4-D tensor [N, H, V, K], got a 3-D tensor of shape [2, 3, 24]""")
+        self.assertRejects(self.fwd_(final_state=randn(B, H, V * K)), "final_state", """kda.fwd_: final_state must be a 4-D tensor [N, HV, V, K], got a 3-D tensor of shape [2, 3, 24]""")
 
     def test_grad_out_rank(self):
-        self.assertRejects(self.bwd(grad_out=randn(B * T, H, V)), "grad_out", """kda.bwd: grad_out must be a 4-D tensor [B, T, H, V], got a 3-D tensor of shape [10, 3, 6]""")
+        self.assertRejects(self.bwd(grad_out=randn(B * T, H, V)), "grad_out", """kda.bwd: grad_out must be a 4-D tensor [B, T, HV, V], got a 3-D tensor of shape [10, 3, 6]""")
 
     def test_grad_final_state_rank(self):
-        self.assertRejects(self.bwd(grad_final_state=randn(B, H, V, K, 1)), "grad_final_state", """kda.bwd: grad_final_state must be a 4-D tensor [N, H, V, K], got a 5-D tensor of shape [2, 3, 6, 4, 1]""")
+        self.assertRejects(self.bwd(grad_final_state=randn(B, H, V, K, 1)), "grad_final_state", """kda.bwd: grad_final_state must be a 4-D tensor [N, HV, V, K], got a 5-D tensor of shape [2, 3, 6, 4, 1]""")
 
 
 class TestShape(ErrorTestCase):
@@ -276,51 +276,51 @@ class TestShape(ErrorTestCase):
         self.assertRejects(self.fwd(k=randn(B, T + 1, H, K)), "k", """kda.fwd: k must have the shape of q [2, 5, 3, 4], got [2, 6, 3, 4]""")
 
     def test_g_shape(self):
-        self.assertRejects(self.fwd(g=randn(B, T, H, K + 1)), "g", """kda.fwd: g must have the shape of q [2, 5, 3, 4], got [2, 5, 3, 5]""")
+        self.assertRejects(self.fwd(g=randn(B, T, H, K + 1)), "g", """kda.fwd: g must have shape [B, T, HV, K] with K = 4 at dim 3, got shape [2, 5, 3, 5]""")
 
     def test_v_batch(self):
-        self.assertRejects(self.fwd(v=randn(B + 1, T, H, V)), "v", """kda.fwd: v must have shape [B, T, H, V] with B = 2 at dim 0, got shape [3, 5, 3, 6]""")
+        self.assertRejects(self.fwd(v=randn(B + 1, T, H, V)), "v", """kda.fwd: v must have shape [B, T, HV, V] with B = 2 at dim 0, got shape [3, 5, 3, 6]""")
 
     def test_v_length(self):
-        self.assertRejects(self.fwd(v=randn(B, T - 1, H, V)), "v", """kda.fwd: v must have shape [B, T, H, V] with T = 5 at dim 1, got shape [2, 4, 3, 6]""")
+        self.assertRejects(self.fwd(v=randn(B, T - 1, H, V)), "v", """kda.fwd: v must have shape [B, T, HV, V] with T = 5 at dim 1, got shape [2, 4, 3, 6]""")
 
     def test_v_heads(self):
-        self.assertRejects(self.fwd(v=randn(B, T, H + 1, V)), "v", """kda.fwd: v must have shape [B, T, H, V] with H = 3 at dim 2, got shape [2, 5, 4, 6]""")
+        self.assertRejects(self.fwd(v=randn(B, T, H + 1, V)), "v", """kda.fwd: v must have a number of heads HV (dim 2) that is a multiple of q's H = 3 (value head j uses query/key head j // (HV / H)), got shape [2, 5, 4, 6]""")
 
     def test_beta_batch(self):
-        self.assertRejects(self.fwd(beta=randn(1, T, H)), "beta", """kda.fwd: beta must have shape [B, T, H] with B = 2 at dim 0, got shape [1, 5, 3]""")
+        self.assertRejects(self.fwd(beta=randn(1, T, H)), "beta", """kda.fwd: beta must have shape [B, T, HV] with B = 2 at dim 0, got shape [1, 5, 3]""")
 
     def test_beta_length(self):
-        self.assertRejects(self.fwd(beta=randn(B, T + 2, H)), "beta", """kda.fwd: beta must have shape [B, T, H] with T = 5 at dim 1, got shape [2, 7, 3]""")
+        self.assertRejects(self.fwd(beta=randn(B, T + 2, H)), "beta", """kda.fwd: beta must have shape [B, T, HV] with T = 5 at dim 1, got shape [2, 7, 3]""")
 
     def test_beta_heads(self):
-        self.assertRejects(self.fwd(beta=randn(B, T, 1)), "beta", """kda.fwd: beta must have shape [B, T, H] with H = 3 at dim 2, got shape [2, 5, 1]""")
+        self.assertRejects(self.fwd(beta=randn(B, T, 1)), "beta", """kda.fwd: beta must have shape [B, T, HV] with HV = 3 at dim 2, got shape [2, 5, 1]""")
 
     def test_A_log_heads(self):
-        self.assertRejects(self.fwd(A_log=randn(H + 1)), "A_log", """kda.fwd: A_log must have shape [H] with H = 3 at dim 0, got shape [4]""")
+        self.assertRejects(self.fwd(A_log=randn(H + 1)), "A_log", """kda.fwd: A_log must have shape [HV] with HV = 3 at dim 0, got shape [4]""")
 
     def test_dt_bias_heads(self):
-        self.assertRejects(self.fwd(dt_bias=randn(H - 1, K)), "dt_bias", """kda.fwd: dt_bias must have shape [H, K] with H = 3 at dim 0, got shape [2, 4]""")
+        self.assertRejects(self.fwd(dt_bias=randn(H - 1, K)), "dt_bias", """kda.fwd: dt_bias must have shape [HV, K] with HV = 3 at dim 0, got shape [2, 4]""")
 
     def test_dt_bias_head_size(self):
-        self.assertRejects(self.fwd(dt_bias=randn(H, V)), "dt_bias", """kda.fwd: dt_bias must have shape [H, K] with K = 4 at dim 1, got shape [3, 6]""")
+        self.assertRejects(self.fwd(dt_bias=randn(H, V)), "dt_bias", """kda.fwd: dt_bias must have shape [HV, K] with K = 4 at dim 1, got shape [3, 6]""")
 
     def test_initial_state_sequences(self):
-        self.assertRejects(self.fwd(initial_state=randn(B + 1, H, V, K)), "initial_state", """kda.fwd: initial_state must have shape [N, H, V, K] with N = 2 at dim 0, got shape [3, 3, 6, 4]""")
+        self.assertRejects(self.fwd(initial_state=randn(B + 1, H, V, K)), "initial_state", """kda.fwd: initial_state must have shape [N, HV, V, K] with N = 2 at dim 0, got shape [3, 3, 6, 4]""")
 
     def test_initial_state_heads(self):
-        self.assertRejects(self.fwd(initial_state=randn(B, 1, V, K)), "initial_state", """kda.fwd: initial_state must have shape [N, H, V, K] with H = 3 at dim 1, got shape [2, 1, 6, 4]""")
+        self.assertRejects(self.fwd(initial_state=randn(B, 1, V, K)), "initial_state", """kda.fwd: initial_state must have shape [N, HV, V, K] with HV = 3 at dim 1, got shape [2, 1, 6, 4]""")
 
     def test_initial_state_k_first_layout(self):
         # The classic mistake: a K-first [N, H, K, V] state instead of V-first.
-        self.assertRejects(self.fwd(initial_state=randn(B, H, K, V)), "initial_state", """kda.fwd: initial_state must have shape [N, H, V, K] with V = 6 at dim 2, got shape [2, 3, 4, 6]""")
+        self.assertRejects(self.fwd(initial_state=randn(B, H, K, V)), "initial_state", """kda.fwd: initial_state must have shape [N, HV, V, K] with V = 6 at dim 2, got shape [2, 3, 4, 6]""")
 
     def test_initial_state_head_size(self):
-        self.assertRejects(self.fwd(initial_state=randn(B, H, V, K + 1)), "initial_state", """kda.fwd: initial_state must have shape [N, H, V, K] with K = 4 at dim 3, got shape [2, 3, 6, 5]""")
+        self.assertRejects(self.fwd(initial_state=randn(B, H, V, K + 1)), "initial_state", """kda.fwd: initial_state must have shape [N, HV, V, K] with K = 4 at dim 3, got shape [2, 3, 6, 5]""")
 
     def test_initial_state_sequences_varlen(self):
         # With cu_seqlens, N is len(cu_seqlens) - 1, not B.
-        self.assertRejects(self.fwd_varlen(initial_state=randn(1, H, V, K)), "initial_state", """kda.fwd: initial_state must have shape [N, H, V, K] with N = 3 at dim 0, got shape [1, 3, 6, 4]""")
+        self.assertRejects(self.fwd_varlen(initial_state=randn(1, H, V, K)), "initial_state", """kda.fwd: initial_state must have shape [N, HV, V, K] with N = 3 at dim 0, got shape [1, 3, 6, 4]""")
 
     def test_cu_seqlens_with_batch(self):
         cu = torch.tensor([0, 2, 5])
@@ -331,16 +331,16 @@ class TestShape(ErrorTestCase):
         self.assertRejects(self.fwd_varlen(cu_seqlens=cu, initial_state=None), "cu_seqlens", """kda.fwd: cu_seqlens must hold at least one offset (N + 1 >= 1), got shape [0]""")
 
     def test_out_batch(self):
-        self.assertRejects(self.fwd_(out=randn(B + 1, T, H, V)), "out", """kda.fwd_: out must have shape [B, T, H, V] with B = 2 at dim 0, got shape [3, 5, 3, 6]""")
+        self.assertRejects(self.fwd_(out=randn(B + 1, T, H, V)), "out", """kda.fwd_: out must have shape [B, T, HV, V] with B = 2 at dim 0, got shape [3, 5, 3, 6]""")
 
     def test_out_length(self):
-        self.assertRejects(self.fwd_(out=randn(B, T + 1, H, V)), "out", """kda.fwd_: out must have shape [B, T, H, V] with T = 5 at dim 1, got shape [2, 6, 3, 6]""")
+        self.assertRejects(self.fwd_(out=randn(B, T + 1, H, V)), "out", """kda.fwd_: out must have shape [B, T, HV, V] with T = 5 at dim 1, got shape [2, 6, 3, 6]""")
 
     def test_out_heads(self):
-        self.assertRejects(self.fwd_(out=randn(B, T, H - 1, V)), "out", """kda.fwd_: out must have shape [B, T, H, V] with H = 3 at dim 2, got shape [2, 5, 2, 6]""")
+        self.assertRejects(self.fwd_(out=randn(B, T, H - 1, V)), "out", """kda.fwd_: out must have shape [B, T, HV, V] with HV = 3 at dim 2, got shape [2, 5, 2, 6]""")
 
     def test_out_head_size(self):
-        self.assertRejects(self.fwd_(out=randn(B, T, H, K)), "out", """kda.fwd_: out must have shape [B, T, H, V] with V = 6 at dim 3, got shape [2, 5, 3, 4]""")
+        self.assertRejects(self.fwd_(out=randn(B, T, H, K)), "out", """kda.fwd_: out must have shape [B, T, HV, V] with V = 6 at dim 3, got shape [2, 5, 3, 4]""")
 
     def test_out_internal_overlap(self):
         # An expanded `out` would make several outputs share one element: it must be
@@ -366,43 +366,43 @@ class TestShape(ErrorTestCase):
         self.assertRejects(self.fwd_(out=out, final_state=final_state), "final_state", """kda.fwd_: out and final_state must not share memory (each element is written once, by one of them)""")
 
     def test_final_state_sequences(self):
-        self.assertRejects(self.fwd_(final_state=randn(B - 1, H, V, K)), "final_state", """kda.fwd_: final_state must have shape [N, H, V, K] with N = 2 at dim 0, got shape [1, 3, 6, 4]""")
+        self.assertRejects(self.fwd_(final_state=randn(B - 1, H, V, K)), "final_state", """kda.fwd_: final_state must have shape [N, HV, V, K] with N = 2 at dim 0, got shape [1, 3, 6, 4]""")
 
     def test_final_state_heads(self):
-        self.assertRejects(self.fwd_(final_state=randn(B, H + 1, V, K)), "final_state", """kda.fwd_: final_state must have shape [N, H, V, K] with H = 3 at dim 1, got shape [2, 4, 6, 4]""")
+        self.assertRejects(self.fwd_(final_state=randn(B, H + 1, V, K)), "final_state", """kda.fwd_: final_state must have shape [N, HV, V, K] with HV = 3 at dim 1, got shape [2, 4, 6, 4]""")
 
     def test_final_state_k_first_layout(self):
-        self.assertRejects(self.fwd_(final_state=randn(B, H, K, V)), "final_state", """kda.fwd_: final_state must have shape [N, H, V, K] with V = 6 at dim 2, got shape [2, 3, 4, 6]""")
+        self.assertRejects(self.fwd_(final_state=randn(B, H, K, V)), "final_state", """kda.fwd_: final_state must have shape [N, HV, V, K] with V = 6 at dim 2, got shape [2, 3, 4, 6]""")
 
     def test_final_state_head_size(self):
-        self.assertRejects(self.fwd_(final_state=randn(B, H, V, K - 1)), "final_state", """kda.fwd_: final_state must have shape [N, H, V, K] with K = 4 at dim 3, got shape [2, 3, 6, 3]""")
+        self.assertRejects(self.fwd_(final_state=randn(B, H, V, K - 1)), "final_state", """kda.fwd_: final_state must have shape [N, HV, V, K] with K = 4 at dim 3, got shape [2, 3, 6, 3]""")
 
     def test_final_state_sequences_varlen(self):
-        self.assertRejects(self.fwd_(varlen=True, final_state=randn(B, H, V, K)), "final_state", """kda.fwd_: final_state must have shape [N, H, V, K] with N = 3 at dim 0, got shape [2, 3, 6, 4]""")
+        self.assertRejects(self.fwd_(varlen=True, final_state=randn(B, H, V, K)), "final_state", """kda.fwd_: final_state must have shape [N, HV, V, K] with N = 3 at dim 0, got shape [2, 3, 6, 4]""")
 
     def test_grad_out_batch(self):
-        self.assertRejects(self.bwd(grad_out=randn(B + 1, T, H, V)), "grad_out", """kda.bwd: grad_out must have shape [B, T, H, V] with B = 2 at dim 0, got shape [3, 5, 3, 6]""")
+        self.assertRejects(self.bwd(grad_out=randn(B + 1, T, H, V)), "grad_out", """kda.bwd: grad_out must have shape [B, T, HV, V] with B = 2 at dim 0, got shape [3, 5, 3, 6]""")
 
     def test_grad_out_length(self):
-        self.assertRejects(self.bwd(grad_out=randn(B, T - 1, H, V)), "grad_out", """kda.bwd: grad_out must have shape [B, T, H, V] with T = 5 at dim 1, got shape [2, 4, 3, 6]""")
+        self.assertRejects(self.bwd(grad_out=randn(B, T - 1, H, V)), "grad_out", """kda.bwd: grad_out must have shape [B, T, HV, V] with T = 5 at dim 1, got shape [2, 4, 3, 6]""")
 
     def test_grad_out_heads(self):
-        self.assertRejects(self.bwd(grad_out=randn(B, T, H + 1, V)), "grad_out", """kda.bwd: grad_out must have shape [B, T, H, V] with H = 3 at dim 2, got shape [2, 5, 4, 6]""")
+        self.assertRejects(self.bwd(grad_out=randn(B, T, H + 1, V)), "grad_out", """kda.bwd: grad_out must have shape [B, T, HV, V] with HV = 3 at dim 2, got shape [2, 5, 4, 6]""")
 
     def test_grad_out_head_size(self):
-        self.assertRejects(self.bwd(grad_out=randn(B, T, H, K)), "grad_out", """kda.bwd: grad_out must have shape [B, T, H, V] with V = 6 at dim 3, got shape [2, 5, 3, 4]""")
+        self.assertRejects(self.bwd(grad_out=randn(B, T, H, K)), "grad_out", """kda.bwd: grad_out must have shape [B, T, HV, V] with V = 6 at dim 3, got shape [2, 5, 3, 4]""")
 
     def test_grad_final_state_sequences(self):
-        self.assertRejects(self.bwd(grad_final_state=randn(B + 1, H, V, K)), "grad_final_state", """kda.bwd: grad_final_state must have shape [N, H, V, K] with N = 2 at dim 0, got shape [3, 3, 6, 4]""")
+        self.assertRejects(self.bwd(grad_final_state=randn(B + 1, H, V, K)), "grad_final_state", """kda.bwd: grad_final_state must have shape [N, HV, V, K] with N = 2 at dim 0, got shape [3, 3, 6, 4]""")
 
     def test_grad_final_state_heads(self):
-        self.assertRejects(self.bwd(grad_final_state=randn(B, H - 1, V, K)), "grad_final_state", """kda.bwd: grad_final_state must have shape [N, H, V, K] with H = 3 at dim 1, got shape [2, 2, 6, 4]""")
+        self.assertRejects(self.bwd(grad_final_state=randn(B, H - 1, V, K)), "grad_final_state", """kda.bwd: grad_final_state must have shape [N, HV, V, K] with HV = 3 at dim 1, got shape [2, 2, 6, 4]""")
 
     def test_grad_final_state_k_first_layout(self):
-        self.assertRejects(self.bwd(grad_final_state=randn(B, H, K, V)), "grad_final_state", """kda.bwd: grad_final_state must have shape [N, H, V, K] with V = 6 at dim 2, got shape [2, 3, 4, 6]""")
+        self.assertRejects(self.bwd(grad_final_state=randn(B, H, K, V)), "grad_final_state", """kda.bwd: grad_final_state must have shape [N, HV, V, K] with V = 6 at dim 2, got shape [2, 3, 4, 6]""")
 
     def test_grad_final_state_head_size(self):
-        self.assertRejects(self.bwd(grad_final_state=randn(B, H, V, V)), "grad_final_state", """kda.bwd: grad_final_state must have shape [N, H, V, K] with K = 4 at dim 3, got shape [2, 3, 6, 6]""")
+        self.assertRejects(self.bwd(grad_final_state=randn(B, H, V, V)), "grad_final_state", """kda.bwd: grad_final_state must have shape [N, HV, V, K] with K = 4 at dim 3, got shape [2, 3, 6, 6]""")
 
 
 class TestCuSeqlensContents(ErrorTestCase):

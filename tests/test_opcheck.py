@@ -23,6 +23,8 @@ CASES = [
     ("fixed_fp32_bounded_fp64_params", dict(B=1, T=8, H=2, K=4, V=4, param_dtype=F64), -1.0, None),
     ("varlen_fp32_softplus_many", dict(H=2, K=4, V=4, seqlens=[1, 2, 3, 0, 4], state_dtype=F32), None, None),
     ("fixed_fp32_long_bounded", dict(B=1, T=40, H=1, K=16, V=16, state_dtype=F32), -5.0, None),
+    ("grouped_fixed_fp32_softplus", dict(B=2, T=6, H=1, HV=2, K=4, V=4, state_dtype=F32), None, None),
+    ("grouped_varlen_bf16_bounded", dict(H=2, HV=8, K=8, V=4, seqlens=[3, 0, 5], dtype=BF16), -1.0, None),
 ]
 IDS = [c[0] for c in CASES]
 
@@ -48,13 +50,13 @@ def test_opcheck_fwd(case, output_final_state):
 def test_opcheck_fwd_inplace(case, with_final_state):
     d, lower_bound, scale = _sample(case)
     q, v = d["q"], d["v"]
-    out = torch.full((*q.shape[:3], v.shape[-1]), float("nan"), dtype=q.dtype)
+    out = torch.full(v.shape, float("nan"), dtype=q.dtype)
     final_state = None
     if with_final_state:
         state = d["initial_state"]
         N = q.shape[0] if d["cu_seqlens"] is None else d["cu_seqlens"].numel() - 1
         dtype = state.dtype if state is not None else F32
-        final_state = torch.full((N, q.shape[2], v.shape[-1], q.shape[-1]), float("nan"), dtype=dtype)
+        final_state = torch.full((N, v.shape[2], v.shape[-1], q.shape[-1]), float("nan"), dtype=dtype)
     args = positional(d) + (out, final_state, scale, lower_bound, d["initial_state"], d["cu_seqlens"])
     torch.library.opcheck(torch.ops.kda.fwd_.default, args)
 

@@ -175,7 +175,7 @@ class TestPoolErrors(expecttest.TestCase):
         self.assertExpectedInline(self._error(pool=self.pool.half()), """kda.fwd_pool_: state_pool must have dtype bfloat16, float32 or float64, got float16""")
 
     def test_pool_shape(self):
-        self.assertExpectedInline(self._error(pool=torch.zeros(5, 2, 4, 3)), """kda.fwd_pool_: state_pool must have shape [slots, H, V, K] with V = 3 at dim 2, got shape [5, 2, 4, 3]""")
+        self.assertExpectedInline(self._error(pool=torch.zeros(5, 2, 4, 3)), """kda.fwd_pool_: state_pool must have shape [slots, HV, V, K] with V = 3 at dim 2, got shape [5, 2, 4, 3]""")
 
     def test_pool_slot_not_contiguous(self):
         self.assertExpectedInline(self._error(pool=torch.zeros(5, 2, 4, 3).transpose(2, 3)), """kda.fwd_pool_: state_pool's slots must each be contiguous [H, V, K] (strides [>= H*V*K, V*K, K, 1]), got strides [24, 12, 1, 3]""")

@@ -49,13 +49,15 @@ def kda(
 ):
     """Kimi Delta Attention, differentiable.
 
-    Shapes: q, k, g [B, T, H, K]; v [B, T, H, V]; beta [B, T, H] (logits);
-    A_log [H]; dt_bias [H, K]; initial_state [N, H, V, K] (V-first);
-    cu_seqlens [N + 1] packs N sequences along T when B == 1.
+    Shapes: q, k [B, T, H, K]; v [B, T, HV, V]; g [B, T, HV, K]; beta [B, T, HV]
+    (logits); A_log [HV]; dt_bias [HV, K]; initial_state [N, HV, V, K] (V-first);
+    cu_seqlens [N + 1] packs N sequences along T when B == 1. HV is H, or a
+    multiple of it (grouped value heads, CPU only: value head j reads query/key
+    head j // (HV / H)).
     lower_bound < 0 selects the bounded gate, None the softplus gate;
     scale defaults to K ** -0.5.
 
-    Returns (out [B, T, H, V] in q's dtype, final_state [N, H, V, K] or None).
+    Returns (out [B, T, HV, V] in q's dtype, final_state [N, HV, V, K] or None).
     final_state has initial_state's dtype, else float32 (float64 for float64 inputs).
     On CUDA that dtype also sets the recurrence's precision: a bfloat16 state takes
     the state's products in bf16 (out and state ~3e-3 of float64, like fla's

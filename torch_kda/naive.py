@@ -37,11 +37,17 @@ def kda_naive(
 ):
     """Float64 token-by-token KDA. Differentiable (used for gradient checks too).
 
+    q, k [B, T, H_qk, K]; v [B, T, H, V] with H a multiple of H_qk (grouped value
+    heads: value head j reads query/key head j // (H / H_qk)); g [B, T, H, K];
+    beta [B, T, H]; A_log [H]; dt_bias [H, K].
     Returns (out [B, T, H, V], final_state [N, H, V, K]), both float64.
     """
     q, k, v, g, beta, A_log, dt_bias = (x.to(torch.float64) for x in (q, k, v, g, beta, A_log, dt_bias))
-    B, T, H, K = q.shape
-    V = v.shape[-1]
+    B, T, H, V = v.shape
+    K = q.shape[-1]
+    group = H // q.shape[2]
+    assert q.shape[2] * group == H, "v's heads must be a multiple of q's"
+    q, k = q.repeat_interleave(group, dim=2), k.repeat_interleave(group, dim=2)
     if scale is None:
         scale = K**-0.5
     bounds = sequence_bounds(B, T, cu_seqlens)

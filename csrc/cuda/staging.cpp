@@ -31,6 +31,10 @@ void check_cuda_limits(const char* op, const Problem& p, const Tensor& A_log, co
       concrete(p.V) == kHeadDim,
       op, ": on CUDA, the value head size V must be ", int_str(kHeadDim), ", got V = ", int_str(concrete(p.V)),
       " (other sizes run on the CPU)");
+  TORCH_CHECK(
+      concrete(p.H) == concrete(p.H_qk),
+      op, ": on CUDA, v must have as many heads as q (grouped value heads run on the CPU), got HV = ",
+      int_str(concrete(p.H)), " value heads for H = ", int_str(concrete(p.H_qk)), " query/key heads");
   TORCH_CHECK(A_log.scalar_type() == at::kFloat, op, ": on CUDA, A_log must have dtype float32, got ",
               dtype_name(A_log.scalar_type()));
   TORCH_CHECK(dt_bias.scalar_type() == at::kFloat, op, ": on CUDA, dt_bias must have dtype float32, got ",
