@@ -17,10 +17,11 @@ GATES = pytest.mark.parametrize("lower_bound", [None, -5.0], ids=["softplus", "b
 TOL = {F64: 1e-10, F32: 1e-5}
 
 
-def make_layer(lower_bound, hidden=16, heads=2, head_dim=4, conv_size=4, dtype=F32):
+def make_layer(lower_bound, hidden=16, heads=2, head_dim=4, conv_size=4, dtype=F32, v_heads=None):
     """A layer whose every parameter is random and non-trivial (the default init has
     an all-ones norm weight and fast decays that would hide a missing carried state)."""
-    m = KimiDeltaAttention(hidden, heads, head_dim, conv_size=conv_size, lower_bound=lower_bound)
+    m = KimiDeltaAttention(hidden, heads, head_dim, conv_size=conv_size, lower_bound=lower_bound,
+                           num_v_heads=v_heads)
     with torch.no_grad():
         m.gate.A_log.uniform_(-2.0, 0.0)  # A in [0.14, 1]: decays that keep some memory
         m.gate.dt_bias.normal_()
@@ -44,7 +45,7 @@ def reference_layer(m, x, cu_seqlens=None):
     p = {name: t.to(F64) for name, t in m.named_parameters()}
     x = x.to(F64)
     B, T, _ = x.shape
-    H, d, W = m.num_heads, m.head_dim, m.conv_size
+    H, HV, d, W = m.num_heads, m.num_v_heads, m.head_dim, m.conv_size
     bounds = sequence_bounds(B, T, cu_seqlens)
 
     def short_conv(z, weight):
@@ -59,19 +60,19 @@ def reference_layer(m, x, cu_seqlens=None):
                         acc = acc + weight[:, j] * z[b, src]
                 rows[b][t] = acc * torch.sigmoid(acc)
         out = [torch.stack(r) if T else z.new_zeros(0, z.shape[-1]) for r in rows]
-        return torch.stack(out).reshape(B, T, H, d)
+        return torch.stack(out).reshape(B, T, z.shape[-1] // d, d)
 
     q = short_conv(x @ p["q_proj.weight"].T, p["q_conv.weight"])
     k = short_conv(x @ p["k_proj.weight"].T, p["k_conv.weight"])
     v = short_conv(x @ p["v_proj.weight"].T, p["v_conv.weight"])
-    g = (x @ p["f_proj.0.weight"].T @ p["f_proj.1.weight"].T).reshape(B, T, H, d)
+    g = (x @ p["f_proj.0.weight"].T @ p["f_proj.1.weight"].T).reshape(B, T, HV, d)
     beta = x @ p["b_proj.weight"].T
     o, _ = reference_kda(
         q, k, v, g, beta, p["gate.A_log"], p["gate.dt_bias"], lower_bound=m.lower_bound, cu_seqlens=cu_seqlens
     )
-    gate = (x @ p["g_proj.0.weight"].T @ p["g_proj.1.weight"].T + p["g_proj.1.bias"]).reshape(B, T, H, d)
+    gate = (x @ p["g_proj.0.weight"].T @ p["g_proj.1.weight"].T + p["g_proj.1.bias"]).reshape(B, T, HV, d)
     o = o / torch.sqrt(o.square().mean(-1, keepdim=True) + m.o_norm.eps) * p["o_norm.weight"] * torch.sigmoid(gate)
-    return o.reshape(B, T, H * d) @ p["o_proj.weight"].T
+    return o.reshape(B, T, HV * d) @ p["o_proj.weight"].T
 
 
 LAYOUTS = {
@@ -105,6 +106,24 @@ def test_forward_matches_reference_composition(lower_bound, layout):
 
 
 @GATES
+@pytest.mark.parametrize("layout", ["fixed", "varlen"])
+def test_grouped_value_heads_match_reference_composition(lower_bound, layout):
+    """num_v_heads = 2 num_heads: v, the gate, beta, the state and the output per value head."""
+    x, cu, conv_size = _layout(layout, 16, F64)
+    m = make_layer(lower_bound, conv_size=conv_size, v_heads=4).double()
+    assert m.v_proj.weight.shape == (16, 16) and m.q_proj.weight.shape == (8, 16)
+    assert m.gate.A_log.shape == (4,) and m.b_proj.weight.shape == (4, 16)
+    y, state = m(x, cu_seqlens=cu, output_state=True)
+    assert state.recurrent.shape[1] == 4 and state.conv_v.shape[1] == 16 and state.conv_q.shape[1] == 8
+    assert rel(y, reference_layer(m, x, cu)) <= 1e-10
+
+
+def test_num_v_heads_not_a_multiple_rejected():
+    with pytest.raises(ValueError, match="num_v_heads must be a multiple of num_heads = 2, got 3"):
+        KimiDeltaAttention(16, 2, 4, num_v_heads=3)
+
+
+@GATES
 def test_parameter_gradients_match_reference_composition(lower_bound):
     x, cu, _ = _layout("varlen", 16, F64)
     m = make_layer(lower_bound).double()
@@ -114,7 +133,8 @@ def test_parameter_gradients_match_reference_composition(lower_bound):
     params = [p.detach().clone().requires_grad_(True) for p in m.parameters()]
 
     class Detached:  # the same attributes, with leaf float64 copies of the parameters
-        num_heads, head_dim, conv_size, lower_bound = m.num_heads, m.head_dim, m.conv_size, m.lower_bound
+        num_heads, num_v_heads, head_dim = m.num_heads, m.num_v_heads, m.head_dim
+        conv_size, lower_bound = m.conv_size, m.lower_bound
         o_norm = m.o_norm
 
         def named_parameters(self):
@@ -432,15 +452,16 @@ def test_carried_conv_state_of_wrong_shape():
         layer(torch.randn(1, 6, 16), cu_seqlens=cu, state=wide)
 
 
+@pytest.mark.parametrize("v_heads", [None, 4], ids=["heads", "grouped"])
 @pytest.mark.parametrize("lower_bound", [None, -5.0])
-def test_forward_cached_prefill_then_steps_equal_the_full_forward(lower_bound):
+def test_forward_cached_prefill_then_steps_equal_the_full_forward(lower_bound, v_heads):
     """KDACache and forward_cached: a varlen prefill into slots in a random order,
     then decoding steps (one with a padding row) give the full forward's outputs
     over prompt plus steps; the padding row's cache slot is left as it was."""
     from torch_kda.nn import KDACache
 
     torch.manual_seed(0)
-    layer = KimiDeltaAttention(32, 2, 8, lower_bound=lower_bound).double()
+    layer = KimiDeltaAttention(32, 2, 8, lower_bound=lower_bound, num_v_heads=v_heads).double()
     lens, steps = [5, 9, 1], 3
     seqs = [torch.randn(n + steps, 32, dtype=torch.float64) for n in lens]
     full_cu = torch.tensor([0] + [n + steps for n in lens]).cumsum(0)

@@ -1,7 +1,8 @@
 """The KDA layer of Kimi-Linear as an nn.Module, built on torch_kda.kda.
 
 Shapes: hidden states x [B, T, hidden_size]; with cu_seqlens ([N + 1]) B must be 1
-and the N sequences are packed along T. H = num_heads, d = head_dim (K = V = d).
+and the N sequences are packed along T. H = num_heads (q and k), HV = num_v_heads (v,
+the gate, beta, the state and the output; H unless grouped), d = head_dim (K = V = d).
 """
 from typing import NamedTuple, Optional
 
@@ -15,10 +16,10 @@ from torch_kda._ops import kda, kda_pool
 class KDAState(NamedTuple):
     """Recurrent state of one KimiDeltaAttention layer, per sequence.
 
-    recurrent: [N, H, d, d], V-first (state[n, h, v, k] = S[k, v]); fp32 unless the
+    recurrent: [N, HV, d, d], V-first (state[n, h, v, k] = S[k, v]); fp32 unless the
     state first passed in had another dtype.
-    conv_q, conv_k, conv_v: [N, H * d, conv_size - 1], the last inputs of each
-    short convolution (oldest first).
+    conv_q, conv_k: [N, H * d, conv_size - 1], conv_v: [N, HV * d, conv_size - 1], the
+    last inputs of each short convolution (oldest first).
     """
 
     recurrent: torch.Tensor
@@ -30,20 +31,20 @@ class KDAState(NamedTuple):
 class KDACache:
     """Generation state of one KimiDeltaAttention layer, per request slot.
 
-    recurrent: [slots, H, d, d] (V-first), the KDA state pool that
+    recurrent: [slots, HV, d, d] (V-first), the KDA state pool that
         torch_kda.kda_pool reads and writes in place; fp32 unless `dtype` says.
-    conv: [slots + 1, 3, H * d, conv_size - 1], the last inputs of the q, k and v
-        convolutions (oldest first), in the layer's dtype; the extra last slot
-        takes what padding rows (slot < 0) write.
+    conv: [slots + 1, (2 H + HV) * d, conv_size - 1], the last inputs of the q, k
+        and v convolutions (their channels in that order, oldest input first), in
+        the layer's dtype; the extra last slot takes what padding rows (slot < 0) write.
     A new request's slot must be zeroed first (reset).
     """
 
     def __init__(self, layer, slots, dtype=torch.float32, device=None):
-        H, d, W = layer.num_heads, layer.head_dim, layer.conv_size
+        H, HV, d, W = layer.num_heads, layer.num_v_heads, layer.head_dim, layer.conv_size
         device = layer.q_proj.weight.device if device is None else device
         self.slots = slots
-        self.recurrent = torch.zeros(slots, H, d, d, dtype=dtype, device=device)
-        self.conv = torch.zeros(slots + 1, 3, H * d, W - 1, dtype=layer.q_proj.weight.dtype, device=device)
+        self.recurrent = torch.zeros(slots, HV, d, d, dtype=dtype, device=device)
+        self.conv = torch.zeros(slots + 1, (2 * H + HV) * d, W - 1, dtype=layer.q_proj.weight.dtype, device=device)
 
     def reset(self, slots):
         """Zeroes the given slots (a LongTensor or list of slot indices) for new requests."""
@@ -174,12 +175,15 @@ class KimiDeltaAttention(nn.Module):
 
     Args:
         hidden_size: model width.
-        num_heads: H.
+        num_heads: H, the heads of q and k.
         head_dim: d (K = V = d; 128 in the shipped models, the size the CUDA kernels serve).
         conv_size: short convolution width (4).
         lower_bound: None for the softplus gate of Kimi-Linear; a negative number for the
             bounded gate lower_bound * sigmoid(exp(A_log) (g + dt_bias)).
         norm_eps: epsilon of the gated RMSNorm.
+        num_v_heads: HV, the heads of v, the gate, beta, the state and the output; a
+            multiple of H (grouped value heads: value head j reads query/key head
+            j // (HV / H); CPU only); None for H.
 
     forward(x [B, T, hidden_size], cu_seqlens=None, state=None, output_state=False)
     returns (y [B, T, hidden_size], KDAState or None). Passing the returned state to the
@@ -190,44 +194,52 @@ class KimiDeltaAttention(nn.Module):
     (prefill and decoding steps alike; no gradient).
     """
 
-    def __init__(self, hidden_size, num_heads, head_dim, conv_size=4, lower_bound=None, norm_eps=1e-5):
+    def __init__(self, hidden_size, num_heads, head_dim, conv_size=4, lower_bound=None, norm_eps=1e-5,
+                 num_v_heads=None):
         super().__init__()
         if lower_bound is not None and not lower_bound < 0:
             raise ValueError(f"KimiDeltaAttention: lower_bound must be negative or None, got {lower_bound}")
+        num_v_heads = num_heads if num_v_heads is None else num_v_heads
+        if num_v_heads < num_heads or num_v_heads % num_heads != 0:
+            raise ValueError(f"KimiDeltaAttention: num_v_heads must be a multiple of num_heads = {num_heads}, "
+                             f"got {num_v_heads}")
         self.hidden_size = hidden_size
         self.num_heads = num_heads
+        self.num_v_heads = num_v_heads
         self.head_dim = head_dim
         self.conv_size = conv_size
         self.lower_bound = lower_bound
-        inner = num_heads * head_dim
+        inner, inner_v = num_heads * head_dim, num_v_heads * head_dim
         self.q_proj = nn.Linear(hidden_size, inner, bias=False)
         self.k_proj = nn.Linear(hidden_size, inner, bias=False)
-        self.v_proj = nn.Linear(hidden_size, inner, bias=False)
+        self.v_proj = nn.Linear(hidden_size, inner_v, bias=False)
         self.q_conv = ShortConvolution(inner, conv_size)
         self.k_conv = ShortConvolution(inner, conv_size)
-        self.v_conv = ShortConvolution(inner, conv_size)
-        self.f_proj = nn.Sequential(nn.Linear(hidden_size, head_dim, bias=False), nn.Linear(head_dim, inner, bias=False))
-        self.gate = KDAGateParameters(num_heads, head_dim)
-        self.b_proj = nn.Linear(hidden_size, num_heads, bias=False)
-        self.g_proj = nn.Sequential(nn.Linear(hidden_size, head_dim, bias=False), nn.Linear(head_dim, inner, bias=True))
+        self.v_conv = ShortConvolution(inner_v, conv_size)
+        self.f_proj = nn.Sequential(nn.Linear(hidden_size, head_dim, bias=False),
+                                    nn.Linear(head_dim, inner_v, bias=False))
+        self.gate = KDAGateParameters(num_v_heads, head_dim)
+        self.b_proj = nn.Linear(hidden_size, num_v_heads, bias=False)
+        self.g_proj = nn.Sequential(nn.Linear(hidden_size, head_dim, bias=False),
+                                    nn.Linear(head_dim, inner_v, bias=True))
         self.o_norm = GatedRMSNorm(head_dim, eps=norm_eps)
-        self.o_proj = nn.Linear(inner, hidden_size, bias=False)
+        self.o_proj = nn.Linear(inner_v, hidden_size, bias=False)
 
     def forward(self, x, cu_seqlens=None, state: Optional[KDAState] = None, output_state: bool = False):
         B, T, _ = x.shape
-        H, d = self.num_heads, self.head_dim
+        HV, d = self.num_v_heads, self.head_dim
         offsets = _sequence_offsets(B, T, cu_seqlens, x.device)
         packed = x.reshape(1, B * T, x.shape[-1])
 
         def conv(proj, conv_mod, field):
             carried = getattr(state, field) if state is not None else None
             y, new = conv_mod(proj(packed), offsets, carried, output_state, state_name=f"state.{field}")
-            return y.reshape(B, T, H, d), new
+            return y.reshape(B, T, conv_mod.channels // d, d), new
 
         q, conv_q = conv(self.q_proj, self.q_conv, "conv_q")
         k, conv_k = conv(self.k_proj, self.k_conv, "conv_k")
         v, conv_v = conv(self.v_proj, self.v_conv, "conv_v")
-        g = self.f_proj(x).reshape(B, T, H, d)
+        g = self.f_proj(x).reshape(B, T, HV, d)
         beta = self.b_proj(x)
         A_log, dt_bias = self.gate()
         o, recurrent = kda(
@@ -237,8 +249,8 @@ class KimiDeltaAttention(nn.Module):
             output_final_state=output_state,
             cu_seqlens=cu_seqlens,
         )
-        o = self.o_norm(o, self.g_proj(x).reshape(B, T, H, d))
-        y = self.o_proj(o.reshape(B, T, H * d))
+        o = self.o_norm(o, self.g_proj(x).reshape(B, T, HV, d))
+        y = self.o_proj(o.reshape(B, T, HV * d))
         if not output_state:
             return y, None
         return y, KDAState(recurrent, conv_q, conv_k, conv_v)
@@ -250,24 +262,24 @@ class KimiDeltaAttention(nn.Module):
         it reads and writes no state). Returns y like x. Runs no host sync, so a
         decoding step can be captured in a CUDA graph and replayed with new slots."""
         B, T, _ = x.shape
-        H, d = self.num_heads, self.head_dim
+        HV, d = self.num_v_heads, self.head_dim
         offsets = _sequence_offsets(B, T, cu_seqlens, x.device)
         packed = x.reshape(1, B * T, x.shape[-1])
         conv_slots = torch.where(slots < 0, torch.full_like(slots, cache.slots), slots)
-        carried = cache.conv[conv_slots]  # [N, 3, C, W - 1]
+        convs = ((self.q_proj, self.q_conv), (self.k_proj, self.k_conv), (self.v_proj, self.v_conv))
+        carried = cache.conv[conv_slots].split([c.channels for _, c in convs], dim=1)  # each [N, C, W - 1]
         new_conv = []
         qkv = []
-        for i, (proj, conv_mod) in enumerate(((self.q_proj, self.q_conv), (self.k_proj, self.k_conv),
-                                              (self.v_proj, self.v_conv))):
-            y, new = conv_mod(proj(packed), offsets, carried[:, i], True, state_name="cache.conv")
-            qkv.append(y.reshape(B, T, H, d))
+        for (proj, conv_mod), held in zip(convs, carried):
+            y, new = conv_mod(proj(packed), offsets, held, True, state_name="cache.conv")
+            qkv.append(y.reshape(B, T, conv_mod.channels // d, d))
             new_conv.append(new)
         q, k, v = qkv
-        g = self.f_proj(x).reshape(B, T, H, d)
+        g = self.f_proj(x).reshape(B, T, HV, d)
         beta = self.b_proj(x)
         A_log, dt_bias = self.gate()
         o = kda_pool(q, k, v, g.to(q.dtype), beta.to(q.dtype), A_log, dt_bias, cache.recurrent, slots,
                      lower_bound=self.lower_bound, cu_seqlens=cu_seqlens)
-        cache.conv.index_copy_(0, conv_slots, torch.stack(new_conv, 1).to(cache.conv.dtype))
-        o = self.o_norm(o, self.g_proj(x).reshape(B, T, H, d))
-        return self.o_proj(o.reshape(B, T, H * d))
+        cache.conv.index_copy_(0, conv_slots, torch.cat(new_conv, 1).to(cache.conv.dtype))
+        o = self.o_norm(o, self.g_proj(x).reshape(B, T, HV, d))
+        return self.o_proj(o.reshape(B, T, HV * d))
