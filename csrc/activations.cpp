@@ -55,6 +55,11 @@ Activations compute_activations(
 
   const int64_t H = concrete(p.H);
   const int64_t K = concrete(p.K);
+  if (p.precomputed_gate) {
+    a.lam = g.to(acc).contiguous();
+    a.alpha = at::exp(a.lam).contiguous();
+    return a;
+  }
   at::Tensor A = at::exp(A_log.to(acc)).view({1, 1, H, 1});
   at::Tensor x = g.to(acc) + dt_bias.to(acc).view({1, 1, H, K});
   if (p.gate == Gate::kBounded) {
@@ -82,9 +87,13 @@ void backprop_activations(
   o.dv.copy_(d.dv);
   o.dbeta.copy_(d.dbeta * a.beta * (1 - a.beta));
 
+  const at::Tensor& dlam = d.dlam;
+  if (p.precomputed_gate) {
+    o.dg.copy_(dlam);
+    return;
+  }
   const int64_t H = concrete(p.H);
   at::Tensor A = at::exp(A_log.to(a.lam.scalar_type())).view({1, 1, H, 1});
-  const at::Tensor& dlam = d.dlam;
   at::Tensor dx;       // gradient w.r.t. g + dt_bias
   at::Tensor dA_term;  // per element contribution to dA_log
   if (p.gate == Gate::kBounded) {

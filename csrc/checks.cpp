@@ -122,13 +122,27 @@ std::string shape_str(c10::SymIntArrayRef sizes) {
 }
 
 void check_A_log_values(const char* op, const at::Tensor& A_log, bool in_double) {
-  if (A_log.numel() == 0) {
+  if (!A_log.defined() || A_log.numel() == 0) {
     return;
   }
   const double limit = in_double ? std::log(DBL_MAX) : std::log(FLT_MAX);
   const double largest = A_log.max().item<double>();
   TORCH_CHECK(largest <= limit, op, ": A_log must be at most ", float_str(limit), " so that exp(A_log) is finite in ",
               in_double ? "float64" : "float32", ", got a largest value of ", float_str(largest));
+}
+
+void check_precomputed_gate_values(const char* op, const Problem& p, const at::Tensor& g) {
+  if (!p.precomputed_gate || g.numel() == 0) {
+    return;
+  }
+  const double largest = g.max().item<double>();
+  TORCH_CHECK(largest <= 0.0, op, ": g must be a log decay (at most 0) when A_log and dt_bias are None, got a "
+              "largest value of ", float_str(largest));
+  if (p.gate == Gate::kBounded) {
+    const double smallest = g.min().item<double>();
+    TORCH_CHECK(smallest >= p.lower_bound, op, ": g must be at least lower_bound = ", float_str(p.lower_bound),
+                " (its promise for a precomputed gate), got a smallest value of ", float_str(smallest));
+  }
 }
 
 bool debug_checks_enabled() {
@@ -161,8 +175,11 @@ Problem check_forward_args(
   check_defined(op, "v", v);
   check_defined(op, "g", g);
   check_defined(op, "beta", beta);
-  check_defined(op, "A_log", A_log);
-  check_defined(op, "dt_bias", dt_bias);
+  TORCH_CHECK(
+      A_log.defined() == dt_bias.defined(),
+      op, ": A_log and dt_bias must both be tensors, or both None (then g is the log decay itself), got ",
+      A_log.defined() ? "dt_bias None" : "A_log None");
+  const bool gate_params = A_log.defined();
 
   // Devices first: a mismatch there explains every later surprise.
   TORCH_CHECK(
@@ -172,8 +189,10 @@ Problem check_forward_args(
   check_same_device(op, "v", v, q);
   check_same_device(op, "g", g, q);
   check_same_device(op, "beta", beta, q);
-  check_same_device(op, "A_log", A_log, q);
-  check_same_device(op, "dt_bias", dt_bias, q);
+  if (gate_params) {
+    check_same_device(op, "A_log", A_log, q);
+    check_same_device(op, "dt_bias", dt_bias, q);
+  }
   if (initial_state.has_value()) {
     check_same_device(op, "initial_state", *initial_state, q);
   }
@@ -187,14 +206,23 @@ Problem check_forward_args(
       op, ": q must have dtype bfloat16, float16, float32 or float64, got ", dtype_name(q.scalar_type()));
   check_dtype_is(op, "k", k, q.scalar_type(), "the dtype of q");
   check_dtype_is(op, "v", v, q.scalar_type(), "the dtype of q");
-  check_dtype_is(op, "g", g, q.scalar_type(), "the dtype of q");
+  if (gate_params) {
+    check_dtype_is(op, "g", g, q.scalar_type(), "the dtype of q");
+  } else {
+    TORCH_CHECK(
+        g.scalar_type() == q.scalar_type() || g.scalar_type() == at::kFloat,
+        op, ": g must have the dtype of q (", dtype_name(q.scalar_type()), ") or float32 when A_log and dt_bias are "
+        "None, got ", dtype_name(g.scalar_type()));
+  }
   check_dtype_is(op, "beta", beta, q.scalar_type(), "the dtype of q");
-  TORCH_CHECK(
-      A_log.scalar_type() == at::kFloat || A_log.scalar_type() == at::kDouble,
-      op, ": A_log must have dtype float32 (or float64), got ", dtype_name(A_log.scalar_type()));
-  TORCH_CHECK(
-      dt_bias.scalar_type() == at::kFloat || dt_bias.scalar_type() == at::kDouble,
-      op, ": dt_bias must have dtype float32 (or float64), got ", dtype_name(dt_bias.scalar_type()));
+  if (gate_params) {
+    TORCH_CHECK(
+        A_log.scalar_type() == at::kFloat || A_log.scalar_type() == at::kDouble,
+        op, ": A_log must have dtype float32 (or float64), got ", dtype_name(A_log.scalar_type()));
+    TORCH_CHECK(
+        dt_bias.scalar_type() == at::kFloat || dt_bias.scalar_type() == at::kDouble,
+        op, ": dt_bias must have dtype float32 (or float64), got ", dtype_name(dt_bias.scalar_type()));
+  }
   if (initial_state.has_value()) {
     TORCH_CHECK(
         is_state_dtype(initial_state->scalar_type()),
@@ -212,8 +240,10 @@ Problem check_forward_args(
   check_rank(op, "v", v, 4, "[B, T, HV, V]");
   check_rank(op, "g", g, 4, "[B, T, HV, K]");
   check_rank(op, "beta", beta, 3, "[B, T, HV]");
-  check_rank(op, "A_log", A_log, 1, "[HV]");
-  check_rank(op, "dt_bias", dt_bias, 2, "[HV, K]");
+  if (gate_params) {
+    check_rank(op, "A_log", A_log, 1, "[HV]");
+    check_rank(op, "dt_bias", dt_bias, 2, "[HV, K]");
+  }
 
   Problem p;
   p.B = q.sym_size(0);
@@ -238,9 +268,12 @@ Problem check_forward_args(
       " (value head j uses query/key head j // (HV / H)), got shape ", shape_str(v));
   check_shape(op, "g", g, "[B, T, HV, K]", {{"B", p.B}, {"T", p.T}, {"HV", p.H}, {"K", p.K}});
   check_shape(op, "beta", beta, "[B, T, HV]", {{"B", p.B}, {"T", p.T}, {"HV", p.H}});
-  check_size(op, "A_log", A_log, 0, p.H, "HV", "[HV]");
-  check_size(op, "dt_bias", dt_bias, 0, p.H, "HV", "[HV, K]");
-  check_size(op, "dt_bias", dt_bias, 1, p.K, "K", "[HV, K]");
+  if (gate_params) {
+    check_size(op, "A_log", A_log, 0, p.H, "HV", "[HV]");
+    check_size(op, "dt_bias", dt_bias, 0, p.H, "HV", "[HV, K]");
+    check_size(op, "dt_bias", dt_bias, 1, p.K, "K", "[HV, K]");
+  }
+  p.precomputed_gate = !gate_params;
 
   if (cu_seqlens.has_value()) {
     TORCH_CHECK(

@@ -25,13 +25,22 @@ struct Problem {
   c10::SymInt N;  // number of sequences: B, or len(cu_seqlens) - 1
   Gate gate = Gate::kBounded;
   double lower_bound = 0.0;  // only meaningful for Gate::kBounded
+  // A_log and dt_bias None: g is the log decay itself (the gate's formula is
+  // not applied; lower_bound, if given, is the caller's promise g >= lower_bound).
+  bool precomputed_gate = false;
   std::optional<double> scale;
   at::ScalarType input_dtype = at::kBFloat16;
   at::ScalarType state_dtype = at::kFloat;  // dtype of the state the op returns
 };
 
+// An optional tensor argument as the checks and kernels take it: undefined for None.
+inline at::Tensor or_undefined(const std::optional<at::Tensor>& t) {
+  return t.has_value() ? *t : at::Tensor();
+}
+
 // Checks every argument of a forward call; raises with a message that names
-// the argument. `op` is the name used in messages (e.g. "kda.fwd").
+// the argument. `op` is the name used in messages (e.g. "kda.fwd"). A_log and
+// dt_bias undefined (None): a precomputed gate.
 Problem check_forward_args(
     const char* op,
     const at::Tensor& q,
@@ -121,6 +130,10 @@ bool debug_checks_enabled();
 // turns the gate into NaN. The CPU kernels always check; CUDA under
 // debug_checks_enabled.
 void check_A_log_values(const char* op, const at::Tensor& A_log, bool in_double);
+
+// Reads a precomputed gate's g (a device sync on CUDA) and checks that it is a
+// log decay (<= 0) and, with a lower bound, at least the bound.
+void check_precomputed_gate_values(const char* op, const Problem& p, const at::Tensor& g);
 
 // K^-0.5 unless the caller gave a scale.
 double resolved_scale(const Problem& p);

@@ -18,15 +18,18 @@ PyObject* PyInit__C(void) {
 }
 
 TORCH_LIBRARY(kda, m) {
+  // A_log and dt_bias are given together, or both None: then g is the log
+  // decay itself (a precomputed gate, <= 0; lower_bound, if given, a promise
+  // that g >= lower_bound) and bwd's dA_log and ddt_bias are empty.
   // Functional forward: returns new tensors. final_state is an empty tensor
   // when output_final_state is False (schemas cannot return optionals).
   m.def(
-      "fwd(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor A_log, Tensor dt_bias, "
+      "fwd(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor? A_log, Tensor? dt_bias, "
       "float? scale=None, float? lower_bound=None, Tensor? initial_state=None, "
       "bool output_final_state=False, Tensor? cu_seqlens=None) -> (Tensor out, Tensor final_state)");
   // In-place forward for serving and CUDA graphs: writes the caller's buffers.
   m.def(
-      "fwd_(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor A_log, Tensor dt_bias, "
+      "fwd_(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor? A_log, Tensor? dt_bias, "
       "Tensor(a!) out, Tensor(b!)? final_state=None, float? scale=None, float? lower_bound=None, "
       "Tensor? initial_state=None, Tensor? cu_seqlens=None) -> ()");
   // Serving from a state pool, in place: request n starts from slot
@@ -37,7 +40,7 @@ TORCH_LIBRARY(kda, m) {
   // start slot marks a padding row (nothing read or written, out zero). out
   // [B, T, H, V] is written whole.
   m.def(
-      "fwd_pool_(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor A_log, Tensor dt_bias, "
+      "fwd_pool_(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor? A_log, Tensor? dt_bias, "
       "Tensor(a!) state_pool, Tensor state_indices, Tensor(b!) out, float? scale=None, float? lower_bound=None, "
       "Tensor? cu_seqlens=None, Tensor? num_accepted_tokens=None) -> ()");
   // Not API: fwd that also returns checkpoints, the state at every chunk
@@ -47,7 +50,7 @@ TORCH_LIBRARY(kda, m) {
   // pass and no K1 of its own for them. torch_kda.kda calls it on CUDA when a
   // gradient is wanted. CUDA and Meta only.
   m.def(
-      "_fwd_checkpointed(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor A_log, Tensor dt_bias, "
+      "_fwd_checkpointed(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor? A_log, Tensor? dt_bias, "
       "float? scale=None, float? lower_bound=None, Tensor? initial_state=None, "
       "bool output_final_state=False, Tensor? cu_seqlens=None, str save=\"states_and_records\") -> "
       "(Tensor out, Tensor final_state, Tensor checkpoints, Tensor records)");
@@ -56,7 +59,7 @@ TORCH_LIBRARY(kda, m) {
   // empty (records only with checkpoints).
   m.def(
       "bwd(Tensor grad_out, Tensor? grad_final_state, Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, "
-      "Tensor A_log, Tensor dt_bias, float? scale=None, float? lower_bound=None, Tensor? initial_state=None, "
+      "Tensor? A_log, Tensor? dt_bias, float? scale=None, float? lower_bound=None, Tensor? initial_state=None, "
       "Tensor? cu_seqlens=None, Tensor? checkpoints=None, Tensor? records=None) -> (Tensor dq, Tensor dk, "
       "Tensor dv, Tensor dg, Tensor dbeta, Tensor dA_log, Tensor ddt_bias, Tensor dinitial_state)");
 }

@@ -31,8 +31,12 @@ BackwardOutputs allocate_backward_outputs(
   o.dv = like(v);
   o.dg = like(g);
   o.dbeta = like(beta);
-  o.dA_log = like(A_log);
-  o.ddt_bias = like(dt_bias);
+  // A precomputed gate has no A_log or dt_bias: their gradients are empty.
+  const auto param_grad = [&](const at::Tensor& t) {
+    return t.defined() ? like(t) : at::empty({0}, q.options().dtype(at::kFloat));
+  };
+  o.dA_log = param_grad(A_log);
+  o.ddt_bias = param_grad(dt_bias);
   if (initial_state.has_value()) {
     o.dinitial_state = like(*initial_state);
   } else {

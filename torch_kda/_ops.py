@@ -50,7 +50,9 @@ def kda(
     """Kimi Delta Attention, differentiable.
 
     Shapes: q, k [B, T, H, K]; v [B, T, HV, V]; g [B, T, HV, K]; beta [B, T, HV]
-    (logits); A_log [HV]; dt_bias [HV, K]; initial_state [N, HV, V, K] (V-first);
+    (logits); A_log [HV] and dt_bias [HV, K], or both None (a precomputed gate:
+    g is the log decay itself, <= 0, and lower_bound, if given, promises g >=
+    lower_bound; g may then be float32; CPU only); initial_state [N, HV, V, K] (V-first);
     cu_seqlens [N + 1] packs N sequences along T when B == 1. HV is H, or a
     multiple of it (grouped value heads, CPU only: value head j reads query/key
     head j // (HV / H)).
@@ -265,6 +267,8 @@ def _backward(ctx, grad_out, grad_final_state):
     )
     if not ctx.has_initial_state:
         dinitial_state = None
+    if A_log is None:  # a precomputed gate: bwd returned empty placeholders
+        dA_log = ddt_bias = None
     return dq, dk, dv, dg, dbeta, dA_log, ddt_bias, None, None, dinitial_state, None, None
 
 

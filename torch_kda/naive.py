@@ -14,7 +14,10 @@ def l2norm(x):
 
 
 def gate(g, A_log, dt_bias, lower_bound):
-    """Natural-log decay lambda <= 0 for g [..., H, K], A_log [H], dt_bias [H, K]."""
+    """Natural-log decay lambda <= 0 for g [..., H, K], A_log [H], dt_bias [H, K];
+    with A_log and dt_bias None, g is that decay already (a precomputed gate)."""
+    if A_log is None:
+        return g
     A = torch.exp(A_log)[:, None]
     x = g + dt_bias
     if lower_bound is None:
@@ -39,10 +42,11 @@ def kda_naive(
 
     q, k [B, T, H_qk, K]; v [B, T, H, V] with H a multiple of H_qk (grouped value
     heads: value head j reads query/key head j // (H / H_qk)); g [B, T, H, K];
-    beta [B, T, H]; A_log [H]; dt_bias [H, K].
+    beta [B, T, H]; A_log [H]; dt_bias [H, K], or both None: g is the log decay.
     Returns (out [B, T, H, V], final_state [N, H, V, K]), both float64.
     """
-    q, k, v, g, beta, A_log, dt_bias = (x.to(torch.float64) for x in (q, k, v, g, beta, A_log, dt_bias))
+    q, k, v, g, beta, A_log, dt_bias = (
+        None if x is None else x.to(torch.float64) for x in (q, k, v, g, beta, A_log, dt_bias))
     B, T, H, V = v.shape
     K = q.shape[-1]
     group = H // q.shape[2]

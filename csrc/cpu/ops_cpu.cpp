@@ -105,9 +105,10 @@ void forward_into(const char* op, const Problem& p, const Tensor& q, const Tenso
 }
 
 std::tuple<Tensor, Tensor> fwd(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g, const Tensor& beta,
-                               const Tensor& A_log, const Tensor& dt_bias, optional<double> scale,
+                               const optional<Tensor>& A_log_, const optional<Tensor>& dt_bias_, optional<double> scale,
                                optional<double> lower_bound, const optional<Tensor>& initial_state,
                                bool output_final_state, const optional<Tensor>& cu_seqlens) {
+  const Tensor A_log = or_undefined(A_log_), dt_bias = or_undefined(dt_bias_);
   const char* op = "kda.fwd";
   Problem p = check_cpu_args(op, q, k, v, g, beta, A_log, dt_bias, scale, lower_bound, initial_state, cu_seqlens);
   ForwardOutputs o = allocate_forward_outputs(p, q, output_final_state);
@@ -117,9 +118,10 @@ std::tuple<Tensor, Tensor> fwd(const Tensor& q, const Tensor& k, const Tensor& v
 }
 
 void fwd_inplace(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g, const Tensor& beta,
-                 const Tensor& A_log, const Tensor& dt_bias, at::Tensor& out, const optional<Tensor>& final_state,
+                 const optional<Tensor>& A_log_, const optional<Tensor>& dt_bias_, at::Tensor& out, const optional<Tensor>& final_state,
                  optional<double> scale, optional<double> lower_bound, const optional<Tensor>& initial_state,
                  const optional<Tensor>& cu_seqlens) {
+  const Tensor A_log = or_undefined(A_log_), dt_bias = or_undefined(dt_bias_);
   const char* op = "kda.fwd_";
   Problem p = check_cpu_args(op, q, k, v, g, beta, A_log, dt_bias, scale, lower_bound, initial_state, cu_seqlens);
   check_inplace_buffers(op, p, q, out, final_state, initial_state);
@@ -129,9 +131,10 @@ void fwd_inplace(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor
 
 std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> bwd(
     const Tensor& grad_out, const optional<Tensor>& grad_final_state, const Tensor& q, const Tensor& k,
-    const Tensor& v, const Tensor& g, const Tensor& beta, const Tensor& A_log, const Tensor& dt_bias,
+    const Tensor& v, const Tensor& g, const Tensor& beta, const optional<Tensor>& A_log_, const optional<Tensor>& dt_bias_,
     optional<double> scale, optional<double> lower_bound, const optional<Tensor>& initial_state,
     const optional<Tensor>& cu_seqlens, const optional<Tensor>& checkpoints, const optional<Tensor>& records) {
+  const Tensor A_log = or_undefined(A_log_), dt_bias = or_undefined(dt_bias_);
   const char* op = "kda.bwd";
   Problem p = check_cpu_args(op, q, k, v, g, beta, A_log, dt_bias, scale, lower_bound, initial_state, cu_seqlens);
   check_backward_grads(op, p, q, grad_out, grad_final_state);

@@ -14,7 +14,8 @@
 namespace kda::cpu {
 
 // The shared argument checks, then the values the CPU can read at no cost:
-// exp(A_log) must be finite in the accumulation dtype.
+// exp(A_log) must be finite in the accumulation dtype; a precomputed gate's g
+// must be a log decay within its promised bound.
 inline Problem check_cpu_args(const char* op, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                               const at::Tensor& g, const at::Tensor& beta, const at::Tensor& A_log,
                               const at::Tensor& dt_bias, std::optional<double> scale,
@@ -22,6 +23,7 @@ inline Problem check_cpu_args(const char* op, const at::Tensor& q, const at::Ten
                               const std::optional<at::Tensor>& cu_seqlens) {
   Problem p = check_forward_args(op, q, k, v, g, beta, A_log, dt_bias, scale, lower_bound, initial_state, cu_seqlens);
   check_A_log_values(op, A_log, accumulation_dtype(p) == at::kDouble);
+  check_precomputed_gate_values(op, p, g);
   return p;
 }
 

@@ -141,9 +141,10 @@ void forward_into(const char* op, const Problem& p, const Tensor& q, const Tenso
 namespace {
 
 std::tuple<Tensor, Tensor> fwd(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g, const Tensor& beta,
-                               const Tensor& A_log, const Tensor& dt_bias, optional<double> scale,
+                               const optional<Tensor>& A_log_, const optional<Tensor>& dt_bias_, optional<double> scale,
                                optional<double> lower_bound, const optional<Tensor>& initial_state,
                                bool output_final_state, const optional<Tensor>& cu_seqlens) {
+  const Tensor A_log = or_undefined(A_log_), dt_bias = or_undefined(dt_bias_);
   Problem p = check_all("kda.fwd", q, k, v, g, beta, A_log, dt_bias, scale, lower_bound, initial_state, cu_seqlens);
   c10::cuda::CUDAGuard guard(q.device());
   ForwardOutputs o = allocate_forward_outputs(p, q, output_final_state);
@@ -155,10 +156,11 @@ std::tuple<Tensor, Tensor> fwd(const Tensor& q, const Tensor& k, const Tensor& v
 // kda::_fwd_checkpointed (not API): fwd that also keeps every chunk-start state
 // (checkpoints.h), for autograd to hand to bwd.
 std::tuple<Tensor, Tensor, Tensor, Tensor> fwd_checkpointed(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g,
-                                                    const Tensor& beta, const Tensor& A_log, const Tensor& dt_bias,
+                                                    const Tensor& beta, const optional<Tensor>& A_log_, const optional<Tensor>& dt_bias_,
                                                     optional<double> scale, optional<double> lower_bound,
                                                     const optional<Tensor>& initial_state, bool output_final_state,
                                                     const optional<Tensor>& cu_seqlens, c10::string_view save) {
+  const Tensor A_log = or_undefined(A_log_), dt_bias = or_undefined(dt_bias_);
   // Named kda.fwd in messages: torch_kda.kda calls this op in fwd's place.
   const char* op = "kda.fwd";
   Problem p = check_all(op, q, k, v, g, beta, A_log, dt_bias, scale, lower_bound, initial_state, cu_seqlens);
@@ -183,9 +185,10 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> fwd_checkpointed(const Tensor& q, con
 }
 
 void fwd_inplace(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g, const Tensor& beta,
-                 const Tensor& A_log, const Tensor& dt_bias, at::Tensor& out, const optional<Tensor>& final_state,
+                 const optional<Tensor>& A_log_, const optional<Tensor>& dt_bias_, at::Tensor& out, const optional<Tensor>& final_state,
                  optional<double> scale, optional<double> lower_bound, const optional<Tensor>& initial_state,
                  const optional<Tensor>& cu_seqlens) {
+  const Tensor A_log = or_undefined(A_log_), dt_bias = or_undefined(dt_bias_);
   Problem p = check_all("kda.fwd_", q, k, v, g, beta, A_log, dt_bias, scale, lower_bound, initial_state, cu_seqlens);
   check_inplace_buffers("kda.fwd_", p, q, out, final_state, initial_state);
   check_outputs_disjoint("kda.fwd_", out, final_state);
@@ -270,9 +273,10 @@ BackwardTuple backward_by_kernels(const Problem& p, const Tensor& grad_out, cons
 
 std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> bwd(
     const Tensor& grad_out, const optional<Tensor>& grad_final_state, const Tensor& q, const Tensor& k,
-    const Tensor& v, const Tensor& g, const Tensor& beta, const Tensor& A_log, const Tensor& dt_bias,
+    const Tensor& v, const Tensor& g, const Tensor& beta, const optional<Tensor>& A_log_, const optional<Tensor>& dt_bias_,
     optional<double> scale, optional<double> lower_bound, const optional<Tensor>& initial_state,
     const optional<Tensor>& cu_seqlens, const optional<Tensor>& checkpoints, const optional<Tensor>& records) {
+  const Tensor A_log = or_undefined(A_log_), dt_bias = or_undefined(dt_bias_);
   Problem p = check_all("kda.bwd", q, k, v, g, beta, A_log, dt_bias, scale, lower_bound, initial_state, cu_seqlens);
   check_backward_grads("kda.bwd", p, q, grad_out, grad_final_state);
   check_saved("kda.bwd", p, cu_seqlens.has_value(), q, checkpoints, records);

@@ -37,9 +37,10 @@ namespace {
 // waits on the host: padding rows and indices past the pool are found on the
 // device (checked under TORCH_KDA_CHECK=1, which reads them).
 void fwd_pool(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g, const Tensor& beta,
-              const Tensor& A_log, const Tensor& dt_bias, Tensor& state_pool, const Tensor& state_indices, Tensor& out,
+              const optional<Tensor>& A_log_, const optional<Tensor>& dt_bias_, Tensor& state_pool, const Tensor& state_indices, Tensor& out,
               optional<double> scale, optional<double> lower_bound, const optional<Tensor>& cu_seqlens,
               const optional<Tensor>& num_accepted_tokens) {
+  const Tensor A_log = or_undefined(A_log_), dt_bias = or_undefined(dt_bias_);
   const char* op = "kda.fwd_pool_";
   Problem p = check_all(op, q, k, v, g, beta, A_log, dt_bias, scale, lower_bound, std::nullopt, cu_seqlens);
   check_pool_args(op, p, q, cu_seqlens.has_value(), state_pool, state_indices, num_accepted_tokens, out);

@@ -20,6 +20,9 @@ using at::Tensor;
 using std::optional;
 
 void check_cuda_limits(const char* op, const Problem& p, const Tensor& A_log, const Tensor& dt_bias) {
+  TORCH_CHECK(!p.precomputed_gate,
+              op, ": on CUDA, A_log and dt_bias must be tensors (a precomputed gate, A_log=None and dt_bias=None, "
+              "runs on the CPU)");
   TORCH_CHECK(
       p.input_dtype == at::kBFloat16,
       op, ": on CUDA, q, k, v, g and beta must have dtype bfloat16, got ", dtype_name(p.input_dtype));
