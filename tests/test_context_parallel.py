@@ -1,0 +1,124 @@
+"""torch_kda.distributed.context_parallel_kda on the CPU: W processes joined by
+gloo (spawned by the test, bounded in time), each with its slice of every
+sequence, against one process's torch_kda.kda on the whole sequences in float64:
+out, the final state and every gradient within 1e-10. Slices of unequal length,
+an empty one, both gates, with and without an initial state, grouped value heads,
+and the one-process unfold of the backward checked against autograd."""
+import os
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import torch_kda
+from conftest import make_inputs, positional, rel
+from torch_kda import distributed as cp
+
+F64 = torch.float64
+NAMES = ("q", "k", "v", "g", "beta", "A_log", "dt_bias", "initial_state")
+TOKEN_INPUTS = ("q", "k", "v", "g", "beta")
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def rank_main(rank, world, port, case_path, result_path):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        case = torch.load(case_path)
+        d, cuts = case["inputs"], case["cuts"]
+        s, e = cuts[rank], cuts[rank + 1]
+        x = {n: d[n][:, s:e].clone().requires_grad_(True) for n in TOKEN_INPUTS}
+        for n in ("A_log", "dt_bias"):
+            x[n] = d[n].clone().requires_grad_(True) if d[n] is not None else None
+        init = d["initial_state"].clone().requires_grad_(True) if d["initial_state"] is not None and rank == 0 else None
+        out, final = cp.context_parallel_kda(*(x[n] for n in NAMES[:7]), lower_bound=case["lower_bound"],
+                                             initial_state=init, output_final_state=True)
+        loss = (out * case["w_out"][:, s:e]).sum()
+        if final is not None:
+            loss = loss + (final * case["w_final"]).sum()
+        loss.backward()
+        grads = {n: (x[n].grad if x.get(n) is not None else None) for n in NAMES[:7]}
+        grads["initial_state"] = init.grad if init is not None else None
+        torch.save(dict(out=out.detach(), final=None if final is None else final.detach(), grads=grads),
+                   f"{result_path}.{rank}")
+    finally:
+        dist.destroy_process_group()
+
+
+CASES = {
+    # name: (world, slice lengths, make_inputs kwargs, lower_bound, with an initial state)
+    "two_softplus_state": (2, [9, 14], dict(B=2, H=2), None, True),
+    "three_bounded": (3, [5, 11, 3], dict(B=1, H=2), -2.0, False),
+    "four_empty_slice_grouped": (4, [7, 0, 12, 4], dict(B=2, H=1, HV=2), None, True),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_ranks_equal_one_process(name, tmp_path):
+    world, lengths, shape, lower_bound, with_state = CASES[name]
+    T = sum(lengths)
+    d = make_inputs(T=T, K=4, V=3, dtype=F64, state_dtype=F64 if with_state else None, **shape)
+    cuts = [0]
+    for n in lengths:
+        cuts.append(cuts[-1] + n)
+    ref = {n: (t.clone().requires_grad_(True) if t is not None else None) for n, t in d.items() if n in NAMES}
+    out, final = torch_kda.kda(*(ref[n] for n in NAMES[:7]), lower_bound=lower_bound,
+                               initial_state=ref["initial_state"], output_final_state=True)
+    w_out, w_final = torch.randn_like(out), torch.randn_like(final)
+    ((out * w_out).sum() + (final * w_final).sum()).backward()
+
+    case_path, result_path = str(tmp_path / "case.pt"), str(tmp_path / "result")
+    torch.save(dict(inputs=d, cuts=cuts, lower_bound=lower_bound, w_out=w_out, w_final=w_final), case_path)
+    mp.start_processes(rank_main, args=(world, free_port(), case_path, result_path), nprocs=world,
+                       start_method="spawn", join=True)
+    res = [torch.load(f"{result_path}.{r}") for r in range(world)]
+
+    assert rel(torch.cat([r["out"] for r in res], 1), out) <= 1e-10
+    assert all(r["final"] is None for r in res[:-1])
+    assert rel(res[-1]["final"], final) <= 1e-10
+    for n in TOKEN_INPUTS:
+        assert rel(torch.cat([r["grads"][n] for r in res], 1), ref[n].grad) <= 1e-10, n
+    for n in ("A_log", "dt_bias"):  # each rank's part; their sum is the whole gradient
+        assert rel(sum(r["grads"][n] for r in res), ref[n].grad) <= 1e-10, n
+    if with_state:
+        assert rel(res[0]["grads"]["initial_state"], ref["initial_state"].grad) <= 1e-10
+
+
+def test_fold_and_unfold_in_one_process():
+    """The steps between the collectives, without a process group: the fold of three
+    slices' maps gives each slice's true start state, and the unfold gives each
+    slice's end-state gradient as autograd does through the fold."""
+    d = make_inputs(B=1, T=24, H=2, K=4, V=3, dtype=F64, state_dtype=F64)
+    cuts = [0, 7, 15, 24]
+    maps = [cp._maps(*(d[n][:, cuts[r]:cuts[r + 1]] if n in TOKEN_INPUTS else d[n] for n in NAMES[:7]), None, None,
+                     d["initial_state"] if r == 0 else None) for r in range(3)]
+    A = torch.stack([m[0] for m in maps]).requires_grad_(True)
+    B = torch.stack([m[1] for m in maps]).requires_grad_(True)
+    starts = cp._fold(A, B)
+    for r in range(1, 3):
+        prefix = {n: d[n][:, :cuts[r]] for n in TOKEN_INPUTS}
+        _, want = torch_kda.kda(*(prefix.get(n, d[n]) for n in NAMES[:7]), initial_state=d["initial_state"],
+                                output_final_state=True)
+        assert rel(starts[r], want) <= 1e-12, r
+    # Unfold: with C the gradient reaching each start from elsewhere, the end gradients.
+    C = torch.randn_like(B)
+    g_final = torch.randn_like(B[0])
+    end = starts[-1] @ A[-1] + B[-1]
+    loss = (end * g_final).sum() + sum((starts[r] * C[r]).sum() for r in range(1, 3))
+    dB = torch.autograd.grad(loss, B)[0]  # dL/dB_r = dL/dX_end_r
+    assert rel(cp._unfold_grads(A.detach(), C, g_final), dB) <= 1e-12
+
+
+def test_initial_state_off_rank_zero_is_refused(monkeypatch):
+    monkeypatch.setattr(dist, "get_rank", lambda group=None: 1)
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
+    d = make_inputs(B=1, T=4, H=1, K=4, V=3, dtype=F64, state_dtype=F64)
+    with pytest.raises(ValueError, match="initial_state enters on rank 0 only, got one on rank 1"):
+        cp.context_parallel_kda(*positional(d), group=object(), initial_state=d["initial_state"])
