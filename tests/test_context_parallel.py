@@ -122,3 +122,29 @@ def test_initial_state_off_rank_zero_is_refused(monkeypatch):
     d = make_inputs(B=1, T=4, H=1, K=4, V=3, dtype=F64, state_dtype=F64)
     with pytest.raises(ValueError, match="initial_state enters on rank 0 only, got one on rank 1"):
         cp.context_parallel_kda(*positional(d), group=object(), initial_state=d["initial_state"])
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not (torch.cuda.is_available() and torch_kda.cuda_built()), reason="needs a CUDA GPU and build")
+@pytest.mark.parametrize("lower_bound", [-5.0, None], ids=["bounded", "softplus"])
+def test_ranks_local_steps_on_one_gpu(lower_bound):
+    """Three ranks' local steps in one process on the GPU (bf16 inputs, K = V = 128,
+    fp32 states): each slice's start state from the fold equals the state the whole
+    prefix reaches (within the fp32 state's precision), and each slice's out from that
+    start equals the whole call's out on that slice (within bf16 rounding)."""
+    d = make_inputs(B=1, T=600, H=2, K=128, V=128, dtype=torch.bfloat16, state_dtype=torch.float32)
+    d = {n: (t.cuda() if t is not None else None) for n, t in d.items()}
+    cuts = [0, 190, 411, 600]
+    whole, _ = torch_kda.kda(*(d[n] for n in NAMES[:7]), lower_bound=lower_bound, initial_state=d["initial_state"])
+    maps = [cp._maps(*(d[n][:, cuts[r]:cuts[r + 1]] if n in TOKEN_INPUTS else d[n] for n in NAMES[:7]), None,
+                     lower_bound, d["initial_state"] if r == 0 else None) for r in range(3)]
+    starts = cp._fold(torch.stack([m[0] for m in maps]), torch.stack([m[1] for m in maps]))
+    for r in (1, 2):
+        prefix = {n: d[n][:, :cuts[r]] for n in TOKEN_INPUTS}
+        _, want = torch_kda.kda(*(prefix.get(n, d[n]) for n in NAMES[:7]), lower_bound=lower_bound,
+                                initial_state=d["initial_state"], output_final_state=True)
+        assert rel(starts[r], want) <= 1e-4, r
+        part = {n: d[n][:, cuts[r]:cuts[r + 1]] for n in TOKEN_INPUTS}
+        out, _ = torch_kda.kda(*(part.get(n, d[n]) for n in NAMES[:7]), lower_bound=lower_bound,
+                               initial_state=starts[r].float())
+        assert rel(out, whole[:, cuts[r]:cuts[r + 1]]) <= 5e-3, r
