@@ -148,3 +148,61 @@ def test_ranks_local_steps_on_one_gpu(lower_bound):
         out, _ = torch_kda.kda(*(part.get(n, d[n]) for n in NAMES[:7]), lower_bound=lower_bound,
                                initial_state=starts[r].float())
         assert rel(out, whole[:, cuts[r]:cuts[r + 1]]) <= 5e-3, r
+
+
+def layer_rank_main(rank, world, port, case_path, result_path):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        from torch_kda.nn import KimiDeltaAttention
+
+        case = torch.load(case_path)
+        layer = KimiDeltaAttention(*case["args"], **case["kwargs"]).double()
+        layer.load_state_dict(case["params"])
+        s, e = case["cuts"][rank], case["cuts"][rank + 1]
+        x = case["x"][:, s:e].clone().requires_grad_(True)
+        y, _ = layer(x, cp_group=dist.group.WORLD)
+        (y * case["w"][:, s:e]).sum().backward()
+        torch.save(dict(y=y.detach(), dx=x.grad, grads={n: p.grad for n, p in layer.named_parameters()}),
+                   f"{result_path}.{rank}")
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("world, lengths", [(2, [6, 9]), (3, [5, 2, 8])], ids=["two", "three_short_slice"])
+def test_layer_under_context_parallelism_equals_the_whole(world, lengths, tmp_path):
+    """KimiDeltaAttention with cp_group: each rank's slice of y and of x's gradient, and
+    the parameter gradients summed over ranks, equal the layer on the whole sequences
+    (a slice shorter than the convolution's width included: its halo reaches two ranks
+    back)."""
+    from torch_kda.nn import KimiDeltaAttention
+
+    args, kwargs = (16, 2, 4), dict(conv_size=4, lower_bound=None, num_v_heads=4)
+    layer = KimiDeltaAttention(*args, **kwargs).double()
+    with torch.no_grad():
+        layer.gate.A_log.uniform_(-2.0, 0.0)
+        layer.o_norm.weight.uniform_(0.5, 1.5)
+    x = torch.randn(2, sum(lengths), 16, dtype=F64, requires_grad=True)
+    y, _ = layer(x)
+    w = torch.randn_like(y)
+    (y * w).sum().backward()
+    cuts = [0]
+    for n in lengths:
+        cuts.append(cuts[-1] + n)
+    case_path, result_path = str(tmp_path / "case.pt"), str(tmp_path / "result")
+    torch.save(dict(args=args, kwargs=kwargs, params=layer.state_dict(), x=x.detach(), w=w, cuts=cuts), case_path)
+    mp.start_processes(layer_rank_main, args=(world, free_port(), case_path, result_path), nprocs=world,
+                       start_method="spawn", join=True)
+    res = [torch.load(f"{result_path}.{r}") for r in range(world)]
+    assert rel(torch.cat([r["y"] for r in res], 1), y) <= 1e-10
+    assert rel(torch.cat([r["dx"] for r in res], 1), x.grad) <= 1e-10
+    for n, p in layer.named_parameters():
+        assert rel(sum(r["grads"][n] for r in res), p.grad) <= 1e-10, n
+
+
+def test_layer_cp_group_refuses_what_it_does_not_serve():
+    from torch_kda.nn import KimiDeltaAttention
+
+    layer = KimiDeltaAttention(16, 2, 4)
+    with pytest.raises(ValueError, match="with cp_group each rank passes its slice of fixed-length sequences"):
+        layer(torch.randn(1, 4, 16), cu_seqlens=torch.tensor([0, 4]), cp_group=object())

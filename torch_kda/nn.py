@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from torch_kda._ops import kda, kda_pool
+from torch_kda.distributed import context_parallel_kda
 
 
 class KDAState(NamedTuple):
@@ -51,6 +52,63 @@ class KDACache:
         slots = torch.as_tensor(slots, dtype=torch.long, device=self.recurrent.device)
         self.recurrent[slots] = 0
         self.conv[slots] = 0
+
+
+def _halo_sources(lengths, rank, width):
+    """Where rank `rank`'s carried inputs come from: [(rank j, row in j's last-`width`
+    tail)] for each of the `width` positions (oldest first), None for zeros before
+    the sequence's first token."""
+    history = [None] * width
+    for j in range(rank):
+        n = min(lengths[j], width)
+        history += [(j, width - n + i) for i in range(n)]
+    return history[-width:] if width else []
+
+
+class _Halo(torch.autograd.Function):
+    """[B, C, width]: the `width` inputs before this rank's slice z [B, T_r, C] of every
+    sequence, the earlier ranks' last ones (oldest first; zeros before the first
+    token): a ShortConvolution's carried state under context parallelism. Every rank
+    runs the same collectives forward and backward, whatever its slice's length."""
+
+    @staticmethod
+    def forward(ctx, z, width, group):
+        import torch.distributed as dist
+
+        B, T, C = z.shape
+        world, rank = dist.get_world_size(group), dist.get_rank(group)
+        lengths = [torch.zeros(1, dtype=torch.long, device=z.device) for _ in range(world)]
+        dist.all_gather(lengths, torch.tensor([T], device=z.device), group=group)
+        lengths = [int(n) for n in lengths]
+        tail = z[:, max(T - width, 0):]
+        tail = torch.cat([z.new_zeros(B, width - tail.shape[1], C), tail], 1).contiguous()  # front-padded
+        tails = [torch.empty_like(tail) for _ in range(world)]
+        dist.all_gather(tails, tail, group=group)
+        carried = z.new_zeros(B, width, C)
+        for p, src in enumerate(_halo_sources(lengths, rank, width)):
+            if src is not None:
+                carried[:, p] = tails[src[0]][:, src[1]]
+        ctx.lengths, ctx.width, ctx.group, ctx.rank, ctx.T = lengths, width, group, rank, T
+        return carried.transpose(1, 2)
+
+    @staticmethod
+    def backward(ctx, d_carried):
+        import torch.distributed as dist
+
+        width, rank, T = ctx.width, ctx.rank, ctx.T
+        d = d_carried.transpose(1, 2).contiguous()  # [B, width, C]
+        all_d = [torch.empty_like(d) for _ in ctx.lengths]
+        dist.all_gather(all_d, d, group=ctx.group)
+        d_tail = torch.zeros_like(d)
+        for r in range(rank + 1, len(ctx.lengths)):
+            for p, src in enumerate(_halo_sources(ctx.lengths, r, width)):
+                if src is not None and src[0] == rank:
+                    d_tail[:, src[1]] += all_d[r][:, p]
+        dz = d.new_zeros(d.shape[0], T, d.shape[2])
+        n = min(T, width)
+        if n:
+            dz[:, T - n:] = d_tail[:, width - n:]
+        return dz, None, None
 
 
 def _at_least_fp32(dtype):
@@ -185,9 +243,13 @@ class KimiDeltaAttention(nn.Module):
             multiple of H (grouped value heads: value head j reads query/key head
             j // (HV / H); CPU only); None for H.
 
-    forward(x [B, T, hidden_size], cu_seqlens=None, state=None, output_state=False)
-    returns (y [B, T, hidden_size], KDAState or None). Passing the returned state to the
-    next call continues each sequence (chunked prefill, token-by-token generation).
+    forward(x [B, T, hidden_size], cu_seqlens=None, state=None, output_state=False,
+    cp_group=None) returns (y [B, T, hidden_size], KDAState or None). Passing the
+    returned state to the next call continues each sequence (chunked prefill,
+    token-by-token generation). With cp_group (context parallelism) each rank passes
+    its slice of the tokens of fixed-length sequences, in rank order; the short
+    convolutions take the earlier ranks' last inputs, the KDA core runs across the
+    group (torch_kda.distributed), and parameter gradients are this rank's part.
 
     forward_cached(x, cache, slots, cu_seqlens=None) serves generation from a
     KDACache: each request continues from its slot and leaves its state there
@@ -225,15 +287,23 @@ class KimiDeltaAttention(nn.Module):
         self.o_norm = GatedRMSNorm(head_dim, eps=norm_eps)
         self.o_proj = nn.Linear(inner_v, hidden_size, bias=False)
 
-    def forward(self, x, cu_seqlens=None, state: Optional[KDAState] = None, output_state: bool = False):
+    def forward(self, x, cu_seqlens=None, state: Optional[KDAState] = None, output_state: bool = False,
+                cp_group=None):
         B, T, _ = x.shape
         HV, d = self.num_v_heads, self.head_dim
+        if cp_group is not None and (cu_seqlens is not None or state is not None or output_state):
+            raise ValueError("KimiDeltaAttention: with cp_group each rank passes its slice of fixed-length "
+                             "sequences; cu_seqlens, state and output_state are not served with it")
         offsets = _sequence_offsets(B, T, cu_seqlens, x.device)
         packed = x.reshape(1, B * T, x.shape[-1])
 
         def conv(proj, conv_mod, field):
-            carried = getattr(state, field) if state is not None else None
-            y, new = conv_mod(proj(packed), offsets, carried, output_state, state_name=f"state.{field}")
+            z = proj(packed)
+            if cp_group is not None:
+                carried = _Halo.apply(z.reshape(B, T, conv_mod.channels), self.conv_size - 1, cp_group)
+            else:
+                carried = getattr(state, field) if state is not None else None
+            y, new = conv_mod(z, offsets, carried, output_state, state_name=f"state.{field}")
             return y.reshape(B, T, conv_mod.channels // d, d), new
 
         q, conv_q = conv(self.q_proj, self.q_conv, "conv_q")
@@ -242,13 +312,17 @@ class KimiDeltaAttention(nn.Module):
         g = self.f_proj(x).reshape(B, T, HV, d)
         beta = self.b_proj(x)
         A_log, dt_bias = self.gate()
-        o, recurrent = kda(
-            q, k, v, g.to(q.dtype), beta.to(q.dtype), A_log, dt_bias,
-            lower_bound=self.lower_bound,
-            initial_state=state.recurrent if state is not None else None,
-            output_final_state=output_state,
-            cu_seqlens=cu_seqlens,
-        )
+        if cp_group is not None:
+            o, recurrent = context_parallel_kda(q, k, v, g.to(q.dtype), beta.to(q.dtype), A_log, dt_bias,
+                                                group=cp_group, lower_bound=self.lower_bound)
+        else:
+            o, recurrent = kda(
+                q, k, v, g.to(q.dtype), beta.to(q.dtype), A_log, dt_bias,
+                lower_bound=self.lower_bound,
+                initial_state=state.recurrent if state is not None else None,
+                output_final_state=output_state,
+                cu_seqlens=cu_seqlens,
+            )
         o = self.o_norm(o, self.g_proj(x).reshape(B, T, HV, d))
         y = self.o_proj(o.reshape(B, T, HV * d))
         if not output_state:
