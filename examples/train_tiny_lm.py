@@ -4,6 +4,7 @@
     python examples/train_tiny_lm.py                       # CPU, or the GPU if there is one
     python examples/train_tiny_lm.py --compile             # torch.compile(model, fullgraph=True)
     torchrun --standalone --nproc_per_node=2 examples/train_tiny_lm.py --fsdp   # FSDP2, 2 processes
+    torchrun --standalone --nproc_per_node=2 examples/train_tiny_lm.py --cp     # context parallel
 
 The model: token embedding, `--layers` blocks of
 (RMSNorm -> torch_kda.nn.KimiDeltaAttention -> residual, RMSNorm -> SwiGLU MLP -> residual),
@@ -47,6 +48,13 @@ defaults to 128 (--head-dim) and, without --fsdp, the model runs under bf16
 autocast. The operator's CUDA backward is a first, slow version (ATen ops over
 16-token chunks); builds from before it stop at the first backward with
 NotImplementedError, which the script reports and re-raises.
+
+--cp: context parallelism over all the torchrun ranks (gloo on CPU, nccl on CUDA):
+every rank draws the same global batch and takes its slice of every sequence's
+tokens (torch_kda.distributed; KimiDeltaAttention(..., cp_group=...)); the loss is the
+global batch's mean, each rank's part summed, and every parameter's gradient is summed
+over the ranks before the step, so the loss curve is the one a single process sees.
+Not with --fsdp or --compile.
 
 --compile wraps the model in torch.compile(model, fullgraph=True). With --fsdp it
 drops fullgraph: FSDP2 keeps its hooks out of dynamo, so the graph breaks at them.
@@ -138,8 +146,8 @@ class Block(nn.Module):
         self.mlp_norm = RMSNorm(dim)
         self.mlp = SwiGLU(dim, mlp_ratio * dim)
 
-    def forward(self, x):
-        y, _ = self.attn(self.attn_norm(x))
+    def forward(self, x, cp_group=None):
+        y, _ = self.attn(self.attn_norm(x), cp_group=cp_group)
         x = x + y
         return x + self.mlp(self.mlp_norm(x))
 
@@ -152,10 +160,10 @@ class TinyLM(nn.Module):
         self.norm = RMSNorm(dim)
         self.head = nn.Linear(dim, vocab, bias=False)
 
-    def forward(self, tokens):
+    def forward(self, tokens, cp_group=None):
         x = self.embed(tokens)
         for block in self.blocks:
-            x = block(x)
+            x = block(x, cp_group)
         return self.head(self.norm(x))
 
 
@@ -191,19 +199,25 @@ def gate_values(model):
     return [{n: _full(getattr(m, n)).float().flatten().tolist() for n in ("A_log", "dt_bias")} for m in gates]
 
 
-def check_operator_inputs(model, tokens, autocast, expected_dtype, log):
+def check_operator_inputs(model, tokens, autocast, expected_dtype, log, cp_group=None):
     """One forward pass without grad that records the KDA operator's inputs; checks
     that q, k, v, g, beta share `expected_dtype` and that A_log and dt_bias are fp32
-    and equal, bit for bit, to the fp32 master parameters of each layer."""
+    and equal, bit for bit, to the fp32 master parameters of each layer. Under
+    context parallelism a layer calls the operator three times (its slice's two maps,
+    then its outputs)."""
     recorder = _RecordKDA()
     with torch.no_grad(), autocast, recorder:
-        model(tokens)
+        model(tokens, cp_group) if cp_group is not None else model(tokens)
     gates = [m for m in model.modules() if isinstance(m, KDAGateParameters)]
     masters = [(_full(m.A_log), _full(m.dt_bias)) for m in gates]  # collective under FSDP: every rank runs it
-    if len(recorder.calls) != len(gates):
-        raise RuntimeError(f"expected {len(gates)} calls of kda::fwd in one forward, saw {len(recorder.calls)}")
+    per_layer = 3 if cp_group is not None else 1
+    if len(recorder.calls) != per_layer * len(gates):
+        raise RuntimeError(f"expected {per_layer * len(gates)} calls of kda::fwd in one forward, "
+                           f"saw {len(recorder.calls)}")
     problems = []
-    for layer, (call, (A_log, dt_bias)) in enumerate(zip(recorder.calls, masters)):
+    for i, call in enumerate(recorder.calls):
+        layer = i // per_layer
+        A_log, dt_bias = masters[layer]
         for n in ("q", "k", "v", "g", "beta"):
             if call[n].dtype != expected_dtype:
                 problems.append(f"layer {layer}: {n} is {call[n].dtype}, expected {expected_dtype}")
@@ -303,6 +317,7 @@ def parse_args(argv=None):
     p.add_argument("--compile", action="store_true", help="torch.compile(model, fullgraph=True)")
     p.add_argument("--fsdp", action="store_true", help="FSDP2 fully_shard with a bf16 (or --dtype) MixedPrecisionPolicy")
     p.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16", help="FSDP param dtype (--fsdp only)")
+    p.add_argument("--cp", action="store_true", help="context parallelism: each rank takes a slice of every sequence")
     p.add_argument("--loss-file", default=None, help="write the per-step losses as JSON here (rank 0)")
     p.add_argument("--log-every", type=int, default=1, help="update the progress line every N steps")
     args = p.parse_args(argv)
@@ -329,9 +344,12 @@ def main(argv=None):
 
     rank, world, mesh = 0, 1, None
     device = torch.device(device_type)
-    if args.fsdp:
+    if args.cp and (args.fsdp or args.compile):
+        raise SystemExit("--cp runs without --fsdp and --compile")
+    distributed = args.fsdp or args.cp
+    if distributed:
         rank, world, device, mesh = setup_distributed(device_type)
-        if args.batch_size % world:
+        if args.fsdp and args.batch_size % world:
             raise SystemExit(f"--batch-size {args.batch_size} must be divisible by the world size {world}")
 
     def log(*a, **kw):
@@ -340,14 +358,14 @@ def main(argv=None):
 
     try:
         _train(args, device, rank, world, mesh, head_dim, lower_bound, log)
-        if args.fsdp:
+        if distributed:
             # Every rank done before any tears down: a gloo group destroyed while a
             # peer still works aborts the process at exit.
             dist.barrier()
     finally:
-        if args.fsdp:
+        if distributed:
             dist.destroy_process_group()
-    if args.fsdp:
+    if distributed:
         # Seen here under load (torch 2.14, gloo): a distributed background thread still
         # joinable at interpreter teardown aborts an otherwise finished run ("terminate
         # called without an active exception"). Training is done and its outputs are
@@ -371,11 +389,11 @@ def _train(args, device, rank, world, mesh, head_dim, lower_bound, log):
     elif device.type == "cuda":
         compute_dtype = torch.bfloat16
         autocast = torch.autocast("cuda", dtype=torch.bfloat16)
-        mode = "single process, bf16 autocast"
+        mode = f"{world} process(es), context parallel, bf16 autocast" if args.cp else "single process, bf16 autocast"
     else:
         compute_dtype = torch.float32
         autocast = torch.autocast("cpu", enabled=False)
-        mode = "single process, fp32"
+        mode = f"{world} process(es), context parallel, fp32" if args.cp else "single process, fp32"
     # Built before any forward: with FSDP2, model.parameters() are the sharded parameters only
     # while the modules are sharded.
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
@@ -392,16 +410,25 @@ def _train(args, device, rank, world, mesh, head_dim, lower_bound, log):
     )
 
     gen = torch.Generator().manual_seed(args.seed + 1)
-    local = args.batch_size // world
-    rows = slice(rank * local, (rank + 1) * local)
+    rows, cols = slice(None), slice(None)
+    if args.fsdp:  # a slice of the sequences
+        local = args.batch_size // world
+        rows = slice(rank * local, (rank + 1) * local)
+    if args.cp:  # a slice of every sequence's tokens
+        per_rank = -(-args.seq_len // world)
+        cols = slice(min(rank * per_rank, args.seq_len), min((rank + 1) * per_rank, args.seq_len))
+    cp_group = dist.group.WORLD if args.cp else None
 
     def next_batch():
         tokens, targets = recall_batch(gen, args.batch_size, args.seq_len, args.vocab, args.num_queries)
-        return tokens[rows].to(device), targets[rows].to(device)
+        # The loss is the mean over the rank's sequences; with --cp each rank sums its
+        # positions of them over all their positions, and the parts add up to it.
+        count = (targets[rows] != IGNORE_INDEX).sum()
+        return tokens[rows, cols].to(device), targets[rows, cols].to(device), count.to(device)
 
     probe_gen = torch.Generator().manual_seed(args.seed + 2)  # leaves `gen` and the global RNG alone
-    probe_tokens = recall_batch(probe_gen, args.batch_size, args.seq_len, args.vocab, args.num_queries)[0][rows]
-    check_operator_inputs(model, probe_tokens.to(device), autocast, compute_dtype, log)
+    probe_tokens = recall_batch(probe_gen, args.batch_size, args.seq_len, args.vocab, args.num_queries)[0][rows, cols]
+    check_operator_inputs(model, probe_tokens.to(device), autocast, compute_dtype, log, cp_group)
     if args.fsdp:
         # The probe ran without a backward, after which FSDP2 leaves the root's parameters
         # unsharded (and swapped in for the sharded ones): shard them again.
@@ -421,10 +448,11 @@ def _train(args, device, rank, world, mesh, head_dim, lower_bound, log):
     timed_from = None  # the rate leaves out step 1 (warm-up, and compilation with --compile)
     for step in range(1, args.steps + 1):
         step_start = time.perf_counter()
-        tokens, targets = next_batch()
+        tokens, targets, count = next_batch()
         with autocast:
-            logits = step_fn(tokens)
-        loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX)
+            logits = step_fn(tokens, cp_group) if args.cp else step_fn(tokens)
+        loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX,
+                               reduction="sum") / count
         try:
             loss.backward()
         except NotImplementedError as e:
@@ -435,6 +463,10 @@ def _train(args, device, rank, world, mesh, head_dim, lower_bound, log):
                 f"Train on the CPU with --device cpu.\n  {type(e).__name__}: {e}"
             )
             raise
+        if args.cp and world > 1:  # each rank's part of every replicated parameter's gradient
+            for p in model.parameters():
+                if p.grad is not None:
+                    dist.all_reduce(p.grad)
         if args.clip > 0:
             torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
         optimizer.step()
@@ -442,11 +474,12 @@ def _train(args, device, rank, world, mesh, head_dim, lower_bound, log):
 
         with torch.no_grad():
             mask = targets != IGNORE_INDEX
-            correct = (logits.argmax(-1)[mask] == targets[mask]).float().mean()
+            correct = (logits.argmax(-1)[mask] == targets[mask]).float().sum() / count
             stats = torch.stack([loss.detach().float(), correct])
-            if args.fsdp and world > 1:  # every rank has the same number of queries: the mean of means is the mean
-                dist.all_reduce(stats)
-                stats /= world
+            if (args.fsdp or args.cp) and world > 1:
+                dist.all_reduce(stats)  # --cp: the parts of one mean
+                if args.fsdp:  # every rank has the same number of queries: the mean of means is the mean
+                    stats /= world
         loss_value, acc_value = stats.tolist()
         losses.append(loss_value)
         accs.append(acc_value)

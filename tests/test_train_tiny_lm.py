@@ -8,6 +8,8 @@
 - A short run learns the recall task: the loss ends far below where it starts and
   below what a model that ignores the key-value pairs can reach.
 - torch.compile(fullgraph=True) trains the same as eager.
+- Context parallelism over three processes (each a slice of every sequence) gives the
+  loss curve and the trained A_log and dt_bias of one process.
 
 Every child gets OMP_NUM_THREADS=1, so that two processes on two cores do not
 oversubscribe them, and `--device cpu`, so that the tests run on the CPU also where
@@ -133,6 +135,18 @@ def test_fsdp_two_processes_fp32_matches_single_process(reference, tmp_path):
             assert rel_err(got[name], ref[name]) < 1e-5, f"layer {layer} {name}: FSDP2 result differs from one process"
             assert rel_err(ref[name], init[name]) > 1e-4, f"layer {layer} {name} did not change in training"
     assert reference["gate_params"]["initial"] == record["gate_params"]["initial"], "different initial weights"
+
+
+@pytest.mark.slow
+def test_context_parallel_three_processes_matches_single_process(reference, tmp_path):
+    """32 tokens over three ranks: slices of 11, 11 and 10 tokens, the queries on the
+    last ones only (the first rank's loss part is zero)."""
+    record, stdout = run_example(tmp_path, "cp", *SMALL, "--cp", nproc=3)
+    assert "3 process(es), context parallel, fp32" in stdout
+    assert_curves_close(record["loss"], reference["loss"], 1e-4, "context parallel (3 processes) vs one process")
+    for layer, (got, ref) in enumerate(zip(record["gate_params"]["final"], reference["gate_params"]["final"])):
+        for name in ("A_log", "dt_bias"):
+            assert rel_err(got[name], ref[name]) < 1e-5, f"layer {layer} {name}: context parallel differs"
 
 
 @pytest.mark.slow

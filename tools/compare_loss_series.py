@@ -34,7 +34,7 @@ def main():
         times = r.get("step_time_s", [])[1:]
         med = f"{1e3 * statistics.median(times):.1f} ms" if times else "-"
         rate = f"{r['tokens_per_s']:,.0f} tokens/s" if r.get("tokens_per_s") else "- tokens/s"
-        print(f"{name}: {r['args'].get('fsdp') and 'fsdp' or 'single'} median step time {med}, {rate}")
+        print(f"{name}: {(r['args'].get('fsdp') and 'fsdp') or (r['args'].get('cp') and 'cp') or 'single'} median step time {med}, {rate}")
     ok = worst_rel <= args.rtol
     print(f"max |diff| {worst_abs:.3e}, max relative {worst_rel:.3e} (rtol {args.rtol:g}): {'OK' if ok else 'FAIL'}")
     return 0 if ok else 1
