@@ -3,7 +3,8 @@ gloo (spawned by the test, bounded in time), each with its slice of every
 sequence, against one process's torch_kda.kda on the whole sequences in float64:
 out, the final state and every gradient within 1e-10. Slices of unequal length,
 an empty one, both gates, with and without an initial state, grouped value heads,
-and the one-process unfold of the backward checked against autograd."""
+packed sequences crossing 0, 1 and 2 rank boundaries, and the one-process unfold
+of the backward checked against autograd."""
 import os
 import socket
 
@@ -39,7 +40,8 @@ def rank_main(rank, world, port, case_path, result_path):
             x[n] = d[n].clone().requires_grad_(True) if d[n] is not None else None
         init = d["initial_state"].clone().requires_grad_(True) if d["initial_state"] is not None and rank == 0 else None
         out, final = cp.context_parallel_kda(*(x[n] for n in NAMES[:7]), lower_bound=case["lower_bound"],
-                                             initial_state=init, output_final_state=True)
+                                             initial_state=init, output_final_state=True,
+                                             cu_seqlens=d["cu_seqlens"])
         loss = (out * case["w_out"][:, s:e]).sum()
         if final is not None:
             loss = loss + (final * case["w_final"]).sum()
@@ -57,6 +59,10 @@ CASES = {
     "two_softplus_state": (2, [9, 14], dict(B=2, H=2), None, True),
     "three_bounded": (3, [5, 11, 3], dict(B=1, H=2), -2.0, False),
     "four_empty_slice_grouped": (4, [7, 0, 12, 4], dict(B=2, H=1, HV=2), None, True),
+    # packed sequences of 3, 0, 20, 2 and 4 tokens: the 20-token one crosses two rank
+    # boundaries, the others none
+    "varlen_three": (3, [8, 6, 15], dict(seqlens=[3, 0, 20, 2, 4], H=2), -1.0, True),
+    "varlen_two_no_state": (2, [10, 19], dict(seqlens=[12, 17], H=2), None, False),
 }
 
 
@@ -64,13 +70,16 @@ CASES = {
 def test_ranks_equal_one_process(name, tmp_path):
     world, lengths, shape, lower_bound, with_state = CASES[name]
     T = sum(lengths)
-    d = make_inputs(T=T, K=4, V=3, dtype=F64, state_dtype=F64 if with_state else None, **shape)
+    if "seqlens" not in shape:
+        shape = dict(shape, T=T)
+    d = make_inputs(K=4, V=3, dtype=F64, state_dtype=F64 if with_state else None, **shape)
     cuts = [0]
     for n in lengths:
         cuts.append(cuts[-1] + n)
     ref = {n: (t.clone().requires_grad_(True) if t is not None else None) for n, t in d.items() if n in NAMES}
     out, final = torch_kda.kda(*(ref[n] for n in NAMES[:7]), lower_bound=lower_bound,
-                               initial_state=ref["initial_state"], output_final_state=True)
+                               initial_state=ref["initial_state"], output_final_state=True,
+                               cu_seqlens=d["cu_seqlens"])
     w_out, w_final = torch.randn_like(out), torch.randn_like(final)
     ((out * w_out).sum() + (final * w_final).sum()).backward()
 

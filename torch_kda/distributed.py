@@ -20,6 +20,11 @@ gives each rank dX_end, and a local backward with it gives the slice's gradients
 Nothing of size T crosses ranks: per layer each rank sends N H (K K + V K) float64
 numbers forward and N H V K back (at 32 heads of 128: 8 MiB and 4 MiB per sequence).
 
+Packed batches (cu_seqlens) run each slice as a varlen call of all the batch's
+sequences, most of them empty on a given rank: an empty piece passes the state
+through (A = I, B its start), so one fold serves sequences that cross any number of
+ranks, and the last rank's final states are every sequence's.
+
 The collective sits behind one function, `_gather`, so that tests can run the
 ranks' local steps in one process.
 """
@@ -38,15 +43,17 @@ def _gather(x, group):
     return torch.stack(parts)
 
 
-def _maps(q, k, v, g, beta, A_log, dt_bias, scale, lower_bound, initial_state=None):
-    """This slice's (A [B, H, K, K], B [B, H, V, K]) in float64; B from initial_state
-    (zeros where None): the first slice's B is its true end state."""
-    Bsz, _, H, V = v.shape
-    K = k.shape[-1]
-    kw = dict(scale=scale, lower_bound=lower_bound, output_final_state=True)
+def _maps(q, k, v, g, beta, A_log, dt_bias, scale, lower_bound, initial_state=None, cu_seqlens=None):
+    """This slice's (A [N, H, K, K], B [N, H, V, K]) in float64; B from initial_state
+    (zeros where None): the first slice's B is its true end state. With cu_seqlens
+    (this slice's offsets of every sequence, most of them empty here) N is its
+    sequences, whose empty pieces pass the state through (A = I, B = its start)."""
+    H, K = v.shape[2], k.shape[-1]
+    N = v.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
+    kw = dict(scale=scale, lower_bound=lower_bound, output_final_state=True, cu_seqlens=cu_seqlens)
     eye = torch.eye(K, dtype=torch.float64 if q.dtype == torch.float64 else torch.float32, device=q.device)
     _, A = kda(q, k, torch.zeros(*v.shape[:3], K, dtype=v.dtype, device=v.device), g, beta, A_log, dt_bias,
-               initial_state=eye.expand(Bsz, H, K, K).contiguous(), **kw)
+               initial_state=eye.expand(N, H, K, K).contiguous(), **kw)
     _, Bm = kda(q, k, v, g, beta, A_log, dt_bias, initial_state=initial_state, **kw)
     return A.double(), Bm.double()
 
@@ -72,18 +79,19 @@ def _unfold_grads(A, C, grad_final):
 
 class _ContextParallelKDA(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, g, beta, A_log, dt_bias, initial_state, scale, lower_bound, group, state_dtype):
+    def forward(ctx, q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, scale, lower_bound, group,
+                state_dtype):
         rank, world = dist.get_rank(group), dist.get_world_size(group)
         with torch.no_grad():
-            A, Bm = _maps(q, k, v, g, beta, A_log, dt_bias, scale, lower_bound, initial_state)
+            A, Bm = _maps(q, k, v, g, beta, A_log, dt_bias, scale, lower_bound, initial_state, cu_seqlens)
             A_all, B_all = _gather(A, group), _gather(Bm, group)
             if rank == 0:
                 start = (initial_state if initial_state is not None else torch.zeros_like(Bm)).to(state_dtype)
             else:
                 start = _fold(A_all, B_all)[rank].to(state_dtype)
             out, final = kda(q, k, v, g, beta, A_log, dt_bias, scale=scale, lower_bound=lower_bound,
-                             initial_state=start, output_final_state=True)
-        ctx.save_for_backward(q, k, v, g, beta, A_log, dt_bias, start, A_all)
+                             initial_state=start, output_final_state=True, cu_seqlens=cu_seqlens)
+        ctx.save_for_backward(q, k, v, g, beta, A_log, dt_bias, start, A_all, cu_seqlens)
         ctx.scale, ctx.lower_bound, ctx.group = scale, lower_bound, group
         ctx.rank, ctx.world = rank, world
         ctx.has_initial_state = initial_state is not None
@@ -91,8 +99,8 @@ class _ContextParallelKDA(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out, grad_final):
-        q, k, v, g, beta, A_log, dt_bias, start, A_all = ctx.saved_tensors
-        kw = dict(scale=ctx.scale, lower_bound=ctx.lower_bound, initial_state=start)
+        q, k, v, g, beta, A_log, dt_bias, start, A_all, cu_seqlens = ctx.saved_tensors
+        kw = dict(scale=ctx.scale, lower_bound=ctx.lower_bound, initial_state=start, cu_seqlens=cu_seqlens)
         if grad_out is None:
             grad_out = torch.zeros(v.shape, dtype=q.dtype, device=q.device)
         # Only the last rank's final state is the sequence's: the others' are not outputs.
@@ -108,11 +116,11 @@ class _ContextParallelKDA(torch.autograd.Function):
         if A_log is None:
             dA_log = ddt_bias = None
         d_init = dstart.to(start.dtype) if ctx.has_initial_state and ctx.rank == 0 else None
-        return dq, dk, dv, dg, dbeta, dA_log, ddt_bias, d_init, None, None, None, None
+        return dq, dk, dv, dg, dbeta, dA_log, ddt_bias, d_init, None, None, None, None, None
 
 
 def context_parallel_kda(q, k, v, g, beta, A_log, dt_bias, *, group=None, scale=None, lower_bound=None,
-                         initial_state=None, output_final_state=False):
+                         initial_state=None, output_final_state=False, cu_seqlens=None):
     """Kimi Delta Attention over a sequence split along T across `group`'s ranks.
 
     Each rank passes its contiguous slice of every sequence (q, k, g [B, T_r, H, K],
@@ -124,7 +132,11 @@ def context_parallel_kda(q, k, v, g, beta, A_log, dt_bias, *, group=None, scale=
     torch_kda.kda on the whole sequence within the precision rules. Gradients
     reach every input; A_log's and dt_bias's are this rank's part (sum them over
     the group, as data-parallel training sums replicated parameters' gradients).
-    Packed varlen batches (cu_seqlens) are not served.
+
+    Packed sequences: B = 1, each rank its contiguous slice of the packed tokens, and
+    cu_seqlens [N + 1] the whole batch's offsets (the same on every rank); a sequence
+    may start on one rank and end on another. States are then [N, HV, V, K]. Reading
+    the slices' lengths costs one small gather and a host sync.
     """
     group = group if group is not None else dist.group.WORLD
     rank, world = dist.get_rank(group), dist.get_world_size(group)
@@ -134,6 +146,13 @@ def context_parallel_kda(q, k, v, g, beta, A_log, dt_bias, *, group=None, scale=
         state_dtype = initial_state.dtype
     else:
         state_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
-    out, final = _ContextParallelKDA.apply(q, k, v, g, beta, A_log, dt_bias, initial_state, scale, lower_bound,
-                                           group, state_dtype)
+    local_cu = None
+    if cu_seqlens is not None:
+        # This slice's offsets of every sequence: the whole batch's, shifted to the
+        # slice's first token and clamped to it.
+        lengths = _gather(torch.tensor([q.shape[1]], device=q.device), group).flatten().tolist()
+        first = sum(lengths[:rank])
+        local_cu = (cu_seqlens.to(device=q.device, dtype=torch.long) - first).clamp(0, q.shape[1])
+    out, final = _ContextParallelKDA.apply(q, k, v, g, beta, A_log, dt_bias, initial_state, local_cu, scale,
+                                           lower_bound, group, state_dtype)
     return out, (final if output_final_state and rank == world - 1 else None)
