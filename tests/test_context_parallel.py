@@ -63,6 +63,8 @@ CASES = {
     # boundaries, the others none
     "varlen_three": (3, [8, 6, 15], dict(seqlens=[3, 0, 20, 2, 4], H=2), -1.0, True),
     "varlen_two_no_state": (2, [10, 19], dict(seqlens=[12, 17], H=2), None, False),
+    # bf16 inputs and fp32 states: within the precision rules, not to the bit
+    "two_bf16": (2, [17, 15], dict(B=1, H=2, dtype=torch.bfloat16, state_dtype=torch.float32), -5.0, True),
 }
 
 
@@ -70,9 +72,12 @@ CASES = {
 def test_ranks_equal_one_process(name, tmp_path):
     world, lengths, shape, lower_bound, with_state = CASES[name]
     T = sum(lengths)
-    if "seqlens" not in shape:
-        shape = dict(shape, T=T)
-    d = make_inputs(K=4, V=3, dtype=F64, state_dtype=F64 if with_state else None, **shape)
+    kw = dict(K=4, V=3, dtype=F64, state_dtype=F64 if with_state else None)
+    kw.update(shape)
+    if "seqlens" not in kw:
+        kw["T"] = T
+    d = make_inputs(**kw)
+    tol, grad_tol = (5e-3, 1e-2) if kw["dtype"] == torch.bfloat16 else (1e-10, 1e-10)
     cuts = [0]
     for n in lengths:
         cuts.append(cuts[-1] + n)
@@ -89,15 +94,15 @@ def test_ranks_equal_one_process(name, tmp_path):
                        start_method="spawn", join=True)
     res = [torch.load(f"{result_path}.{r}") for r in range(world)]
 
-    assert rel(torch.cat([r["out"] for r in res], 1), out) <= 1e-10
+    assert rel(torch.cat([r["out"] for r in res], 1), out) <= tol
     assert all(r["final"] is None for r in res[:-1])
-    assert rel(res[-1]["final"], final) <= 1e-10
+    assert rel(res[-1]["final"], final) <= tol
     for n in TOKEN_INPUTS:
-        assert rel(torch.cat([r["grads"][n] for r in res], 1), ref[n].grad) <= 1e-10, n
+        assert rel(torch.cat([r["grads"][n] for r in res], 1), ref[n].grad) <= grad_tol, n
     for n in ("A_log", "dt_bias"):  # each rank's part; their sum is the whole gradient
-        assert rel(sum(r["grads"][n] for r in res), ref[n].grad) <= 1e-10, n
+        assert rel(sum(r["grads"][n] for r in res), ref[n].grad) <= grad_tol, n
     if with_state:
-        assert rel(res[0]["grads"]["initial_state"], ref["initial_state"].grad) <= 1e-10
+        assert rel(res[0]["grads"]["initial_state"], ref["initial_state"].grad) <= grad_tol
 
 
 def test_fold_and_unfold_in_one_process():
