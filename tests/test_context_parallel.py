@@ -175,7 +175,7 @@ def layer_rank_main(rank, world, port, case_path, result_path):
         layer.load_state_dict(case["params"])
         s, e = case["cuts"][rank], case["cuts"][rank + 1]
         x = case["x"][:, s:e].clone().requires_grad_(True)
-        y, _ = layer(x, cp_group=dist.group.WORLD)
+        y, _ = layer(x, cu_seqlens=case["cu"], cp_group=dist.group.WORLD)
         (y * case["w"][:, s:e]).sum().backward()
         torch.save(dict(y=y.detach(), dx=x.grad, grads={n: p.grad for n, p in layer.named_parameters()}),
                    f"{result_path}.{rank}")
@@ -183,12 +183,16 @@ def layer_rank_main(rank, world, port, case_path, result_path):
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("world, lengths", [(2, [6, 9]), (3, [5, 2, 8])], ids=["two", "three_short_slice"])
-def test_layer_under_context_parallelism_equals_the_whole(world, lengths, tmp_path):
+@pytest.mark.parametrize("world, lengths, seqlens", [
+    (2, [6, 9], None),
+    (3, [5, 2, 8], None),
+    (3, [7, 2, 12], [4, 0, 9, 1, 7]),  # packed: the 9-token sequence crosses two boundaries
+], ids=["two", "three_short_slice", "three_packed"])
+def test_layer_under_context_parallelism_equals_the_whole(world, lengths, seqlens, tmp_path):
     """KimiDeltaAttention with cp_group: each rank's slice of y and of x's gradient, and
     the parameter gradients summed over ranks, equal the layer on the whole sequences
     (a slice shorter than the convolution's width included: its halo reaches two ranks
-    back)."""
+    back; packed sequences whose halo crosses ranks and starts mid-slice)."""
     from torch_kda.nn import KimiDeltaAttention
 
     args, kwargs = (16, 2, 4), dict(conv_size=4, lower_bound=None, num_v_heads=4)
@@ -196,15 +200,17 @@ def test_layer_under_context_parallelism_equals_the_whole(world, lengths, tmp_pa
     with torch.no_grad():
         layer.gate.A_log.uniform_(-2.0, 0.0)
         layer.o_norm.weight.uniform_(0.5, 1.5)
-    x = torch.randn(2, sum(lengths), 16, dtype=F64, requires_grad=True)
-    y, _ = layer(x)
+    cu = None if seqlens is None else torch.tensor([0] + seqlens).cumsum(0)
+    x = torch.randn(2 if seqlens is None else 1, sum(lengths), 16, dtype=F64, requires_grad=True)
+    y, _ = layer(x, cu_seqlens=cu)
     w = torch.randn_like(y)
     (y * w).sum().backward()
     cuts = [0]
     for n in lengths:
         cuts.append(cuts[-1] + n)
     case_path, result_path = str(tmp_path / "case.pt"), str(tmp_path / "result")
-    torch.save(dict(args=args, kwargs=kwargs, params=layer.state_dict(), x=x.detach(), w=w, cuts=cuts), case_path)
+    torch.save(dict(args=args, kwargs=kwargs, params=layer.state_dict(), x=x.detach(), w=w, cuts=cuts, cu=cu),
+               case_path)
     mp.start_processes(layer_rank_main, args=(world, free_port(), case_path, result_path), nprocs=world,
                        start_method="spawn", join=True)
     res = [torch.load(f"{result_path}.{r}") for r in range(world)]
@@ -218,5 +224,6 @@ def test_layer_cp_group_refuses_what_it_does_not_serve():
     from torch_kda.nn import KimiDeltaAttention
 
     layer = KimiDeltaAttention(16, 2, 4)
-    with pytest.raises(ValueError, match="with cp_group each rank passes its slice of fixed-length sequences"):
-        layer(torch.randn(1, 4, 16), cu_seqlens=torch.tensor([0, 4]), cp_group=object())
+    with pytest.raises(ValueError, match="with cp_group each rank passes its slice of the tokens; state and "
+                                         "output_state are not served with it"):
+        layer(torch.randn(1, 4, 16), output_state=True, cp_group=object())

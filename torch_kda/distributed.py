@@ -43,6 +43,16 @@ def _gather(x, group):
     return torch.stack(parts)
 
 
+def local_offsets(cu_seqlens, tokens, group):
+    """This rank's offsets [N + 1] of every packed sequence, for its slice of `tokens`
+    tokens: the whole batch's cu_seqlens shifted to the slice's first token and clamped
+    to the slice (a small gather of the slices' lengths, and a host sync)."""
+    device = cu_seqlens.device
+    lengths = _gather(torch.tensor([tokens], device=device), group).flatten().tolist()
+    first = sum(lengths[: dist.get_rank(group)])
+    return (cu_seqlens.to(torch.long) - first).clamp(0, tokens)
+
+
 def _maps(q, k, v, g, beta, A_log, dt_bias, scale, lower_bound, initial_state=None, cu_seqlens=None):
     """This slice's (A [N, H, K, K], B [N, H, V, K]) in float64; B from initial_state
     (zeros where None): the first slice's B is its true end state. With cu_seqlens
@@ -146,13 +156,7 @@ def context_parallel_kda(q, k, v, g, beta, A_log, dt_bias, *, group=None, scale=
         state_dtype = initial_state.dtype
     else:
         state_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
-    local_cu = None
-    if cu_seqlens is not None:
-        # This slice's offsets of every sequence: the whole batch's, shifted to the
-        # slice's first token and clamped to it.
-        lengths = _gather(torch.tensor([q.shape[1]], device=q.device), group).flatten().tolist()
-        first = sum(lengths[:rank])
-        local_cu = (cu_seqlens.to(device=q.device, dtype=torch.long) - first).clamp(0, q.shape[1])
+    local_cu = None if cu_seqlens is None else local_offsets(cu_seqlens, q.shape[1], group)
     out, final = _ContextParallelKDA.apply(q, k, v, g, beta, A_log, dt_bias, initial_state, local_cu, scale,
                                            lower_bound, group, state_dtype)
     return out, (final if output_final_state and rank == world - 1 else None)

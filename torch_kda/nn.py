@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from torch_kda._ops import kda, kda_pool
-from torch_kda.distributed import context_parallel_kda
+from torch_kda.distributed import context_parallel_kda, local_offsets
 
 
 class KDAState(NamedTuple):
@@ -55,9 +55,9 @@ class KDACache:
 
 
 def _halo_sources(lengths, rank, width):
-    """Where rank `rank`'s carried inputs come from: [(rank j, row in j's last-`width`
-    tail)] for each of the `width` positions (oldest first), None for zeros before
-    the sequence's first token."""
+    """Where one sequence's carried inputs on rank `rank` come from: [(rank j, row in
+    j's last-`width` tail of it)] for each of the `width` positions (oldest first),
+    None for zeros before the sequence's first token; lengths[j]: its tokens on rank j."""
     history = [None] * width
     for j in range(rank):
         n = min(lengths[j], width)
@@ -66,49 +66,61 @@ def _halo_sources(lengths, rank, width):
 
 
 class _Halo(torch.autograd.Function):
-    """[B, C, width]: the `width` inputs before this rank's slice z [B, T_r, C] of every
-    sequence, the earlier ranks' last ones (oldest first; zeros before the first
-    token): a ShortConvolution's carried state under context parallelism. Every rank
-    runs the same collectives forward and backward, whatever its slice's length."""
+    """[N, C, width]: for each of the N sequences in this rank's packed slice z [1, L,
+    C] (offsets [N + 1]), the `width` inputs before its piece here, the earlier ranks'
+    last ones (oldest first; zeros before the sequence's first token): a
+    ShortConvolution's carried state under context parallelism. Every rank runs the
+    same collectives forward and backward, whatever its slice holds."""
 
     @staticmethod
-    def forward(ctx, z, width, group):
+    def forward(ctx, z, offsets, width, group):
         import torch.distributed as dist
 
-        B, T, C = z.shape
+        offsets = [int(x) for x in offsets.tolist()]
+        N, C = len(offsets) - 1, z.shape[-1]
         world, rank = dist.get_world_size(group), dist.get_rank(group)
-        lengths = [torch.zeros(1, dtype=torch.long, device=z.device) for _ in range(world)]
-        dist.all_gather(lengths, torch.tensor([T], device=z.device), group=group)
-        lengths = [int(n) for n in lengths]
-        tail = z[:, max(T - width, 0):]
-        tail = torch.cat([z.new_zeros(B, width - tail.shape[1], C), tail], 1).contiguous()  # front-padded
+        tail = z.new_zeros(N, width, C)  # each sequence's last inputs here, front-padded
+        for n in range(N):
+            start, end = offsets[n], offsets[n + 1]
+            m = min(end - start, width)
+            if m:
+                tail[n, width - m:] = z[0, end - m:end]
+        lengths = torch.tensor([offsets[n + 1] - offsets[n] for n in range(N)], device=z.device)
+        all_lengths = [torch.empty_like(lengths) for _ in range(world)]
+        dist.all_gather(all_lengths, lengths, group=group)
+        all_lengths = torch.stack(all_lengths).tolist()  # [rank][sequence]
         tails = [torch.empty_like(tail) for _ in range(world)]
         dist.all_gather(tails, tail, group=group)
-        carried = z.new_zeros(B, width, C)
-        for p, src in enumerate(_halo_sources(lengths, rank, width)):
-            if src is not None:
-                carried[:, p] = tails[src[0]][:, src[1]]
-        ctx.lengths, ctx.width, ctx.group, ctx.rank, ctx.T = lengths, width, group, rank, T
+        carried = z.new_zeros(N, width, C)
+        for n in range(N):
+            for p, src in enumerate(_halo_sources([row[n] for row in all_lengths], rank, width)):
+                if src is not None:
+                    carried[n, p] = tails[src[0]][n, src[1]]
+        ctx.offsets, ctx.all_lengths, ctx.width, ctx.group, ctx.rank = offsets, all_lengths, width, group, rank
+        ctx.shape = z.shape
         return carried.transpose(1, 2)
 
     @staticmethod
     def backward(ctx, d_carried):
         import torch.distributed as dist
 
-        width, rank, T = ctx.width, ctx.rank, ctx.T
-        d = d_carried.transpose(1, 2).contiguous()  # [B, width, C]
-        all_d = [torch.empty_like(d) for _ in ctx.lengths]
+        width, rank, offsets, all_lengths = ctx.width, ctx.rank, ctx.offsets, ctx.all_lengths
+        d = d_carried.transpose(1, 2).contiguous()  # [N, width, C]
+        all_d = [torch.empty_like(d) for _ in all_lengths]
         dist.all_gather(all_d, d, group=ctx.group)
-        d_tail = torch.zeros_like(d)
-        for r in range(rank + 1, len(ctx.lengths)):
-            for p, src in enumerate(_halo_sources(ctx.lengths, r, width)):
-                if src is not None and src[0] == rank:
-                    d_tail[:, src[1]] += all_d[r][:, p]
-        dz = d.new_zeros(d.shape[0], T, d.shape[2])
-        n = min(T, width)
-        if n:
-            dz[:, T - n:] = d_tail[:, width - n:]
-        return dz, None, None
+        dz = d.new_zeros(ctx.shape)
+        for n in range(len(offsets) - 1):
+            lengths = [row[n] for row in all_lengths]
+            d_tail = d.new_zeros(width, d.shape[2])
+            for r in range(rank + 1, len(all_lengths)):
+                for p, src in enumerate(_halo_sources(lengths, r, width)):
+                    if src is not None and src[0] == rank:
+                        d_tail[src[1]] += all_d[r][n, p]
+            end = offsets[n + 1]
+            m = min(end - offsets[n], width)
+            if m:
+                dz[0, end - m:end] = d_tail[width - m:]
+        return dz, None, None, None
 
 
 def _at_least_fp32(dtype):
@@ -247,7 +259,8 @@ class KimiDeltaAttention(nn.Module):
     cp_group=None) returns (y [B, T, hidden_size], KDAState or None). Passing the
     returned state to the next call continues each sequence (chunked prefill,
     token-by-token generation). With cp_group (context parallelism) each rank passes
-    its slice of the tokens of fixed-length sequences, in rank order; the short
+    its slice of the tokens, in rank order (packed: B = 1 and the whole batch's
+    cu_seqlens on every rank); the short
     convolutions take the earlier ranks' last inputs, the KDA core runs across the
     group (torch_kda.distributed), and parameter gradients are this rank's part.
 
@@ -291,16 +304,20 @@ class KimiDeltaAttention(nn.Module):
                 cp_group=None):
         B, T, _ = x.shape
         HV, d = self.num_v_heads, self.head_dim
-        if cp_group is not None and (cu_seqlens is not None or state is not None or output_state):
-            raise ValueError("KimiDeltaAttention: with cp_group each rank passes its slice of fixed-length "
-                             "sequences; cu_seqlens, state and output_state are not served with it")
-        offsets = _sequence_offsets(B, T, cu_seqlens, x.device)
+        if cp_group is not None and (state is not None or output_state):
+            raise ValueError("KimiDeltaAttention: with cp_group each rank passes its slice of the tokens; "
+                             "state and output_state are not served with it")
+        if cp_group is not None and cu_seqlens is not None:
+            # The whole batch's offsets, as every rank passes them: this slice's pieces.
+            offsets = local_offsets(_sequence_offsets(B, T, cu_seqlens, x.device), T, cp_group)
+        else:
+            offsets = _sequence_offsets(B, T, cu_seqlens, x.device)
         packed = x.reshape(1, B * T, x.shape[-1])
 
         def conv(proj, conv_mod, field):
             z = proj(packed)
             if cp_group is not None:
-                carried = _Halo.apply(z.reshape(B, T, conv_mod.channels), self.conv_size - 1, cp_group)
+                carried = _Halo.apply(z, offsets, self.conv_size - 1, cp_group)
             else:
                 carried = getattr(state, field) if state is not None else None
             y, new = conv_mod(z, offsets, carried, output_state, state_name=f"state.{field}")
@@ -314,7 +331,8 @@ class KimiDeltaAttention(nn.Module):
         A_log, dt_bias = self.gate()
         if cp_group is not None:
             o, recurrent = context_parallel_kda(q, k, v, g.to(q.dtype), beta.to(q.dtype), A_log, dt_bias,
-                                                group=cp_group, lower_bound=self.lower_bound)
+                                                group=cp_group, lower_bound=self.lower_bound,
+                                                cu_seqlens=cu_seqlens)
         else:
             o, recurrent = kda(
                 q, k, v, g.to(q.dtype), beta.to(q.dtype), A_log, dt_bias,
