@@ -33,7 +33,7 @@ import torch.distributed as dist
 
 from torch_kda._ops import kda
 
-__all__ = ["context_parallel_kda"]
+__all__ = ["context_parallel_kda", "local_offsets"]
 
 
 def _gather(x, group):

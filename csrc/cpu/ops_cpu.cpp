@@ -118,7 +118,8 @@ std::tuple<Tensor, Tensor> fwd(const Tensor& q, const Tensor& k, const Tensor& v
 }
 
 void fwd_inplace(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g, const Tensor& beta,
-                 const optional<Tensor>& A_log_, const optional<Tensor>& dt_bias_, at::Tensor& out, const optional<Tensor>& final_state,
+                 const optional<Tensor>& A_log_, const optional<Tensor>& dt_bias_,
+                 at::Tensor& out, const optional<Tensor>& final_state,
                  optional<double> scale, optional<double> lower_bound, const optional<Tensor>& initial_state,
                  const optional<Tensor>& cu_seqlens) {
   const Tensor A_log = or_undefined(A_log_), dt_bias = or_undefined(dt_bias_);
@@ -131,7 +132,8 @@ void fwd_inplace(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor
 
 std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> bwd(
     const Tensor& grad_out, const optional<Tensor>& grad_final_state, const Tensor& q, const Tensor& k,
-    const Tensor& v, const Tensor& g, const Tensor& beta, const optional<Tensor>& A_log_, const optional<Tensor>& dt_bias_,
+    const Tensor& v, const Tensor& g, const Tensor& beta,
+    const optional<Tensor>& A_log_, const optional<Tensor>& dt_bias_,
     optional<double> scale, optional<double> lower_bound, const optional<Tensor>& initial_state,
     const optional<Tensor>& cu_seqlens, const optional<Tensor>& checkpoints, const optional<Tensor>& records) {
   const Tensor A_log = or_undefined(A_log_), dt_bias = or_undefined(dt_bias_);

@@ -34,7 +34,8 @@ void store_to_pool(const T* S, void* dst, at::ScalarType dtype, int64_t K, int64
 }
 
 void fwd_pool(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g, const Tensor& beta,
-              const optional<Tensor>& A_log_, const optional<Tensor>& dt_bias_, Tensor& state_pool, const Tensor& state_indices, Tensor& out,
+              const optional<Tensor>& A_log_, const optional<Tensor>& dt_bias_,
+              Tensor& state_pool, const Tensor& state_indices, Tensor& out,
               optional<double> scale, optional<double> lower_bound, const optional<Tensor>& cu_seqlens,
               const optional<Tensor>& num_accepted_tokens) {
   const Tensor A_log = or_undefined(A_log_), dt_bias = or_undefined(dt_bias_);

@@ -37,7 +37,8 @@ namespace {
 // waits on the host: padding rows and indices past the pool are found on the
 // device (checked under TORCH_KDA_CHECK=1, which reads them).
 void fwd_pool(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g, const Tensor& beta,
-              const optional<Tensor>& A_log_, const optional<Tensor>& dt_bias_, Tensor& state_pool, const Tensor& state_indices, Tensor& out,
+              const optional<Tensor>& A_log_, const optional<Tensor>& dt_bias_,
+              Tensor& state_pool, const Tensor& state_indices, Tensor& out,
               optional<double> scale, optional<double> lower_bound, const optional<Tensor>& cu_seqlens,
               const optional<Tensor>& num_accepted_tokens) {
   const Tensor A_log = or_undefined(A_log_), dt_bias = or_undefined(dt_bias_);
