@@ -4,17 +4,22 @@
     python examples/generate.py                 # the GPU if there is one, else the CPU
     python examples/generate.py --device cpu --new-tokens 16
 
-An untrained language model (embedding, --layers blocks of RMSNorm ->
-KimiDeltaAttention -> residual and RMSNorm -> MLP -> residual, a linear head)
-prefills a batch of prompts of different lengths, packed with cu_seqlens, into
-a KDACache per layer (request slots in a random order of the pool), then decodes
---new-tokens tokens greedily, one token per request a step. It checks that the
-decoded logits equal a full forward over each prompt plus its generated tokens
-(the training path, torch_kda.kda, from zero states) and prints the decode
-steps' tokens/s, eagerly and, on the GPU, as a CUDA graph of one step replayed.
-On the GPU the model has 8 layers of 16 heads of 128 by default (a width whose
-decode time the KDA layers and their projections share), on the CPU 2 layers of 2
-heads of 32. Exits non-zero if the check fails.
+A small model in Kimi-Linear's layout (embedding, --layers decoder layers of RMSNorm
+-> KimiDeltaAttention -> residual and RMSNorm -> MLP -> residual, a norm and a
+linear head) is described by a config dict such as a Kimi-Linear config.json holds
+(hidden_size, rms_norm_eps, linear_attn_config), built from it on the device, and
+loads its weights with load_state_dict(strict=True) from a state dict whose names,
+shapes and dtypes are a checkpoint's (model.layers.{i}.self_attn.q_proj.weight, ...;
+random here): the path that real Kimi-Linear KDA weights take. It prefills a batch
+of prompts of different lengths, packed with cu_seqlens, into a KDACache per layer
+(request slots in a random order of the pool), then decodes --new-tokens tokens
+greedily, one token per request a step. It checks that the decoded logits equal a
+full forward over each prompt plus its generated tokens (the training path,
+torch_kda.kda, from zero states) and prints the decode steps' tokens/s, eagerly and,
+on the GPU, as a CUDA graph of one step replayed. On the GPU the model has 8 layers
+of 16 heads of 128 by default (a width whose decode time the KDA layers and their
+projections share), on the CPU 2 layers of 2 heads of 32. Exits non-zero if the
+check fails.
 """
 import argparse
 import sys
@@ -29,43 +34,84 @@ from torch_kda.nn import KDACache, KimiDeltaAttention
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim, eps=1e-5):
+    def __init__(self, dim, eps, device=None, dtype=None):
         super().__init__()
         self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
+        self.weight = nn.Parameter(torch.ones(dim, device=device, dtype=dtype))
 
     def forward(self, x):
         xf = x.float()
         return (xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + self.eps)).to(x.dtype) * self.weight
 
 
-class Block(nn.Module):
-    def __init__(self, dim, num_heads, head_dim):
+class MLP(nn.Module):
+    def __init__(self, dim, hidden, **factory):
         super().__init__()
-        self.norm1, self.norm2 = RMSNorm(dim), RMSNorm(dim)
-        self.attn = KimiDeltaAttention(dim, num_heads, head_dim)
-        self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim, bias=False), nn.SiLU(), nn.Linear(4 * dim, dim, bias=False))
+        self.gate_proj = nn.Linear(dim, hidden, bias=False, **factory)
+        self.up_proj = nn.Linear(dim, hidden, bias=False, **factory)
+        self.down_proj = nn.Linear(hidden, dim, bias=False, **factory)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config, layer_idx, **factory):
+        super().__init__()
+        dim, eps = config["hidden_size"], config["rms_norm_eps"]
+        self.input_layernorm = RMSNorm(dim, eps, **factory)
+        self.self_attn = KimiDeltaAttention.from_config(config, layer_idx, **factory)
+        self.post_attention_layernorm = RMSNorm(dim, eps, **factory)
+        self.mlp = MLP(dim, config["intermediate_size"], **factory)
 
     def forward(self, x, cu_seqlens=None, cache=None, slots=None):
-        h = self.norm1(x)
-        a = self.attn(h, cu_seqlens)[0] if cache is None else self.attn.forward_cached(h, cache, slots, cu_seqlens)
+        h = self.input_layernorm(x)
+        if cache is None:
+            a = self.self_attn(h, cu_seqlens)[0]
+        else:
+            a = self.self_attn.forward_cached(h, cache, slots, cu_seqlens)
         x = x + a
-        return x + self.mlp(self.norm2(x))
+        return x + self.mlp(self.post_attention_layernorm(x))
 
 
-class TinyLM(nn.Module):
-    def __init__(self, vocab, dim, layers, num_heads, head_dim):
+class Model(nn.Module):
+    def __init__(self, config, **factory):
         super().__init__()
-        self.embed = nn.Embedding(vocab, dim)
-        self.blocks = nn.ModuleList(Block(dim, num_heads, head_dim) for _ in range(layers))
-        self.norm = RMSNorm(dim)
-        self.head = nn.Linear(dim, vocab, bias=False)
+        self.embed_tokens = nn.Embedding(config["vocab_size"], config["hidden_size"], **factory)
+        self.layers = nn.ModuleList(DecoderLayer(config, i, **factory) for i in range(config["num_hidden_layers"]))
+        self.norm = RMSNorm(config["hidden_size"], config["rms_norm_eps"], **factory)
+
+
+class CausalLM(nn.Module):
+    def __init__(self, config, device=None, dtype=None):
+        super().__init__()
+        self.model = Model(config, device=device, dtype=dtype)
+        self.lm_head = nn.Linear(config["hidden_size"], config["vocab_size"], bias=False, device=device, dtype=dtype)
 
     def forward(self, tokens, cu_seqlens=None, caches=None, slots=None):
-        x = self.embed(tokens)
-        for i, block in enumerate(self.blocks):
-            x = block(x, cu_seqlens, None if caches is None else caches[i], slots)
-        return self.head(self.norm(x)).float()
+        x = self.model.embed_tokens(tokens)
+        for i, layer in enumerate(self.model.layers):
+            x = layer(x, cu_seqlens, None if caches is None else caches[i], slots)
+        return self.lm_head(self.model.norm(x)).float()
+
+
+def small_config(vocab, dim, layers, heads, head_dim):
+    """A config in Kimi-Linear's form, every layer a KDA layer (kda_layers is 1-based)."""
+    return {
+        "vocab_size": vocab, "hidden_size": dim, "intermediate_size": 4 * dim, "num_hidden_layers": layers,
+        "rms_norm_eps": 1e-5,
+        "linear_attn_config": {"num_heads": heads, "head_dim": head_dim, "short_conv_kernel_size": 4,
+                               "kda_layers": list(range(1, layers + 1)), "full_attn_layers": []},
+    }
+
+
+def random_checkpoint(config, dtype):
+    """A state dict as a checkpoint stores it: the weights in `dtype`, the KDA layers'
+    A_log, dt_bias and convolution weights in fp32; values from the modules' own
+    initialisation."""
+    model = CausalLM(config)  # fp32, on the CPU
+    keep_fp32 = ("A_log", "dt_bias", "conv1d.weight")
+    return {name: t if name.endswith(keep_fp32) else t.to(dtype) for name, t in model.state_dict().items()}
 
 
 def main(argv=None):
@@ -92,9 +138,10 @@ def main(argv=None):
     args.heads = args.heads or (16 if on_gpu else 2)
     args.dim = args.dim or (args.heads * head_dim if on_gpu else 256)
     torch.manual_seed(args.seed)
-    model = TinyLM(args.vocab, args.dim, args.layers, args.heads, head_dim).to(device, dtype)
-    for block in model.blocks:  # the gate parameters stay fp32, the operator's requirement on CUDA
-        block.attn.gate.float()
+    config = small_config(args.vocab, args.dim, args.layers, args.heads, head_dim)
+    checkpoint = random_checkpoint(config, dtype)
+    model = CausalLM(config, device=device, dtype=dtype)
+    model.load_state_dict(checkpoint, strict=True)
     model.eval()
     lengths = [int(x) for x in args.prompts.split(",")]
     N = len(lengths)
@@ -102,7 +149,7 @@ def main(argv=None):
           f"{args.layers} layers, {args.heads} heads of {head_dim}, prompts {lengths}")
 
     slots_total = 2 * N
-    caches = [KDACache(block.attn, slots_total) for block in model.blocks]
+    caches = [KDACache(layer.self_attn, slots_total) for layer in model.model.layers]
     slots = torch.randperm(slots_total, device=device)[:N]
     prompts = [torch.randint(args.vocab, (n,), device=device) for n in lengths]
     cu = torch.tensor([0] + lengths, device=device).cumsum(0)

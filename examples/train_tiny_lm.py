@@ -28,10 +28,12 @@ a single process sees.
 
 --fsdp: torch.distributed with gloo on CPU or nccl on CUDA, set up from the torchrun
 environment variables (without them, a single-process group of world size 1 is
-created). FSDP2 `fully_shard` is applied to each KDAGateParameters module first, with
-MixedPrecisionPolicy(param_dtype=float32), so that A_log and dt_bias reach the
-operator in fp32; then to each block and to the root, with
-MixedPrecisionPolicy(param_dtype=--dtype, reduce_dtype=float32).
+created). FSDP2 `fully_shard` takes each KimiDeltaAttention's projections (its
+Linear children, one group) with MixedPrecisionPolicy(param_dtype=--dtype,
+reduce_dtype=float32), then the layer itself, whose remaining parameters (A_log,
+dt_bias, the convolutions' weights and the norm's) keep param_dtype=float32, so that
+A_log and dt_bias reach the operator in fp32; then each block and the root with the
+--dtype policy.
 
 Before training, one forward pass records what the KDA operator receives (the
 dtypes of q, k, v, g, beta, A_log, dt_bias) and checks that A_log and dt_bias are
@@ -77,7 +79,7 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from torch_kda.nn import KDAGateParameters, KimiDeltaAttention
+from torch_kda.nn import KimiDeltaAttention
 
 IGNORE_INDEX = -100
 
@@ -195,8 +197,8 @@ def _full(p):
 
 def gate_values(model):
     """[{"A_log": [...], "dt_bias": [...]}] per layer, the full fp32 values as Python floats."""
-    gates = [m for m in model.modules() if isinstance(m, KDAGateParameters)]
-    return [{n: _full(getattr(m, n)).float().flatten().tolist() for n in ("A_log", "dt_bias")} for m in gates]
+    layers = [m for m in model.modules() if isinstance(m, KimiDeltaAttention)]
+    return [{n: _full(getattr(m, n)).float().flatten().tolist() for n in ("A_log", "dt_bias")} for m in layers]
 
 
 def check_operator_inputs(model, tokens, autocast, expected_dtype, log, cp_group=None):
@@ -208,7 +210,7 @@ def check_operator_inputs(model, tokens, autocast, expected_dtype, log, cp_group
     recorder = _RecordKDA()
     with torch.no_grad(), autocast, recorder:
         model(tokens, cp_group) if cp_group is not None else model(tokens)
-    gates = [m for m in model.modules() if isinstance(m, KDAGateParameters)]
+    gates = [m for m in model.modules() if isinstance(m, KimiDeltaAttention)]
     masters = [(_full(m.A_log), _full(m.dt_bias)) for m in gates]  # collective under FSDP: every rank runs it
     per_layer = 3 if cp_group is not None else 1
     if len(recorder.calls) != per_layer * len(gates):
@@ -224,7 +226,7 @@ def check_operator_inputs(model, tokens, autocast, expected_dtype, log, cp_group
         for n, master in (("A_log", A_log), ("dt_bias", dt_bias)):
             if call[n].dtype != torch.float32:
                 problems.append(f"layer {layer}: {n} is {call[n].dtype}, expected torch.float32")
-            elif master.dtype != torch.float32 or not torch.equal(call[n], master.to(call[n].device)):
+            elif master.dtype != torch.float32 or not torch.equal(call[n].flatten(), master.flatten().to(call[n].device)):
                 problems.append(f"layer {layer}: {n} differs from the fp32 master weights")
     if problems:
         raise RuntimeError("the KDA operator received wrong inputs:\n  " + "\n  ".join(problems))
@@ -270,12 +272,18 @@ def setup_distributed(device_type):
 
 
 def shard_model(model, mesh, param_dtype):
-    """FSDP2: the gate parameters first (kept in fp32), then each block, then the root."""
-    gate_policy = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)
+    """FSDP2: each KDA layer's projections, then the layer (its small parameters kept in
+    fp32), then each block, then the root."""
+    # The layer's own unit computes nothing in fp32 that needs fp32 inputs: its inputs
+    # stay in the compute dtype.
+    fp32_policy = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32,
+                                       cast_forward_inputs=False)
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
     for module in model.modules():
-        if isinstance(module, KDAGateParameters):
-            fully_shard(module, mesh=mesh, mp_policy=gate_policy)
+        if isinstance(module, KimiDeltaAttention):
+            projections = [m for m in module.children() if isinstance(m, nn.Linear)]
+            fully_shard(projections, mesh=mesh, mp_policy=policy)
+            fully_shard(module, mesh=mesh, mp_policy=fp32_policy)
     for block in model.blocks:
         fully_shard(block, mesh=mesh, mp_policy=policy)
     fully_shard(model, mesh=mesh, mp_policy=policy)

@@ -198,7 +198,7 @@ def test_layer_under_context_parallelism_equals_the_whole(world, lengths, seqlen
     args, kwargs = (16, 2, 4), dict(conv_size=4, lower_bound=None, num_v_heads=4)
     layer = KimiDeltaAttention(*args, **kwargs).double()
     with torch.no_grad():
-        layer.gate.A_log.uniform_(-2.0, 0.0)
+        layer.A_log.uniform_(-2.0, 0.0)
         layer.o_norm.weight.uniform_(0.5, 1.5)
     cu = None if seqlens is None else torch.tensor([0] + seqlens).cumsum(0)
     x = torch.randn(2 if seqlens is None else 1, sum(lengths), 16, dtype=F64, requires_grad=True)

@@ -257,8 +257,7 @@ def test_forward_cached_matches_the_full_forward():
     from torch_kda.nn import KDACache, KimiDeltaAttention
 
     torch.manual_seed(0)
-    layer = KimiDeltaAttention(256, 2, D).to(DEV, torch.bfloat16)
-    layer.gate.float()
+    layer = KimiDeltaAttention(256, 2, D, device=DEV, dtype=torch.bfloat16)
     lens, steps = [7, 30, 1], 4
     seqs = [torch.randn(n + steps, 256, device=DEV).to(torch.bfloat16) for n in lens]
     full_cu = torch.tensor([0] + [n + steps for n in lens], device=DEV).cumsum(0)

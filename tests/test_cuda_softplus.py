@@ -418,19 +418,27 @@ FLA_CASES = {
 @pytest.mark.parametrize("name", list(FLA_CASES))
 def test_bf16_state_no_worse_than_fla(name):
     """With a bf16 state (bf16 products, as fla's), out and the final state are as
-    close to float64 as fla's chunk_kda's (given the same state in fp32, which it
-    needs) on the same inputs."""
+    close to float64 as fla's chunk_kda's on the same inputs. fla needs its state in
+    fp32 and returns it in fp32; the bf16 state is compared with fla's rounded to
+    bf16, since no bf16 tensor is closer than its own rounding (~1.6e-3 of the
+    2.7e-3 both reach). The same inputs with an fp32 state must beat fla's fp32
+    state as it is."""
     x = softplus_inputs(state_dtype=BF16, **FLA_CASES[name])
     fla_out, fla_final = fla_chunk_kda(x, None)
     out, final = run(x)
     ref_out, ref_final = run_reference(x)
     e_out, e_state = rel(out, ref_out), rel(final, ref_final)
     f_out, f_state = rel(fla_out, ref_out), rel(fla_final, ref_final)
-    print(f"\n{name}: torch_kda out {e_out:.2e} state {e_state:.2e}; chunk_kda out {f_out:.2e} state {f_state:.2e}")
+    f_state_bf16 = rel(fla_final.to(BF16), ref_final)
+    _, final32 = run({**x, "initial_state": x["initial_state"].float()})
+    e_state32 = rel(final32, ref_final)
+    print(f"\n{name}: torch_kda out {e_out:.2e} state {e_state:.2e} (fp32 state {e_state32:.2e}); "
+          f"chunk_kda out {f_out:.2e} state {f_state:.2e} (rounded to bf16 {f_state_bf16:.2e})")
     if not (math.isfinite(f_out) and math.isfinite(f_state)):
         pytest.skip("fla's chunk_kda is not finite on these inputs: nothing to compare with")
     assert e_out <= f_out
-    assert e_state <= f_state
+    assert e_state <= f_state_bf16
+    assert e_state32 <= f_state
 
 
 @pytest.mark.cuda

@@ -21,13 +21,12 @@ def make_layer(lower_bound, hidden=16, heads=2, head_dim=4, conv_size=4, dtype=F
     """A layer whose every parameter is random and non-trivial (the default init has
     an all-ones norm weight and fast decays that would hide a missing carried state)."""
     m = KimiDeltaAttention(hidden, heads, head_dim, conv_size=conv_size, lower_bound=lower_bound,
-                           num_v_heads=v_heads)
+                           num_v_heads=v_heads, dtype=dtype)
     with torch.no_grad():
-        m.gate.A_log.uniform_(-2.0, 0.0)  # A in [0.14, 1]: decays that keep some memory
-        m.gate.dt_bias.normal_()
+        m.A_log.uniform_(-2.0, 0.0)  # A in [0.14, 1]: decays that keep some memory
+        m.dt_bias.normal_()
         m.o_norm.weight.uniform_(0.5, 1.5)
-        m.g_proj[1].bias.normal_()
-    return m.to(dtype)
+    return m
 
 
 def packed_offsets(seqlens):
@@ -62,15 +61,15 @@ def reference_layer(m, x, cu_seqlens=None):
         out = [torch.stack(r) if T else z.new_zeros(0, z.shape[-1]) for r in rows]
         return torch.stack(out).reshape(B, T, z.shape[-1] // d, d)
 
-    q = short_conv(x @ p["q_proj.weight"].T, p["q_conv.weight"])
-    k = short_conv(x @ p["k_proj.weight"].T, p["k_conv.weight"])
-    v = short_conv(x @ p["v_proj.weight"].T, p["v_conv.weight"])
-    g = (x @ p["f_proj.0.weight"].T @ p["f_proj.1.weight"].T).reshape(B, T, HV, d)
+    q = short_conv(x @ p["q_proj.weight"].T, p["q_conv1d.weight"][:, 0])
+    k = short_conv(x @ p["k_proj.weight"].T, p["k_conv1d.weight"][:, 0])
+    v = short_conv(x @ p["v_proj.weight"].T, p["v_conv1d.weight"][:, 0])
+    g = (x @ p["f_a_proj.weight"].T @ p["f_b_proj.weight"].T).reshape(B, T, HV, d)
     beta = x @ p["b_proj.weight"].T
     o, _ = reference_kda(
-        q, k, v, g, beta, p["gate.A_log"], p["gate.dt_bias"], lower_bound=m.lower_bound, cu_seqlens=cu_seqlens
+        q, k, v, g, beta, p["A_log"].reshape(HV), p["dt_bias"].reshape(HV, d), lower_bound=m.lower_bound, cu_seqlens=cu_seqlens
     )
-    gate = (x @ p["g_proj.0.weight"].T @ p["g_proj.1.weight"].T + p["g_proj.1.bias"]).reshape(B, T, HV, d)
+    gate = (x @ p["g_a_proj.weight"].T @ p["g_b_proj.weight"].T).reshape(B, T, HV, d)
     o = o / torch.sqrt(o.square().mean(-1, keepdim=True) + m.o_norm.eps) * p["o_norm.weight"] * torch.sigmoid(gate)
     return o.reshape(B, T, HV * d) @ p["o_proj.weight"].T
 
@@ -112,7 +111,7 @@ def test_grouped_value_heads_match_reference_composition(lower_bound, layout):
     x, cu, conv_size = _layout(layout, 16, F64)
     m = make_layer(lower_bound, conv_size=conv_size, v_heads=4).double()
     assert m.v_proj.weight.shape == (16, 16) and m.q_proj.weight.shape == (8, 16)
-    assert m.gate.A_log.shape == (4,) and m.b_proj.weight.shape == (4, 16)
+    assert m.A_log.shape == (1, 1, 4, 1) and m.dt_bias.shape == (16,) and m.b_proj.weight.shape == (4, 16)
     y, state = m(x, cu_seqlens=cu, output_state=True)
     assert state.recurrent.shape[1] == 4 and state.conv_v.shape[1] == 16 and state.conv_q.shape[1] == 8
     assert rel(y, reference_layer(m, x, cu)) <= 1e-10
@@ -289,7 +288,7 @@ def test_gradients_reach_every_parameter(lower_bound, with_state):
     loss = (y * torch.randn_like(y)).sum() + sum((t * torch.randn_like(t)).sum() for t in s)
     loss.backward()
     names = [n for n, _ in m.named_parameters()]
-    assert "gate.A_log" in names and "gate.dt_bias" in names
+    assert "A_log" in names and "dt_bias" in names
     for name, p in m.named_parameters():
         assert p.grad is not None, name
         assert torch.isfinite(p.grad).all(), name

@@ -4,6 +4,7 @@ Shapes: hidden states x [B, T, hidden_size]; with cu_seqlens ([N + 1]) B must be
 and the N sequences are packed along T. H = num_heads (q and k), HV = num_v_heads (v,
 the gate, beta, the state and the output; H unless grouped), d = head_dim (K = V = d).
 """
+import math
 from typing import NamedTuple, Optional
 
 import torch
@@ -138,15 +139,18 @@ def _sequence_offsets(B, T, cu_seqlens, device):
 
 class ShortConvolution(nn.Module):
     """Causal depthwise 1-D convolution over time with SiLU, one sequence at a time:
-    a packed sequence never sees the tokens of the one before it. Written with
-    fixed-shape tensor ops (no data-dependent sizes), so it compiles without graph
-    breaks and never reads cu_seqlens on the host."""
+    a packed sequence never sees the tokens of the one before it. The weight is
+    [channels, 1, kernel_size] as nn.Conv1d(groups=channels) keeps it, fp32 as
+    Kimi-Linear's checkpoints hold it; weight[:, 0, -1] multiplies the current token.
+    Sums in fp32 (float64 for float64 inputs), rounds once to the input's dtype.
+    Written with fixed-shape tensor ops (no data-dependent sizes), so it compiles
+    without graph breaks and never reads cu_seqlens on the host."""
 
-    def __init__(self, channels, kernel_size=4):
+    def __init__(self, channels, kernel_size=4, device=None):
         super().__init__()
         self.channels = channels
         self.kernel_size = kernel_size
-        self.weight = nn.Parameter(torch.empty(channels, kernel_size))
+        self.weight = nn.Parameter(torch.empty(channels, 1, kernel_size, device=device, dtype=torch.float32))
         nn.init.kaiming_uniform_(self.weight, a=5 ** 0.5)
 
     def forward(self, x, offsets, state=None, output_state=False, state_name="state"):
@@ -184,11 +188,12 @@ class ShortConvolution(nn.Module):
         marks = marks.index_add(0, inner, torch.ones_like(inner))
         seq = marks.cumsum(0)[:L].clamp(0, max(N - 1, 0))  # [L]
         pos = t - offsets[seq]
-        weight = self.weight.to(x.dtype)
-        y = torch.zeros(L, C, dtype=x.dtype, device=x.device)
+        acc_dtype = _at_least_fp32(torch.promote_types(x.dtype, self.weight.dtype))
+        weight = self.weight[:, 0].to(acc_dtype)
+        y = torch.zeros(L, C, dtype=acc_dtype, device=x.device)
         for j in range(W):  # tap j reads the input W - 1 - j steps back
-            y = y + buf[rows(seq, pos - (W - 1 - j))] * weight[:, j]
-        y = F.silu(y)[None]
+            y = y + buf[rows(seq, pos - (W - 1 - j))].to(acc_dtype) * weight[:, j]
+        y = F.silu(y).to(x.dtype)[None]
         if not output_state:
             return y, None
         # The last W - 1 inputs of each sequence (carried ones for short sequences).
@@ -201,10 +206,10 @@ class ShortConvolution(nn.Module):
 class GatedRMSNorm(nn.Module):
     """RMSNorm over the head dimension, then times sigmoid(gate)."""
 
-    def __init__(self, dim, eps=1e-5):
+    def __init__(self, dim, eps=1e-5, device=None, dtype=None):
         super().__init__()
         self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
+        self.weight = nn.Parameter(torch.ones(dim, device=device, dtype=dtype))
 
     def forward(self, x, gate):
         dtype = _at_least_fp32(x.dtype)
@@ -213,47 +218,105 @@ class GatedRMSNorm(nn.Module):
         return (normed * self.weight.to(dtype) * torch.sigmoid(gate.to(dtype))).to(x.dtype)
 
 
-class KDAGateParameters(nn.Module):
-    """A_log [H] and dt_bias [H, d] in their own module, so that FSDP2 can keep them
-    in fp32 (their own MixedPrecisionPolicy) while the rest of the layer runs in bf16:
-    the operator requires them in fp32 on CUDA, and the gate is sensitive to them."""
+_REQUIRED = object()
 
-    def __init__(self, num_heads, head_dim):
-        super().__init__()
-        # Decay rates spread over heads, as in Mamba-style initialisations.
-        self.A_log = nn.Parameter(torch.log(torch.empty(num_heads).uniform_(1, 16)))
-        dt = torch.exp(torch.empty(num_heads, head_dim).uniform_(torch.log(torch.tensor(1e-3)).item(),
-                                                                   torch.log(torch.tensor(1e-1)).item()))
-        self.dt_bias = nn.Parameter(dt + torch.log(-torch.expm1(-dt)))  # inverse softplus
+# Keys of the layer's earlier layout -> (the checkpoint layout's key, how its tensor changes).
+_LEGACY_KEYS = {
+    "q_conv.weight": ("q_conv1d.weight", lambda w: w.unsqueeze(1)),
+    "k_conv.weight": ("k_conv1d.weight", lambda w: w.unsqueeze(1)),
+    "v_conv.weight": ("v_conv1d.weight", lambda w: w.unsqueeze(1)),
+    "f_proj.0.weight": ("f_a_proj.weight", None),
+    "f_proj.1.weight": ("f_b_proj.weight", None),
+    "g_proj.0.weight": ("g_a_proj.weight", None),
+    "g_proj.1.weight": ("g_b_proj.weight", None),
+    "g_proj.1.bias": ("g_b_proj.bias", None),
+    "gate.A_log": ("A_log", lambda a: a.reshape(1, 1, -1, 1)),
+    "gate.dt_bias": ("dt_bias", lambda b: b.reshape(-1)),
+}
 
-    def forward(self):
-        # Copies, not the parameters themselves: FSDP2 frees an unsharded parameter's
-        # storage when this module's forward returns, before the operator reads it.
-        return (
-            self.A_log.to(_at_least_fp32(self.A_log.dtype), copy=True),
-            self.dt_bias.to(_at_least_fp32(self.dt_bias.dtype), copy=True),
-        )
+
+def convert_legacy_state_dict(state_dict):
+    """A state dict of KimiDeltaAttention layers saved in the layout before Kimi-Linear's
+    checkpoint names (q_conv, f_proj.0/1, g_proj.0/1, gate.A_log, gate.dt_bias), in the
+    checkpoint layout: keys renamed by their last components, whatever prefix they
+    have, convolution weights [C, W] -> [C, 1, W], A_log [HV] -> [1, 1, HV, 1], dt_bias
+    [HV, d] -> [HV d]. Other keys pass through. The old layout's output gate had a
+    bias (g_proj.1.bias -> g_b_proj.bias): load the result into layers built with
+    output_gate_bias=True, which lose nothing.
+
+        layer.load_state_dict(torch_kda.nn.convert_legacy_state_dict(old))
+    """
+    out = {}
+    for key, value in state_dict.items():
+        for old, (new, change) in _LEGACY_KEYS.items():
+            if key == old or key.endswith("." + old):
+                key = key[: len(key) - len(old)] + new
+                value = change(value) if change is not None else value
+                break
+        out[key] = value
+    return out
+
+
+def _refuse_legacy_keys(module, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                        error_msgs):
+    """A load_state_dict pre-hook: the earlier layout's keys stop the load, strict or
+    not, before the layer's parameters take any value, and say what to do."""
+    old = [prefix + k for k in _LEGACY_KEYS if prefix + k in state_dict]
+    if old:
+        bias = prefix + "g_proj.1.bias" in state_dict
+        raise RuntimeError(
+            f"KimiDeltaAttention: {', '.join(old)} are keys of the layout before Kimi-Linear's checkpoint names; "
+            f"convert the state dict with torch_kda.nn.convert_legacy_state_dict(state_dict)"
+            + (" and build the layer with output_gate_bias=True (it has an output-gate bias)" if bias else ""))
+    if prefix + "g_b_proj.bias" in state_dict and module.g_b_proj.bias is None:
+        raise RuntimeError(
+            f"KimiDeltaAttention: {prefix}g_b_proj.bias is an output-gate bias, which Kimi-Linear's layer does "
+            f"not have; build the layer with output_gate_bias=True to load it")
 
 
 class KimiDeltaAttention(nn.Module):
-    """The KDA block of Kimi-Linear.
+    """The KDA layer of Kimi-Linear, with the parameters of its released checkpoints.
 
     q, k, v projections with short causal convolutions (kernel conv_size, SiLU) that
     respect sequence boundaries; the low-rank gate projection with per-head A_log and
-    dt_bias (fp32); the beta projection; the KDA core (torch_kda.kda); an output gate
-    with gated RMSNorm; the output projection.
+    per-channel dt_bias; the beta projection; the KDA core (torch_kda.kda); an output
+    gate through a sigmoid-gated RMSNorm; the output projection.
+
+    Parameters, as named, shaped and typed in Kimi-Linear's checkpoints, so that
+    `load_state_dict(layer_tensors, strict=True)` takes one layer's tensors as stored
+    (d = head_dim, H = num_heads, HV = num_v_heads):
+        q_proj, k_proj [H d, hidden]; v_proj [HV d, hidden]      (Linear, no bias)
+        q_conv1d, k_conv1d [H d, 1, W]; v_conv1d [HV d, 1, W]   (fp32)
+        f_a_proj [d, hidden]; f_b_proj [HV d, d]                (the gate's input)
+        A_log [1, 1, HV, 1]; dt_bias [HV d]                      (fp32)
+        b_proj [HV, hidden]                                      (beta's logits)
+        g_a_proj [d, hidden]; g_b_proj [HV d, d]                 (the output gate)
+        o_norm.weight [d]; o_proj [hidden, HV d]
+    The fp32 ones stay fp32 whatever `dtype` the layer is built with; the operator
+    needs A_log and dt_bias in fp32 on CUDA. `.to(torch.bfloat16)` would round them
+    too (the forward still hands the operator fp32): build with `dtype=` instead.
 
     Args:
         hidden_size: model width.
         num_heads: H, the heads of q and k.
-        head_dim: d (K = V = d; 128 in the shipped models, the size the CUDA kernels serve).
-        conv_size: short convolution width (4).
-        lower_bound: None for the softplus gate of Kimi-Linear; a negative number for the
-            bounded gate lower_bound * sigmoid(exp(A_log) (g + dt_bias)).
-        norm_eps: epsilon of the gated RMSNorm.
+        head_dim: d (K = V = d; 128 in the released models, the size the CUDA kernels serve).
+        conv_size: W, the short convolutions' width (4).
+        lower_bound: None for Kimi-Linear's softplus gate, lambda = -exp(A_log)
+            softplus(g + dt_bias); a negative number for the bounded gate, lambda =
+            lower_bound sigmoid(exp(A_log) (g + dt_bias)), of the models that
+            configure `gate_lower_bound` (Kimi-K3 style): the same parameters, only
+            the gate's formula differs.
+        norm_eps: the gated RMSNorm's epsilon (the model's rms_norm_eps).
         num_v_heads: HV, the heads of v, the gate, beta, the state and the output; a
             multiple of H (grouped value heads: value head j reads query/key head
             j // (HV / H); CPU only); None for H.
+        output_gate_bias: give g_b_proj a bias, as layers saved before the checkpoint
+            layout had (see convert_legacy_state_dict); Kimi-Linear's has none.
+        device, dtype: of the parameters, except the fp32 ones above.
+
+    KimiDeltaAttention.from_config(config, layer_idx) builds layer layer_idx of a
+    Kimi-Linear model from its config (a dict as in config.json, or an object with
+    those attributes).
 
     forward(x [B, T, hidden_size], cu_seqlens=None, state=None, output_state=False,
     cp_group=None) returns (y [B, T, hidden_size], KDAState or None). Passing the
@@ -270,7 +333,7 @@ class KimiDeltaAttention(nn.Module):
     """
 
     def __init__(self, hidden_size, num_heads, head_dim, conv_size=4, lower_bound=None, norm_eps=1e-5,
-                 num_v_heads=None):
+                 num_v_heads=None, output_gate_bias=False, device=None, dtype=None):
         super().__init__()
         if lower_bound is not None and not lower_bound < 0:
             raise ValueError(f"KimiDeltaAttention: lower_bound must be negative or None, got {lower_bound}")
@@ -285,20 +348,58 @@ class KimiDeltaAttention(nn.Module):
         self.conv_size = conv_size
         self.lower_bound = lower_bound
         inner, inner_v = num_heads * head_dim, num_v_heads * head_dim
-        self.q_proj = nn.Linear(hidden_size, inner, bias=False)
-        self.k_proj = nn.Linear(hidden_size, inner, bias=False)
-        self.v_proj = nn.Linear(hidden_size, inner_v, bias=False)
-        self.q_conv = ShortConvolution(inner, conv_size)
-        self.k_conv = ShortConvolution(inner, conv_size)
-        self.v_conv = ShortConvolution(inner_v, conv_size)
-        self.f_proj = nn.Sequential(nn.Linear(hidden_size, head_dim, bias=False),
-                                    nn.Linear(head_dim, inner_v, bias=False))
-        self.gate = KDAGateParameters(num_v_heads, head_dim)
-        self.b_proj = nn.Linear(hidden_size, num_v_heads, bias=False)
-        self.g_proj = nn.Sequential(nn.Linear(hidden_size, head_dim, bias=False),
-                                    nn.Linear(head_dim, inner_v, bias=True))
-        self.o_norm = GatedRMSNorm(head_dim, eps=norm_eps)
-        self.o_proj = nn.Linear(inner_v, hidden_size, bias=False)
+        factory = dict(device=device, dtype=dtype)
+        self.q_proj = nn.Linear(hidden_size, inner, bias=False, **factory)
+        self.k_proj = nn.Linear(hidden_size, inner, bias=False, **factory)
+        self.v_proj = nn.Linear(hidden_size, inner_v, bias=False, **factory)
+        self.q_conv1d = ShortConvolution(inner, conv_size, device=device)
+        self.k_conv1d = ShortConvolution(inner, conv_size, device=device)
+        self.v_conv1d = ShortConvolution(inner_v, conv_size, device=device)
+        self.f_a_proj = nn.Linear(hidden_size, head_dim, bias=False, **factory)
+        self.f_b_proj = nn.Linear(head_dim, inner_v, bias=False, **factory)
+        # Decay rates spread over heads (exp(A_log) in [1, 16]) and dt_bias the inverse
+        # softplus of rates in [1e-3, 1e-1], as in Mamba-style initialisations.
+        self.A_log = nn.Parameter(torch.empty(1, 1, num_v_heads, 1, device=device, dtype=torch.float32).uniform_(1, 16).log())
+        dt = torch.empty(inner_v, device=device, dtype=torch.float32).uniform_(math.log(1e-3), math.log(1e-1)).exp()
+        self.dt_bias = nn.Parameter(dt + torch.log(-torch.expm1(-dt)))
+        self.b_proj = nn.Linear(hidden_size, num_v_heads, bias=False, **factory)
+        self.g_a_proj = nn.Linear(hidden_size, head_dim, bias=False, **factory)
+        self.g_b_proj = nn.Linear(head_dim, inner_v, bias=output_gate_bias, **factory)
+        self.o_norm = GatedRMSNorm(head_dim, eps=norm_eps, **factory)
+        self.o_proj = nn.Linear(inner_v, hidden_size, bias=False, **factory)
+        self.register_load_state_dict_pre_hook(_refuse_legacy_keys)
+
+    @classmethod
+    def from_config(cls, config, layer_idx, *, device=None, dtype=None):
+        """Layer layer_idx (0-based) of a Kimi-Linear model: hidden_size, rms_norm_eps
+        and linear_attn_config (num_heads, head_dim, short_conv_kernel_size; kda_layers,
+        1-based as published, where present; gate_lower_bound, where present, selects
+        the bounded gate). config: a dict as in config.json, or an object with those
+        attributes."""
+        def get(c, key, default=_REQUIRED):
+            value = c.get(key, default) if isinstance(c, dict) else getattr(c, key, default)
+            if value is _REQUIRED:
+                raise ValueError(f"KimiDeltaAttention.from_config: the config has no {key!r}")
+            return value
+
+        linear = get(config, "linear_attn_config")
+        if linear is None:
+            raise ValueError("KimiDeltaAttention.from_config: linear_attn_config is None (a model without KDA layers)")
+        kda_layers = get(linear, "kda_layers", None)
+        if kda_layers is not None and layer_idx + 1 not in kda_layers:
+            raise ValueError(f"KimiDeltaAttention.from_config: layer {layer_idx} (0-based) is not a KDA layer; "
+                             f"linear_attn_config.kda_layers (1-based) = {list(kda_layers)}")
+        return cls(
+            get(config, "hidden_size"), get(linear, "num_heads"), get(linear, "head_dim"),
+            conv_size=get(linear, "short_conv_kernel_size"), lower_bound=get(linear, "gate_lower_bound", None),
+            norm_eps=get(config, "rms_norm_eps"), device=device, dtype=dtype,
+        )
+
+    def _gate(self):
+        """A_log [HV] and dt_bias [HV, d] as the operator takes them, in fp32 (or float64)."""
+        HV, d = self.num_v_heads, self.head_dim
+        return (self.A_log.reshape(HV).to(_at_least_fp32(self.A_log.dtype)),
+                self.dt_bias.reshape(HV, d).to(_at_least_fp32(self.dt_bias.dtype)))
 
     def forward(self, x, cu_seqlens=None, state: Optional[KDAState] = None, output_state: bool = False,
                 cp_group=None):
@@ -323,12 +424,12 @@ class KimiDeltaAttention(nn.Module):
             y, new = conv_mod(z, offsets, carried, output_state, state_name=f"state.{field}")
             return y.reshape(B, T, conv_mod.channels // d, d), new
 
-        q, conv_q = conv(self.q_proj, self.q_conv, "conv_q")
-        k, conv_k = conv(self.k_proj, self.k_conv, "conv_k")
-        v, conv_v = conv(self.v_proj, self.v_conv, "conv_v")
-        g = self.f_proj(x).reshape(B, T, HV, d)
+        q, conv_q = conv(self.q_proj, self.q_conv1d, "conv_q")
+        k, conv_k = conv(self.k_proj, self.k_conv1d, "conv_k")
+        v, conv_v = conv(self.v_proj, self.v_conv1d, "conv_v")
+        g = self.f_b_proj(self.f_a_proj(x)).reshape(B, T, HV, d)
         beta = self.b_proj(x)
-        A_log, dt_bias = self.gate()
+        A_log, dt_bias = self._gate()
         if cp_group is not None:
             o, recurrent = context_parallel_kda(q, k, v, g.to(q.dtype), beta.to(q.dtype), A_log, dt_bias,
                                                 group=cp_group, lower_bound=self.lower_bound,
@@ -341,7 +442,7 @@ class KimiDeltaAttention(nn.Module):
                 output_final_state=output_state,
                 cu_seqlens=cu_seqlens,
             )
-        o = self.o_norm(o, self.g_proj(x).reshape(B, T, HV, d))
+        o = self.o_norm(o, self.g_b_proj(self.g_a_proj(x)).reshape(B, T, HV, d))
         y = self.o_proj(o.reshape(B, T, HV * d))
         if not output_state:
             return y, None
@@ -358,7 +459,7 @@ class KimiDeltaAttention(nn.Module):
         offsets = _sequence_offsets(B, T, cu_seqlens, x.device)
         packed = x.reshape(1, B * T, x.shape[-1])
         conv_slots = torch.where(slots < 0, torch.full_like(slots, cache.slots), slots)
-        convs = ((self.q_proj, self.q_conv), (self.k_proj, self.k_conv), (self.v_proj, self.v_conv))
+        convs = ((self.q_proj, self.q_conv1d), (self.k_proj, self.k_conv1d), (self.v_proj, self.v_conv1d))
         carried = cache.conv[conv_slots].split([c.channels for _, c in convs], dim=1)  # each [N, C, W - 1]
         new_conv = []
         qkv = []
@@ -367,11 +468,11 @@ class KimiDeltaAttention(nn.Module):
             qkv.append(y.reshape(B, T, conv_mod.channels // d, d))
             new_conv.append(new)
         q, k, v = qkv
-        g = self.f_proj(x).reshape(B, T, HV, d)
+        g = self.f_b_proj(self.f_a_proj(x)).reshape(B, T, HV, d)
         beta = self.b_proj(x)
-        A_log, dt_bias = self.gate()
+        A_log, dt_bias = self._gate()
         o = kda_pool(q, k, v, g.to(q.dtype), beta.to(q.dtype), A_log, dt_bias, cache.recurrent, slots,
                      lower_bound=self.lower_bound, cu_seqlens=cu_seqlens)
         cache.conv.index_copy_(0, conv_slots, torch.cat(new_conv, 1).to(cache.conv.dtype))
-        o = self.o_norm(o, self.g_proj(x).reshape(B, T, HV, d))
+        o = self.o_norm(o, self.g_b_proj(self.g_a_proj(x)).reshape(B, T, HV, d))
         return self.o_proj(o.reshape(B, T, HV * d))
