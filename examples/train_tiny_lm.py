@@ -51,15 +51,20 @@ autocast. The operator's CUDA backward is a first, slow version (ATen ops over
 16-token chunks); builds from before it stop at the first backward with
 NotImplementedError, which the script reports and re-raises.
 
---cp: context parallelism over all the torchrun ranks (gloo on CPU, nccl on CUDA):
-every rank draws the same global batch and takes its slice of every sequence's
-tokens (torch_kda.distributed; KimiDeltaAttention(..., cp_group=...)); the loss is the
-global batch's mean, each rank's part summed, and every parameter's gradient is summed
-over the ranks before the step, so the loss curve is the one a single process sees.
-Not with --fsdp or --compile.
+--cp N: context parallelism over N torchrun ranks (gloo on CPU, nccl on CUDA): each
+of them takes its slice of every sequence's tokens (torch_kda.distributed;
+KimiDeltaAttention(..., cp_group=...)); the loss is the batch's mean, each rank's
+part summed, and every parameter's gradient is summed over the N ranks, so the loss
+curve is the one a single process sees. Without --fsdp N is the world size. With
+--fsdp the ranks form a 2-D mesh (dp = world / N, cp = N): each dp row takes its
+slice of the batch's sequences, FSDP2 shards the parameters over the cp ranks and
+replicates them over dp (HSDP on the mesh), and the loss is scaled by N before the
+backward so that FSDP2's mean over all ranks is the sum over cp and the mean over dp.
 
---compile wraps the model in torch.compile(model, fullgraph=True). With --fsdp it
-drops fullgraph: FSDP2 keeps its hooks out of dynamo, so the graph breaks at them.
+--compile wraps the model in torch.compile(model, fullgraph=True). With --fsdp or
+--cp it drops fullgraph: FSDP2 keeps its hooks out of dynamo, and the context-parallel
+collectives (torch.distributed.all_gather in autograd Functions) and the halo's
+host-side offsets run eagerly, so the graph breaks at them.
 
 --loss-file PATH writes the per-step losses, recall accuracies and step times (seconds,
 wall clock; each step ends in a host read of its loss) as JSON, from rank 0.
@@ -249,9 +254,10 @@ def _free_port():
         return s.getsockname()[1]
 
 
-def setup_distributed(device_type):
+def setup_distributed(device_type, cp):
     """init_process_group from the torchrun environment (or as a world of 1 without
-    it) and a 1-D device mesh over all ranks. Returns (rank, world_size, device, mesh)."""
+    it) and the device mesh: ("dp",) over all ranks, or ("dp", "cp") with cp ranks in
+    a row when cp > 0. Returns (rank, world_size, device, mesh)."""
     from torch.distributed.device_mesh import init_device_mesh
 
     if "RANK" not in os.environ:  # not launched by torchrun: a world of one process
@@ -267,7 +273,12 @@ def setup_distributed(device_type):
     else:
         device = torch.device("cpu")
         dist.init_process_group("gloo")
-    mesh = init_device_mesh(device_type, (world,), mesh_dim_names=("dp",))
+    if cp:
+        if world % cp:
+            raise SystemExit(f"--cp {cp} must divide the world size {world}")
+        mesh = init_device_mesh(device_type, (world // cp, cp), mesh_dim_names=("dp", "cp"))
+    else:
+        mesh = init_device_mesh(device_type, (world,), mesh_dim_names=("dp",))
     return rank, world, device, mesh
 
 
@@ -292,6 +303,13 @@ def shard_model(model, mesh, param_dtype):
 # --------------------------------------------------------------------------
 # Training.
 # --------------------------------------------------------------------------
+
+
+def compile_note(args):
+    if args.fsdp or args.cp:
+        where = " and ".join(w for w, on in (("the FSDP hooks", args.fsdp), ("the CP collectives", args.cp)) if on)
+        return f", compiled (graph breaks at {where})"
+    return ", compiled (fullgraph)"
 
 
 def progress_line(step, steps, loss, acc, tokens_per_s, width=24):
@@ -325,7 +343,8 @@ def parse_args(argv=None):
     p.add_argument("--compile", action="store_true", help="torch.compile(model, fullgraph=True)")
     p.add_argument("--fsdp", action="store_true", help="FSDP2 fully_shard with a bf16 (or --dtype) MixedPrecisionPolicy")
     p.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16", help="FSDP param dtype (--fsdp only)")
-    p.add_argument("--cp", action="store_true", help="context parallelism: each rank takes a slice of every sequence")
+    p.add_argument("--cp", type=int, default=0, metavar="N",
+                   help="context parallelism over N ranks: each takes a slice of every sequence")
     p.add_argument("--loss-file", default=None, help="write the per-step losses as JSON here (rank 0)")
     p.add_argument("--log-every", type=int, default=1, help="update the progress line every N steps")
     args = p.parse_args(argv)
@@ -337,6 +356,8 @@ def parse_args(argv=None):
         p.error("--lower-bound must be negative")
     if args.log_every < 1 or args.steps < 1:
         p.error("--steps and --log-every must be positive")
+    if args.cp < 0:
+        p.error("--cp must be a positive number of ranks")
     return args
 
 
@@ -352,13 +373,14 @@ def main(argv=None):
 
     rank, world, mesh = 0, 1, None
     device = torch.device(device_type)
-    if args.cp and (args.fsdp or args.compile):
-        raise SystemExit("--cp runs without --fsdp and --compile")
     distributed = args.fsdp or args.cp
     if distributed:
-        rank, world, device, mesh = setup_distributed(device_type)
-        if args.fsdp and args.batch_size % world:
-            raise SystemExit(f"--batch-size {args.batch_size} must be divisible by the world size {world}")
+        rank, world, device, mesh = setup_distributed(device_type, args.cp)
+        if args.cp and not args.fsdp and args.cp != world:
+            raise SystemExit(f"--cp {args.cp} without --fsdp must be the world size {world}")
+        dp = mesh.size(0)
+        if args.fsdp and args.batch_size % dp:
+            raise SystemExit(f"--batch-size {args.batch_size} must be divisible by the data-parallel size {dp}")
 
     def log(*a, **kw):
         if rank == 0:
@@ -389,11 +411,14 @@ def _train(args, device, rank, world, mesh, head_dim, lower_bound, log):
     n_params = sum(p.numel() for p in model.parameters())
     initial_gates = gate_values(model)
 
+    dp, cp = (mesh.size(0), args.cp or 1) if mesh is not None else (1, 1)
     if args.fsdp:
         compute_dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
         shard_model(model, mesh, compute_dtype)
         autocast = torch.autocast(device.type, enabled=False)
         mode = f"FSDP2 over {world} process(es), param dtype {args.dtype}, gate params fp32"
+        if args.cp:
+            mode += f", context parallel: mesh dp {dp} x cp {cp}"
     elif device.type == "cuda":
         compute_dtype = torch.bfloat16
         autocast = torch.autocast("cuda", dtype=torch.bfloat16)
@@ -409,7 +434,7 @@ def _train(args, device, rank, world, mesh, head_dim, lower_bound, log):
     log(
         f"TinyLM: {args.layers} KDA blocks, width {args.dim}, {args.heads} heads x {head_dim}, {gate}, "
         f"{n_params / 1e3:.1f}k params; {mode}; device {device}"
-        f"{(', compiled (graph breaks at the FSDP hooks)' if args.fsdp else ', compiled (fullgraph)') if args.compile else ''}"
+        f"{compile_note(args) if args.compile else ''}"
     )
     pairs = args.seq_len // 2 - args.num_queries
     log(
@@ -420,12 +445,13 @@ def _train(args, device, rank, world, mesh, head_dim, lower_bound, log):
     gen = torch.Generator().manual_seed(args.seed + 1)
     rows, cols = slice(None), slice(None)
     if args.fsdp:  # a slice of the sequences
-        local = args.batch_size // world
-        rows = slice(rank * local, (rank + 1) * local)
+        local, dp_rank = args.batch_size // dp, mesh.get_local_rank("dp")
+        rows = slice(dp_rank * local, (dp_rank + 1) * local)
+    cp_group = None
     if args.cp:  # a slice of every sequence's tokens
-        per_rank = -(-args.seq_len // world)
-        cols = slice(min(rank * per_rank, args.seq_len), min((rank + 1) * per_rank, args.seq_len))
-    cp_group = dist.group.WORLD if args.cp else None
+        cp_group, cp_rank = mesh.get_group("cp"), mesh.get_local_rank("cp")
+        per_rank = -(-args.seq_len // cp)
+        cols = slice(min(cp_rank * per_rank, args.seq_len), min((cp_rank + 1) * per_rank, args.seq_len))
 
     def next_batch():
         tokens, targets = recall_batch(gen, args.batch_size, args.seq_len, args.vocab, args.num_queries)
@@ -448,7 +474,7 @@ def _train(args, device, rank, world, mesh, head_dim, lower_bound, log):
     if args.compile:
         # FSDP2 keeps its hooks out of dynamo (torch._dynamo.disable), so a sharded model
         # cannot compile as one graph: with --fsdp the graph breaks at each FSDP unit's hooks.
-        step_fn = torch.compile(model, fullgraph=not args.fsdp)
+        step_fn = torch.compile(model, fullgraph=not (args.fsdp or args.cp))
 
     losses, accs, step_times = [], [], []
     tokens_per_step = args.batch_size * args.seq_len
@@ -462,7 +488,8 @@ def _train(args, device, rank, world, mesh, head_dim, lower_bound, log):
         loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX,
                                reduction="sum") / count
         try:
-            loss.backward()
+            # FSDP2 averages gradients over all dp x cp ranks; the cp ranks' parts must add.
+            (loss * cp if args.fsdp else loss).backward()
         except NotImplementedError as e:
             log()
             log(
@@ -471,10 +498,10 @@ def _train(args, device, rank, world, mesh, head_dim, lower_bound, log):
                 f"Train on the CPU with --device cpu.\n  {type(e).__name__}: {e}"
             )
             raise
-        if args.cp and world > 1:  # each rank's part of every replicated parameter's gradient
+        if args.cp and not args.fsdp and cp > 1:  # each rank's part of every replicated parameter's gradient
             for p in model.parameters():
                 if p.grad is not None:
-                    dist.all_reduce(p.grad)
+                    dist.all_reduce(p.grad, group=cp_group)
         if args.clip > 0:
             torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
         optimizer.step()
@@ -484,10 +511,11 @@ def _train(args, device, rank, world, mesh, head_dim, lower_bound, log):
             mask = targets != IGNORE_INDEX
             correct = (logits.argmax(-1)[mask] == targets[mask]).float().sum() / count
             stats = torch.stack([loss.detach().float(), correct])
-            if (args.fsdp or args.cp) and world > 1:
-                dist.all_reduce(stats)  # --cp: the parts of one mean
-                if args.fsdp:  # every rank has the same number of queries: the mean of means is the mean
-                    stats /= world
+            if args.cp and cp > 1:
+                dist.all_reduce(stats, group=cp_group)  # the parts of one mean
+            if args.fsdp and dp > 1:  # every dp row has the same number of queries: the mean of means is the mean
+                dist.all_reduce(stats, group=mesh.get_group("dp"))
+                stats /= dp
         loss_value, acc_value = stats.tolist()
         losses.append(loss_value)
         accs.append(acc_value)

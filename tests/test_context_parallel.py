@@ -140,13 +140,16 @@ def test_initial_state_off_rank_zero_is_refused(monkeypatch):
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not (torch.cuda.is_available() and torch_kda.cuda_built()), reason="needs a CUDA GPU and build")
+@pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16], ids=["fp32_state", "bf16_state"])
 @pytest.mark.parametrize("lower_bound", [-5.0, None], ids=["bounded", "softplus"])
-def test_ranks_local_steps_on_one_gpu(lower_bound):
-    """Three ranks' local steps in one process on the GPU (bf16 inputs, K = V = 128,
-    fp32 states): each slice's start state from the fold equals the state the whole
-    prefix reaches (within the fp32 state's precision), and each slice's out from that
-    start equals the whole call's out on that slice (within bf16 rounding)."""
-    d = make_inputs(B=1, T=600, H=2, K=128, V=128, dtype=torch.bfloat16, state_dtype=torch.float32)
+def test_ranks_local_steps_on_one_gpu(lower_bound, state_dtype):
+    """Three ranks' local steps in one process on the GPU (bf16 inputs, K = V = 128):
+    each slice's start state from the fold equals the state the whole prefix reaches,
+    and each slice's out from that start equals the whole call's out on that slice,
+    within the state dtype's precision (fp32: 1e-4 and bf16 rounding of out; bf16: the
+    two calls' 5e-3 budgets each)."""
+    state_tol, out_tol = (1e-4, 5e-3) if state_dtype == torch.float32 else (1e-2, 1e-2)
+    d = make_inputs(B=1, T=600, H=2, K=128, V=128, dtype=torch.bfloat16, state_dtype=state_dtype)
     d = {n: (t.cuda() if t is not None else None) for n, t in d.items()}
     cuts = [0, 190, 411, 600]
     whole, _ = torch_kda.kda(*(d[n] for n in NAMES[:7]), lower_bound=lower_bound, initial_state=d["initial_state"])
@@ -157,11 +160,11 @@ def test_ranks_local_steps_on_one_gpu(lower_bound):
         prefix = {n: d[n][:, :cuts[r]] for n in TOKEN_INPUTS}
         _, want = torch_kda.kda(*(prefix.get(n, d[n]) for n in NAMES[:7]), lower_bound=lower_bound,
                                 initial_state=d["initial_state"], output_final_state=True)
-        assert rel(starts[r], want) <= 1e-4, r
+        assert rel(starts[r], want) <= state_tol, r
         part = {n: d[n][:, cuts[r]:cuts[r + 1]] for n in TOKEN_INPUTS}
         out, _ = torch_kda.kda(*(part.get(n, d[n]) for n in NAMES[:7]), lower_bound=lower_bound,
-                               initial_state=starts[r].float())
-        assert rel(out, whole[:, cuts[r]:cuts[r + 1]]) <= 5e-3, r
+                               initial_state=starts[r].to(state_dtype))
+        assert rel(out, whole[:, cuts[r]:cuts[r + 1]]) <= out_tol, r
 
 
 def layer_rank_main(rank, world, port, case_path, result_path):

@@ -9,7 +9,8 @@
   below what a model that ignores the key-value pairs can reach.
 - torch.compile(fullgraph=True) trains the same as eager.
 - Context parallelism over three processes (each a slice of every sequence) gives the
-  loss curve and the trained A_log and dt_bias of one process.
+  loss curve and the trained A_log and dt_bias of one process; so do FSDP2 and context
+  parallelism on a 2 x 2 mesh, and context parallelism under torch.compile.
 
 Every child gets OMP_NUM_THREADS=1, so that two processes on two cores do not
 oversubscribe them, and `--device cpu`, so that the tests run on the CPU also where
@@ -141,12 +142,31 @@ def test_fsdp_two_processes_fp32_matches_single_process(reference, tmp_path):
 def test_context_parallel_three_processes_matches_single_process(reference, tmp_path):
     """32 tokens over three ranks: slices of 11, 11 and 10 tokens, the queries on the
     last ones only (the first rank's loss part is zero)."""
-    record, stdout = run_example(tmp_path, "cp", *SMALL, "--cp", nproc=3)
+    record, stdout = run_example(tmp_path, "cp", *SMALL, "--cp", "3", nproc=3)
     assert "3 process(es), context parallel, fp32" in stdout
     assert_curves_close(record["loss"], reference["loss"], 1e-4, "context parallel (3 processes) vs one process")
     for layer, (got, ref) in enumerate(zip(record["gate_params"]["final"], reference["gate_params"]["final"])):
         for name in ("A_log", "dt_bias"):
             assert rel_err(got[name], ref[name]) < 1e-5, f"layer {layer} {name}: context parallel differs"
+
+
+@pytest.mark.slow
+def test_fsdp_and_context_parallel_on_a_2x2_mesh_match_single_process(reference, tmp_path):
+    """Four processes: two dp rows of four sequences, each split over two cp ranks;
+    FSDP2 shards over cp and replicates over dp."""
+    record, stdout = run_example(tmp_path, "fsdp_cp", *SMALL, "--fsdp", "--dtype", "fp32", "--cp", "2", nproc=4)
+    assert "context parallel: mesh dp 2 x cp 2" in stdout
+    assert_curves_close(record["loss"], reference["loss"], 1e-4, "FSDP2 x CP (2 x 2) vs one process")
+    for layer, (got, ref) in enumerate(zip(record["gate_params"]["final"], reference["gate_params"]["final"])):
+        for name in ("A_log", "dt_bias"):
+            assert rel_err(got[name], ref[name]) < 1e-5, f"layer {layer} {name}: FSDP2 x CP differs"
+
+
+@pytest.mark.slow
+def test_context_parallel_compiled_matches_single_process(reference, tmp_path):
+    record, stdout = run_example(tmp_path, "cp_compiled", *SMALL, "--cp", "2", "--compile", nproc=2)
+    assert "compiled (graph breaks at the CP collectives)" in stdout
+    assert_curves_close(record["loss"], reference["loss"], 1e-4, "context parallel, compiled, vs one process")
 
 
 @pytest.mark.slow

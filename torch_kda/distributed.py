@@ -8,17 +8,18 @@ B [V, K] the end state from zero. So the forward is
 
   1. on every rank, A and B of its slice (two local forwards without outputs;
      rank 0's B from the initial state, so that it is that slice's true end state);
-  2. one all-gather of every rank's A and B (float64);
+  2. one all-gather of every rank's A and B (float64, stacked into one tensor);
   3. on every rank, the fold of the earlier ranks' maps into its start state;
   4. on every rank, the local forward from that start state: its slice of out
      (and, on the last rank, the final state).
 
 The backward is the dual: dX_start = dX_end A^T + C, C the start state's gradient
 from the slice's outputs alone. Each rank finds its C (a local backward with no
-final-state gradient), one all-gather of every C, a fold from the last rank back
-gives each rank dX_end, and a local backward with it gives the slice's gradients.
-Nothing of size T crosses ranks: per layer each rank sends N H (K K + V K) float64
-numbers forward and N H V K back (at 32 heads of 128: 8 MiB and 4 MiB per sequence).
+final-state gradient), one all-gather of every C (beside the final state's gradient,
+which the last rank's holds), a fold from the last rank back gives each rank dX_end,
+and a local backward with it gives the slice's gradients. Nothing of size T crosses
+ranks: per layer each rank sends N H (K K + V K) float64 numbers forward and 2 N H V K
+back (at 32 heads of 128: 8 MiB each way per sequence), and receives W times that.
 
 Packed batches (cu_seqlens) run each slice as a varlen call of all the batch's
 sequences, most of them empty on a given rank: an empty piece passes the state
@@ -94,7 +95,9 @@ class _ContextParallelKDA(torch.autograd.Function):
         rank, world = dist.get_rank(group), dist.get_world_size(group)
         with torch.no_grad():
             A, Bm = _maps(q, k, v, g, beta, A_log, dt_bias, scale, lower_bound, initial_state, cu_seqlens)
-            A_all, B_all = _gather(A, group), _gather(Bm, group)
+            # One collective: A [.., K, K] and B [.., V, K] stacked along their rows.
+            maps = _gather(torch.cat([A, Bm], dim=-2), group)
+            A_all, B_all = maps[..., : A.shape[-2], :], maps[..., A.shape[-2]:, :]
             if rank == 0:
                 start = (initial_state if initial_state is not None else torch.zeros_like(Bm)).to(state_dtype)
             else:
@@ -117,9 +120,9 @@ class _ContextParallelKDA(torch.autograd.Function):
         if grad_final is None or ctx.rank != ctx.world - 1:
             grad_final = torch.zeros_like(start, dtype=torch.float64)
         grads = torch.ops.kda.bwd(grad_out, None, q, k, v, g, beta, A_log, dt_bias, **kw)
-        C_all = _gather(grads[7].double(), ctx.group)
-        last = _gather(grad_final.double(), ctx.group)[-1]
-        d_end = _unfold_grads(A_all, C_all, last)[ctx.rank]
+        # One collective: every rank's C beside its final-state gradient (the last rank's is the one read).
+        both = _gather(torch.stack([grads[7].double(), grad_final.double()]), ctx.group)
+        d_end = _unfold_grads(A_all, both[:, 0], both[-1, 1])[ctx.rank]
         grads = torch.ops.kda.bwd(grad_out, d_end.to(torch.float32 if start.dtype != torch.float64 else start.dtype),
                                   q, k, v, g, beta, A_log, dt_bias, **kw)
         dq, dk, dv, dg, dbeta, dA_log, ddt_bias, dstart = grads
