@@ -1,7 +1,8 @@
-"""torch_kda.distributed.context_parallel_kda on the CPU: W processes joined by
-gloo (spawned by the test, bounded in time), each with its slice of every
-sequence, against one process's torch_kda.kda on the whole sequences in float64:
-out, the final state and every gradient within 1e-10. Slices of unequal length,
+"""torch_kda.distributed.context_parallel_kda: W processes joined by gloo on the CPU
+(spawned by the test, bounded in time), each with its slice of every sequence,
+against one process's torch_kda.kda on the whole sequences in float64: out, the
+final state and every gradient within 1e-10; where two GPUs are present, two
+processes joined by NCCL, one GPU each, within bf16's rounding. Slices of unequal length,
 an empty one, both gates, with and without an initial state, grouped value heads,
 packed sequences crossing 0, 1 and 2 rank boundaries, and the one-process unfold
 of the backward checked against autograd."""
@@ -28,12 +29,22 @@ def free_port():
         return s.getsockname()[1]
 
 
-def rank_main(rank, world, port, case_path, result_path):
+def rank_main(rank, world, port, case_path, result_path, backend="gloo"):
+    """One rank: its slices of the case's inputs (on GPU `rank` with nccl), forward and
+    backward through context_parallel_kda, its results saved to the CPU."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    device = torch.device("cpu")
+    if backend == "nccl":
+        device = torch.device("cuda", rank)
+        torch.cuda.set_device(device)
+        dist.init_process_group(backend, rank=rank, world_size=world, device_id=device)
+    else:
+        dist.init_process_group(backend, rank=rank, world_size=world)
     try:
         case = torch.load(case_path)
-        d, cuts = case["inputs"], case["cuts"]
+        d = {n: (t.to(device) if t is not None else None) for n, t in case["inputs"].items()}
+        case = {n: (t.to(device) if isinstance(t, torch.Tensor) else t) for n, t in case.items()}
+        cuts = case["cuts"]
         s, e = cuts[rank], cuts[rank + 1]
         x = {n: d[n][:, s:e].clone().requires_grad_(True) for n in TOKEN_INPUTS}
         for n in ("A_log", "dt_bias"):
@@ -48,7 +59,8 @@ def rank_main(rank, world, port, case_path, result_path):
         loss.backward()
         grads = {n: (x[n].grad if x.get(n) is not None else None) for n in NAMES[:7]}
         grads["initial_state"] = init.grad if init is not None else None
-        torch.save(dict(out=out.detach(), final=None if final is None else final.detach(), grads=grads),
+        cpu = lambda t: None if t is None else t.detach().cpu()  # noqa: E731
+        torch.save(dict(out=cpu(out), final=cpu(final), grads={n: cpu(t) for n, t in grads.items()}),
                    f"{result_path}.{rank}")
     finally:
         dist.destroy_process_group()
@@ -71,26 +83,58 @@ CASES = {
 @pytest.mark.parametrize("name", list(CASES))
 def test_ranks_equal_one_process(name, tmp_path):
     world, lengths, shape, lower_bound, with_state = CASES[name]
-    T = sum(lengths)
     kw = dict(K=4, V=3, dtype=F64, state_dtype=F64 if with_state else None)
     kw.update(shape)
+    check_ranks_against_one_process(world, lengths, kw, lower_bound, with_state, tmp_path)
+
+
+NCCL_CASES = {
+    # name: (slice lengths, make_inputs kwargs, lower_bound)
+    "bounded": ([300, 212], dict(B=1, H=2), -5.0),
+    "softplus_varlen": ([250, 262], dict(seqlens=[100, 0, 340, 72], H=2), None),
+}
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.device_count() >= 2 and torch_kda.cuda_built()),
+                    reason="needs two CUDA GPUs and a CUDA build")
+@pytest.mark.parametrize("name", list(NCCL_CASES))
+def test_two_gpus_over_nccl_equal_one_gpu(name, tmp_path):
+    """The real thing: two processes, one GPU each, NCCL; bf16 inputs, K = V = 128,
+    fp32 states, against one process's torch_kda.kda on the whole sequences (GPU)."""
+    lengths, shape, lower_bound = NCCL_CASES[name]
+    kw = dict(K=128, V=128, dtype=torch.bfloat16, state_dtype=torch.float32, **shape)
+    check_ranks_against_one_process(2, lengths, kw, lower_bound, True, tmp_path, backend="nccl")
+
+
+def check_ranks_against_one_process(world, lengths, kw, lower_bound, with_state, tmp_path, backend="gloo"):
+    """`world` processes, rank r the r-th slice of `lengths` tokens, against one
+    process on the whole sequences (on GPU 0 with nccl): out, the final state, every
+    gradient (A_log's and dt_bias's summed over the ranks); to 1e-10 in float64, within
+    bf16's rounding otherwise."""
+    kw = dict(kw)
     if "seqlens" not in kw:
-        kw["T"] = T
+        kw["T"] = sum(lengths)
     d = make_inputs(**kw)
     tol, grad_tol = (5e-3, 1e-2) if kw["dtype"] == torch.bfloat16 else (1e-10, 1e-10)
+    dev = torch.device("cuda", 0) if backend == "nccl" else torch.device("cpu")
     cuts = [0]
     for n in lengths:
         cuts.append(cuts[-1] + n)
-    ref = {n: (t.clone().requires_grad_(True) if t is not None else None) for n, t in d.items() if n in NAMES}
+    ref = {n: (t.detach().clone().to(dev).requires_grad_(True) if t is not None else None)
+           for n, t in d.items() if n in NAMES}
+    cu = d["cu_seqlens"].to(dev) if d["cu_seqlens"] is not None else None
     out, final = torch_kda.kda(*(ref[n] for n in NAMES[:7]), lower_bound=lower_bound,
-                               initial_state=ref["initial_state"], output_final_state=True,
-                               cu_seqlens=d["cu_seqlens"])
+                               initial_state=ref["initial_state"], output_final_state=True, cu_seqlens=cu)
     w_out, w_final = torch.randn_like(out), torch.randn_like(final)
     ((out * w_out).sum() + (final * w_final).sum()).backward()
+    out, final = out.detach().cpu(), final.detach().cpu()
+    ref_grads = {n: (t.grad.cpu() if t is not None else None) for n, t in ref.items()}
 
     case_path, result_path = str(tmp_path / "case.pt"), str(tmp_path / "result")
-    torch.save(dict(inputs=d, cuts=cuts, lower_bound=lower_bound, w_out=w_out, w_final=w_final), case_path)
-    mp.start_processes(rank_main, args=(world, free_port(), case_path, result_path), nprocs=world,
+    torch.save(dict(inputs=d, cuts=cuts, lower_bound=lower_bound, w_out=w_out.cpu(), w_final=w_final.cpu()),
+               case_path)
+    mp.start_processes(rank_main, args=(world, free_port(), case_path, result_path, backend), nprocs=world,
                        start_method="spawn", join=True)
     res = [torch.load(f"{result_path}.{r}") for r in range(world)]
 
@@ -98,11 +142,11 @@ def test_ranks_equal_one_process(name, tmp_path):
     assert all(r["final"] is None for r in res[:-1])
     assert rel(res[-1]["final"], final) <= tol
     for n in TOKEN_INPUTS:
-        assert rel(torch.cat([r["grads"][n] for r in res], 1), ref[n].grad) <= grad_tol, n
+        assert rel(torch.cat([r["grads"][n] for r in res], 1), ref_grads[n]) <= grad_tol, n
     for n in ("A_log", "dt_bias"):  # each rank's part; their sum is the whole gradient
-        assert rel(sum(r["grads"][n] for r in res), ref[n].grad) <= grad_tol, n
+        assert rel(sum(r["grads"][n] for r in res), ref_grads[n]) <= grad_tol, n
     if with_state:
-        assert rel(res[0]["grads"]["initial_state"], ref["initial_state"].grad) <= grad_tol
+        assert rel(res[0]["grads"]["initial_state"], ref_grads["initial_state"]) <= grad_tol
 
 
 def test_fold_and_unfold_in_one_process():
