@@ -4,7 +4,8 @@
     python examples/train_tiny_lm.py                       # CPU, or the GPU if there is one
     python examples/train_tiny_lm.py --compile             # torch.compile(model, fullgraph=True)
     torchrun --standalone --nproc_per_node=2 examples/train_tiny_lm.py --fsdp   # FSDP2, 2 processes
-    torchrun --standalone --nproc_per_node=2 examples/train_tiny_lm.py --cp     # context parallel
+    torchrun --standalone --nproc_per_node=2 examples/train_tiny_lm.py --cp 2   # context parallel
+    torchrun --standalone --nproc_per_node=4 examples/train_tiny_lm.py --fsdp --cp 2   # FSDP2 x CP, 2 x 2
 
 The model: token embedding, `--layers` blocks of
 (RMSNorm -> torch_kda.nn.KimiDeltaAttention -> residual, RMSNorm -> SwiGLU MLP -> residual),
@@ -22,9 +23,10 @@ going below that, and the recall accuracy going above chance (2/vocab), show tha
 the attention layers store and retrieve the pairs.
 
 Batches come from a torch.Generator seeded with --seed, so a run is reproducible.
-With --fsdp every rank draws the same global batch of --batch-size sequences and
-trains on its own slice of it: the global batch, and so the loss curve, is the one
-a single process sees.
+Every rank draws the same global batch of --batch-size sequences. With --fsdp each
+data-parallel row (each rank without --cp) trains on its own slice of the sequences,
+with --cp each rank of a row on its slice of their tokens: the global batch, and so
+the loss curve, is the one a single process sees.
 
 --fsdp: torch.distributed with gloo on CPU or nccl on CUDA, set up from the torchrun
 environment variables (without them, a single-process group of world size 1 is
@@ -322,7 +324,7 @@ def progress_line(step, steps, loss, acc, tokens_per_s, width=24):
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--steps", type=int, default=300)
-    p.add_argument("--batch-size", type=int, default=16, help="global batch, in sequences (split over ranks with --fsdp)")
+    p.add_argument("--batch-size", type=int, default=16, help="global batch, in sequences (split over the data-parallel rows with --fsdp)")
     p.add_argument("--seq-len", type=int, default=64, help="tokens per sequence (even)")
     p.add_argument("--num-queries", type=int, default=16, help="queries per sequence (the rest are key-value pairs)")
     p.add_argument("--vocab", type=int, default=64, help="vocabulary: half keys, half values")
@@ -472,8 +474,8 @@ def _train(args, device, rank, world, mesh, head_dim, lower_bound, log):
 
     step_fn = model
     if args.compile:
-        # FSDP2 keeps its hooks out of dynamo (torch._dynamo.disable), so a sharded model
-        # cannot compile as one graph: with --fsdp the graph breaks at each FSDP unit's hooks.
+        # FSDP2 keeps its hooks out of dynamo (torch._dynamo.disable), and the CP collectives
+        # and halo offsets run eagerly, so neither compiles as one graph: the graph breaks there.
         step_fn = torch.compile(model, fullgraph=not (args.fsdp or args.cp))
 
     losses, accs, step_times = [], [], []

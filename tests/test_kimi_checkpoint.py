@@ -520,6 +520,13 @@ def test_from_config_names_a_missing_key(where, key):
         KimiDeltaAttention.from_config(config, LAYER)
 
 
+def test_from_config_refuses_a_full_rank_gate():
+    config = make_config()
+    config["linear_attn_config"]["use_full_rank_gate"] = True
+    with pytest.raises(ValueError, match="use_full_rank_gate is set"):
+        KimiDeltaAttention.from_config(config, LAYER)
+
+
 def test_from_config_of_a_model_without_kda_layers():
     config = {**make_config(), "linear_attn_config": None}
     with pytest.raises(ValueError, match="linear_attn_config is None"):
@@ -532,10 +539,12 @@ def test_from_config_of_a_model_without_kda_layers():
 
 # bf16 activations (projections, convolution outputs, the gate input, the KDA
 # output, the norm and y itself) put the layer ~5e-3 from a float64 evaluation of
-# the same bf16 parameters (the CPU kernels measure 4e-3 to 6e-3). 2e-2 is what
-# test_cuda_pool.py's forward_cached test allows between the layer's bf16 paths on
-# CUDA: room for the CUDA kernels' bf16 products.
-BF16_TOL = 2e-2
+# the same bf16 parameters: over seeds the CPU measures 3.9e-3 to 4.7e-3, up to
+# 6.1e-3 on the twelve decoded tokens (a small sample), CUDA 3.9e-3 to 4.8e-3. 2e-2
+# on CUDA is what test_cuda_pool.py's forward_cached test allows between the layer's
+# bf16 paths: room for the CUDA kernels' bf16 products. The convolutions' own
+# rounding is pinned by test_nn.py's ShortConvolution test.
+BF16_TOL = {"cpu": 8e-3, "cuda": 2e-2}
 
 
 def _bf16_generation_matches_the_released_layer(lower_bound, device):
@@ -576,7 +585,7 @@ def _bf16_generation_matches_the_released_layer(lower_bound, device):
         errors["cache: steps"] = rel(decoded.cpu(), want_steps)
     print("\n" + ", ".join(f"{name} {e:.2e}" for name, e in errors.items()))
     for name, e in errors.items():
-        assert e <= BF16_TOL, name
+        assert e <= BF16_TOL[torch.device(device).type], name
 
 
 @GATES

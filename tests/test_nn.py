@@ -442,6 +442,35 @@ def test_malformed_cu_seqlens_is_the_operator_error():
         layer(torch.randn(1, 10, 16), cu_seqlens=torch.tensor([0, 3, 12]), output_state=True)
 
 
+def test_short_convolution_rounds_once():
+    """bf16 inputs, fp32 weights: the taps and SiLU in fp32, then one rounding to
+    bf16, so the output is the float64 result rounded to bf16 (bit for bit but for
+    rare ties between fp32's and float64's rounding), with sequence starts, an empty
+    and a one-token sequence, and carried inputs. Summed in bf16 it is not."""
+    from torch_kda.nn import ShortConvolution
+
+    C, W, lens = 64, 4, [9, 0, 3, 20, 1]
+    conv = ShortConvolution(C, W)
+    with torch.no_grad():
+        conv.weight.uniform_(-1.0, 1.0)
+    off = packed_offsets(lens)
+    x = torch.randn(1, sum(lens), C).to(torch.bfloat16)
+    state = torch.randn(len(lens), C, W - 1).to(torch.bfloat16)
+    y, _ = conv(x, off, state)
+    want = torch.empty(sum(lens), C, dtype=F64)
+    w = conv.weight[:, 0].detach().to(F64)
+    for n, (s, e) in enumerate(zip(off[:-1].tolist(), off[1:].tolist())):
+        history = torch.cat([state[n].to(F64).T, x[0, s:e].to(F64)])  # carried inputs, oldest first
+        for t in range(e - s):
+            acc = (history[t:t + W] * w.T).sum(0)
+            want[s + t] = acc * torch.sigmoid(acc)
+    want = want.to(torch.bfloat16)
+    assert y.dtype == torch.bfloat16
+    ulp = want.float().abs().clamp_min(2.0 ** -126) * 2.0 ** -7
+    assert ((y[0].float() - want.float()).abs() <= ulp).all()
+    assert (y[0] == want).float().mean() >= 0.99
+
+
 def test_carried_conv_state_of_wrong_shape():
     layer = make_layer(-5.0)
     cu = torch.tensor([0, 3, 6])

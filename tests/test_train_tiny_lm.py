@@ -156,7 +156,8 @@ def test_fsdp_and_context_parallel_on_a_2x2_mesh_match_single_process(reference,
     FSDP2 shards over cp and replicates over dp."""
     record, stdout = run_example(tmp_path, "fsdp_cp", *SMALL, "--fsdp", "--dtype", "fp32", "--cp", "2", nproc=4)
     assert "context parallel: mesh dp 2 x cp 2" in stdout
-    assert_curves_close(record["loss"], reference["loss"], 1e-4, "FSDP2 x CP (2 x 2) vs one process")
+    # 1e-5: a wrong gradient scale (the loss not scaled by cp) moves the loss by ~1e-4 here.
+    assert_curves_close(record["loss"], reference["loss"], 1e-5, "FSDP2 x CP (2 x 2) vs one process")
     for layer, (got, ref) in enumerate(zip(record["gate_params"]["final"], reference["gate_params"]["final"])):
         for name in ("A_log", "dt_bias"):
             assert rel_err(got[name], ref[name]) < 1e-5, f"layer {layer} {name}: FSDP2 x CP differs"
@@ -166,7 +167,10 @@ def test_fsdp_and_context_parallel_on_a_2x2_mesh_match_single_process(reference,
 def test_context_parallel_compiled_matches_single_process(reference, tmp_path):
     record, stdout = run_example(tmp_path, "cp_compiled", *SMALL, "--cp", "2", "--compile", nproc=2)
     assert "compiled (graph breaks at the CP collectives)" in stdout
-    assert_curves_close(record["loss"], reference["loss"], 1e-4, "context parallel, compiled, vs one process")
+    assert_curves_close(record["loss"], reference["loss"], 1e-5, "context parallel, compiled, vs one process")
+    for layer, (got, ref) in enumerate(zip(record["gate_params"]["final"], reference["gate_params"]["final"])):
+        for name in ("A_log", "dt_bias"):
+            assert rel_err(got[name], ref[name]) < 1e-5, f"layer {layer} {name}: compiled context parallel differs"
 
 
 @pytest.mark.slow

@@ -97,7 +97,8 @@ class _ContextParallelKDA(torch.autograd.Function):
             A, Bm = _maps(q, k, v, g, beta, A_log, dt_bias, scale, lower_bound, initial_state, cu_seqlens)
             # One collective: A [.., K, K] and B [.., V, K] stacked along their rows.
             maps = _gather(torch.cat([A, Bm], dim=-2), group)
-            A_all, B_all = maps[..., : A.shape[-2], :], maps[..., A.shape[-2]:, :]
+            # A_all is kept for the backward: a copy, so that B's half of the gather is freed.
+            A_all, B_all = maps[..., : A.shape[-2], :].contiguous(), maps[..., A.shape[-2]:, :]
             if rank == 0:
                 start = (initial_state if initial_state is not None else torch.zeros_like(Bm)).to(state_dtype)
             else:

@@ -375,7 +375,8 @@ class KimiDeltaAttention(nn.Module):
         and linear_attn_config (num_heads, head_dim, short_conv_kernel_size; kda_layers,
         1-based as published, where present; gate_lower_bound, where present, selects
         the bounded gate). config: a dict as in config.json, or an object with those
-        attributes."""
+        attributes. A configuration of another gate layout (use_full_rank_gate) is
+        refused, as this layer's parameters would not be its checkpoint's."""
         def get(c, key, default=_REQUIRED):
             value = c.get(key, default) if isinstance(c, dict) else getattr(c, key, default)
             if value is _REQUIRED:
@@ -385,6 +386,9 @@ class KimiDeltaAttention(nn.Module):
         linear = get(config, "linear_attn_config")
         if linear is None:
             raise ValueError("KimiDeltaAttention.from_config: linear_attn_config is None (a model without KDA layers)")
+        if get(linear, "use_full_rank_gate", False):
+            raise ValueError("KimiDeltaAttention.from_config: linear_attn_config.use_full_rank_gate is set; this layer "
+                             "has Kimi-Linear's low-rank gate (f_a_proj, f_b_proj) only")
         kda_layers = get(linear, "kda_layers", None)
         if kda_layers is not None and layer_idx + 1 not in kda_layers:
             raise ValueError(f"KimiDeltaAttention.from_config: layer {layer_idx} (0-based) is not a KDA layer; "
