@@ -71,6 +71,13 @@ def assert_curves_close(got, ref, rtol, what):
         assert abs(a - b) <= rtol * abs(b), f"{what}: step {step} loss {a!r} vs {b!r} (rel {abs(a - b) / abs(b):.2e} > {rtol:g})\n{got}\n{ref}"
 
 
+def assert_gate_params_close(record, reference, what, rtol=1e-5):
+    """The trained A_log and dt_bias of every layer, as one process trained them."""
+    for layer, (got, ref) in enumerate(zip(record["gate_params"]["final"], reference["gate_params"]["final"])):
+        for name in ("A_log", "dt_bias"):
+            assert rel_err(got[name], ref[name]) < rtol, f"layer {layer} {name}: {what} differs from one process"
+
+
 def rel_err(a, b):
     a, b = torch.tensor(a, dtype=torch.float64), torch.tensor(b, dtype=torch.float64)
     return ((a - b).norm() / b.norm()).item()
@@ -145,9 +152,7 @@ def test_context_parallel_three_processes_matches_single_process(reference, tmp_
     record, stdout = run_example(tmp_path, "cp", *SMALL, "--cp", "3", nproc=3)
     assert "3 process(es), context parallel, fp32" in stdout
     assert_curves_close(record["loss"], reference["loss"], 1e-4, "context parallel (3 processes) vs one process")
-    for layer, (got, ref) in enumerate(zip(record["gate_params"]["final"], reference["gate_params"]["final"])):
-        for name in ("A_log", "dt_bias"):
-            assert rel_err(got[name], ref[name]) < 1e-5, f"layer {layer} {name}: context parallel differs"
+    assert_gate_params_close(record, reference, "context parallel")
 
 
 @pytest.mark.slow
@@ -158,9 +163,7 @@ def test_fsdp_and_context_parallel_on_a_2x2_mesh_match_single_process(reference,
     assert "context parallel: mesh dp 2 x cp 2" in stdout
     # 1e-5: a wrong gradient scale (the loss not scaled by cp) moves the loss by ~1e-4 here.
     assert_curves_close(record["loss"], reference["loss"], 1e-5, "FSDP2 x CP (2 x 2) vs one process")
-    for layer, (got, ref) in enumerate(zip(record["gate_params"]["final"], reference["gate_params"]["final"])):
-        for name in ("A_log", "dt_bias"):
-            assert rel_err(got[name], ref[name]) < 1e-5, f"layer {layer} {name}: FSDP2 x CP differs"
+    assert_gate_params_close(record, reference, "FSDP2 x CP")
 
 
 @pytest.mark.slow
@@ -168,9 +171,7 @@ def test_context_parallel_compiled_matches_single_process(reference, tmp_path):
     record, stdout = run_example(tmp_path, "cp_compiled", *SMALL, "--cp", "2", "--compile", nproc=2)
     assert "compiled (graph breaks at the CP collectives)" in stdout
     assert_curves_close(record["loss"], reference["loss"], 1e-5, "context parallel, compiled, vs one process")
-    for layer, (got, ref) in enumerate(zip(record["gate_params"]["final"], reference["gate_params"]["final"])):
-        for name in ("A_log", "dt_bias"):
-            assert rel_err(got[name], ref[name]) < 1e-5, f"layer {layer} {name}: compiled context parallel differs"
+    assert_gate_params_close(record, reference, "compiled context parallel")
 
 
 @pytest.mark.slow
