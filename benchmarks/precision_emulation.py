@@ -1,20 +1,25 @@
-"""What tensor-core operand precision would cost the recurrence, emulated on the CPU.
+"""What tensor-core operand precision would cost, emulated on the CPU.
 
 The CUDA recurrence (K2) does per chunk of 16: U = U0 - W S, O = Qs S + Aqk U and
-S <- diag(exp(G_last)) S + Kd^T U, all in fp32 today. A tensor-core version rounds the
-operands of each product: to bf16, to tf32, or splits each into a bf16 high and low
-part and sums three bf16 products (hi*hi + hi*lo + lo*hi). This script runs the chunked
-recurrence with each choice (fp32 accumulation throughout) and prints out and state
-errors against float64, for the random case and the weak-decay case.
+S <- diag(exp(G_last)) S + Kd^T U. A tensor-core version rounds the operands of each
+product: to bf16, to tf32, or splits each into a bf16 high and low part and sums
+three bf16 products (hi*hi + hi*lo + lo*hi). This script runs the chunked recurrence
+with each choice (fp32 accumulation throughout) and prints out and state errors
+against float64, for the random case and the weak-decay case.
 
-    python benchmarks/precision_emulation.py [--T 4096]
+--backward: the backward's dR = T^T dX (T = (I + A)^-1, dX the gradients of W and
+U0) formed as a product with T kept in fp32 and its operands rounded as above,
+instead of solved by substitution; everything else in float64, so the gradients'
+differences from the exact solve are what the product's precision alone costs.
+
+    python benchmarks/precision_emulation.py [--T 4096] [--backward]
 """
 import argparse
 
 import torch
 
 from torch_kda.naive import kda_naive
-from torch_kda.reference import activations
+from torch_kda.reference import activations, chunk_record, chunk_record_backward, chunk_step, chunk_step_backward
 
 BF16 = torch.bfloat16
 C = 16
@@ -70,12 +75,59 @@ def chunked_forward(q, k, v, g, beta, A_log, dt_bias, h0, lower_bound, mode):
     return torch.cat(outs).to(BF16), S.T
 
 
+def backward_grads(qn, kn, v, lam, b, h0, dout, dfinal, t_product):
+    """One sequence, one head, float64: dqn, dkn, dv, dlam, db through the records
+    (torch_kda.reference), with chunk_record_backward's T^T products by t_product."""
+    scale = qn.shape[-1] ** -0.5
+    chunks = [slice(s, s + C) for s in range(0, qn.shape[0], C)]
+    S, kept = h0.clone(), []
+    for c in chunks:
+        rec = chunk_record(qn[c], kn[c], v[c], lam[c], b[c], scale)
+        _, S1, U = chunk_step(S, rec)
+        kept.append((S, rec, U))
+        S = S1
+    grads = [torch.zeros_like(x) for x in (qn, kn, v, lam, b)]
+    dS = dfinal.clone()
+    for c, (S, rec, U) in reversed(list(zip(chunks, kept))):
+        dS, drec = chunk_step_backward(S, rec, U, dout[c], dS)
+        for acc, d in zip(grads, chunk_record_backward(qn[c], kn[c], v[c], lam[c], b[c], scale, drec, t_product)):
+            acc[c] += d
+    return grads
+
+
+def backward_table(T, D):
+    print("| case | T^T products | dq^ | dk^ | dv | dlam | dbeta |")
+    print("|---|---|---|---|---|---|---|")
+    for case in ("random", "weak decay"):
+        q, k, g, v = (torch.randn(T, D).to(BF16).double() for _ in range(4))
+        beta = torch.randn(T).to(BF16).double()
+        A_log, dt_bias = torch.rand(1).double(), torch.rand(1, D).double()
+        if case == "weak decay":
+            A_log.fill_(2.0)
+            dt_bias.fill_(-8.0)
+        qn, kn, lam, b = (x[:, 0] for x in activations(q[:, None], k[:, None], g[:, None], beta[:, None], A_log,
+                                                       dt_bias, -5.0))
+        h0, dfinal = torch.randn(D, D).double(), torch.randn(D, D).double()
+        dout = torch.randn(T, D).double()
+        exact = backward_grads(qn, kn, v, lam, b, h0, dout, dfinal, None)
+        for mode in ("fp32", "bf16x3", "bf16"):
+            def t_product(Tt, X, mode=mode):
+                return product(Tt.float(), X.float(), mode).double()
+            got = backward_grads(qn, kn, v, lam, b, h0, dout, dfinal, t_product)
+            errors = " | ".join(f"{((a - e).norm() / e.norm()).item():.2e}" for a, e in zip(got, exact))
+            print(f"| {case} | {mode} | {errors} |")
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--T", type=int, default=4096)
+    ap.add_argument("--backward", action="store_true", help="the backward's T^T products instead of the forward")
     args = ap.parse_args()
     torch.manual_seed(0)
     T, D = args.T, 128
+    if args.backward:
+        backward_table(T, D)
+        return
     print("| case | operands | out rel | state rel |")
     print("|---|---|---|---|")
     for case in ("random", "weak decay"):

@@ -203,17 +203,24 @@ def chunk_step_backward(S, rec, U, dO, dS1):
     return dS, drec
 
 
-def chunk_record_backward(qn, kn, v, lam, b, scale, drec):
+def chunk_record_backward(qn, kn, v, lam, b, scale, drec, t_product=None):
     """The backward of chunk_record: from the record's gradients (a dict as
     chunk_step_backward returns, summed over value rows), dqn, dkn [C, K], dv [C, V],
     dlam [C, K] and db [C]. Entries of dAqk above the diagonal, and of the
-    implied dA on and above it, do not reach the inputs (they are structural zeros)."""
+    implied dA on and above it, do not reach the inputs (they are structural zeros).
+    t_product(T^T, X), where given, forms T^T X from T = (I + A)^-1 as a product, as
+    a backward that keeps T would (benchmarks/precision_emulation.py rounds it);
+    without it T^T X is solved exactly."""
     t = _record_terms(qn, kn, v, lam, b)
     E, Ei, Ke, Ki, Qe, P, IA, W, U0, gl = (t[n] for n in ("E", "Ei", "Ke", "Ki", "Qe", "P", "IA", "W", "U0", "gl"))
     strict, incl = t["strict"], t["incl"]
     # W = T diag(b) Ke and U0 = T diag(b) v with T = (I + A)^-1.
-    dRw = torch.linalg.solve_triangular(IA.T, drec["W"], upper=True, unitriangular=True)
-    dRu = torch.linalg.solve_triangular(IA.T, drec["U0"], upper=True, unitriangular=True)
+    if t_product is None:
+        dRw = torch.linalg.solve_triangular(IA.T, drec["W"], upper=True, unitriangular=True)
+        dRu = torch.linalg.solve_triangular(IA.T, drec["U0"], upper=True, unitriangular=True)
+    else:
+        Tt = torch.linalg.inv(IA).T
+        dRw, dRu = t_product(Tt, drec["W"]), t_product(Tt, drec["U0"])
     dA = -(dRw @ W.T + dRu @ U0.T) * strict
     db = (dRw * Ke).sum(1) + (dRu * v).sum(1) + (dA * P).sum(1)
     dv = b[:, None] * dRu
