@@ -1,4 +1,4 @@
-"""The operator schemas are stable API (README.md lists them): a change must be deliberate,
+"""The operator schemas are stable API (docs/ARCHITECTURE.md lists them): a change must be deliberate,
 so each is snapshotted here. Refresh with EXPECTTEST_ACCEPT=1 after a deliberate change."""
 import expecttest
 import torch
