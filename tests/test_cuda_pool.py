@@ -56,6 +56,69 @@ def test_pool_matches_the_reference(lower_bound, pool_dtype, T):
 
 
 @pytest.mark.parametrize("lower_bound", GATES)
+@pytest.mark.parametrize("pool_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("T", [1, 3, 6])  # one token, a partial tile, two tiles (4 tokens a tile)
+def test_decode_many_requests_hard_gates(lower_bound, pool_dtype, T):
+    """Several waves of decode blocks (four a request and head), random padding
+    rows among them, strong decay in a third of the requests and tiny beta in
+    another: out and the written slots against float64, every padding row's out
+    zero, the slots no index names bitwise unchanged."""
+    sms = torch.cuda.get_device_properties(DEV).multi_processor_count
+    H = 8
+    N = max(300, 3 * 8 * sms // H)  # three waves at eight blocks an SM
+    slots = N + N // 2
+    d = make_inputs(B=N, T=T, H=H, K=D, V=D, dtype=torch.bfloat16)
+    d["g"][: N // 3] *= 8  # strong decay in the first third (either gate), tiny beta in the second
+    d["beta"][N // 3 : 2 * N // 3] = -12.0
+    g = to_dev(d)
+    pool = torch.randn(slots, H, D, D, device=DEV).to(pool_dtype)
+    before = pool.clone()
+    indices = torch.randperm(slots, device=DEV)[:N].to(torch.int32)
+    padding = torch.rand(N, device=DEV) < 0.1
+    indices[padding] = -1
+    out = torch.full(g["v"].shape, float("nan"), device=DEV, dtype=torch.bfloat16)
+    pool_call(g, pool, indices, lower_bound, out=out)
+    torch.cuda.synchronize()
+    live = (~padding).nonzero().squeeze(1)
+    idx = indices[live].long()
+    ref_out, ref_final = kda_naive(*(x[live] for x in positional(g)[:5]), g["A_log"], g["dt_bias"],
+                                   lower_bound=lower_bound, initial_state=before[idx].double())
+    tol_state = 5e-3 if pool_dtype == torch.bfloat16 else 1e-4
+    e_out, e_state = rel(out[live], ref_out), rel(pool[idx], ref_final)
+    print(f"\nN={N} T={T} {pool_dtype}: out rel {e_out:.2e}, state rel {e_state:.2e}")
+    assert e_out <= 5e-3 and e_state <= tol_state
+    assert torch.equal(out[padding], torch.zeros_like(out[padding]))
+    untouched = torch.ones(slots, dtype=torch.bool, device=DEV)
+    untouched[idx] = False
+    assert torch.equal(pool[untouched], before[untouched])
+
+
+@pytest.mark.parametrize("pool_dtype", [torch.float32, torch.bfloat16])
+def test_speculative_many_requests(pool_dtype):
+    """Speculative decoding over several waves of blocks (accepted counts random,
+    some rows padding): the CPU kernel's outputs and slots."""
+    sms = torch.cuda.get_device_properties(DEV).multi_processor_count
+    H, T = 4, 4
+    N = max(200, 3 * 8 * sms // H)
+    slots = N * T + 7
+    d = make_inputs(B=N, T=T, H=H, K=D, V=D, dtype=torch.bfloat16)
+    pool = torch.randn(slots, H, D, D).to(pool_dtype)
+    indices = torch.randperm(slots)[: N * T].view(N, T)
+    accepted = torch.randint(1, T + 1, (N,))
+    indices[torch.rand(N) < 0.1] = -1
+    cpu_pool = pool.clone()
+    cpu_out = torch_kda.kda_pool(*positional(d), cpu_pool, indices, lower_bound=-5.0, num_accepted_tokens=accepted)
+    gpu_pool = pool.to(DEV)
+    gpu_out = torch.full(d["v"].shape, float("nan"), device=DEV, dtype=torch.bfloat16)
+    torch_kda.kda_pool(*positional(to_dev(d)), gpu_pool, indices.to(DEV), lower_bound=-5.0,
+                       num_accepted_tokens=accepted.to(DEV), out=gpu_out)
+    tol = 5e-3 if pool_dtype == torch.bfloat16 else 1e-4
+    e_out, e_pool = rel(gpu_out.cpu(), cpu_out), rel(gpu_pool.cpu().float(), cpu_pool.float())
+    print(f"\nN={N} {pool_dtype}: out rel {e_out:.2e}, pool rel {e_pool:.2e}")
+    assert e_out <= 5e-3 and e_pool <= tol
+
+
+@pytest.mark.parametrize("lower_bound", GATES)
 def test_decode_steps_equal_the_prefill(lower_bound):
     """Token by token through the pool (fp32) equals the prefill op over the
     whole sequences, within the fp32 state's precision."""
@@ -282,7 +345,7 @@ def test_forward_cached_matches_the_full_forward():
 @pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16, None], ids=["fp32", "bf16", "no_initial"])
 @pytest.mark.parametrize("varlen", [False, True], ids=["fixed", "varlen"])
 def test_fwd_inplace_decode_shapes(lower_bound, state_dtype, varlen):
-    """One to a few tokens a sequence (empty and 11-token ones past a tile of 8 among
+    """One to a few tokens a sequence (empty and 11-token ones, three tiles of 4, among
     them when varlen): the decode kernel alone, out and the final state against
     float64 into NaN-poisoned buffers, the inputs unchanged."""
     shape = dict(seqlens=[1, 0, 11, 2, 1, 3]) if varlen else dict(B=5, T=2)

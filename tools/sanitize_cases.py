@@ -4,8 +4,9 @@
     compute-sanitizer --tool racecheck python3 tools/sanitize_cases.py segments
 
 decode: kda_pool's decode kernel (fp32 and bf16 pools; one token, a varlen batch
-with a padding row and a request past a tile of tokens, speculative decoding), and
-kda::fwd_ with decode shapes (with and without an initial state).
+with a padding row and a request past a tile of tokens, speculative decoding, several
+waves of blocks), and kda::fwd_ with decode shapes (with and without an initial
+state).
 segments: a forward over forced segments (K1, three K2 passes, the scan).
 Each result is checked finite; a sanitizer's report is the test.
 """
@@ -33,7 +34,7 @@ def decode():
     for pool_dtype in (torch.float32, torch.bfloat16):
         for lower_bound in (-5.0, None):
             pool = torch.randn(6, H, D, D, device="cuda", generator=gen).to(pool_dtype)
-            # varlen: 1, 11 (past a tile of 8), 0 and 2 tokens; request 2 a padding row
+            # varlen: 1, 11 (three tiles of 4), 0 and 2 tokens; request 2 a padding row
             cu = torch.tensor([0, 1, 12, 12, 14], device="cuda")
             q, k, v, g, beta = inputs(14, H, gen)
             idx = torch.tensor([3, 0, -1, 5], device="cuda")
@@ -47,6 +48,14 @@ def decode():
             out = torch_kda.kda_pool(q, k, v, g, beta, A_log, dt_bias, pool, idx, lower_bound=lower_bound,
                                      num_accepted_tokens=accepted)
             assert torch.isfinite(out).all()
+            # several waves of blocks, padding rows among them
+            N = 3 * 8 * torch.cuda.get_device_properties(0).multi_processor_count // (4 * H) + 1
+            q, k, v, g, beta = (t.view(N, 1, *t.shape[2:]) for t in inputs(N, H, gen))
+            big = torch.randn(N + 3, H, D, D, device="cuda", generator=gen).to(pool_dtype)
+            idx = torch.randperm(N + 3, device="cuda", generator=gen)[:N]
+            idx[::7] = -1
+            out = torch_kda.kda_pool(q, k, v, g, beta, A_log, dt_bias, big, idx, lower_bound=lower_bound)
+            assert torch.isfinite(out).all() and torch.isfinite(big.float()).all()
             # kda::fwd_ with decode shapes: varlen 1, 0 and 3 tokens
             q, k, v, g, beta = inputs(4, H, gen)
             cu = torch.tensor([0, 1, 1, 4], device="cuda")

@@ -9,12 +9,12 @@
 // independently given the token's activations:
 //   s <- s * alpha;  w = s . k^;  u = beta (v - w);  s <- s + u k^;  o = s . (scale q^)
 // so a block of 128 threads carries a slab of 32 rows in registers across the
-// request's tokens, four blocks a (request, head): 8 lanes a row, each lane
+// request's tokens, four slabs a (request, head): 8 lanes a row, each lane
 // 16 key columns as 16-byte vectors (kVec elements apart by 8 vectors, so that
 // a warp's access is four rows' whole 512 (fp32) or 256 (bf16) bytes, and its
 // shared-memory reads of k^, q^ and alpha hit distinct banks), a row's sums in
-// three shuffles. Each warp computes whole tokens' activations (norms by warp
-// sums), for a tile of tokens at once: one barrier a tile. fp32 throughout;
+// three shuffles. Each warp computes a whole token's activations (norms by warp
+// sums), a tile of four tokens at once: one barrier a tile. fp32 throughout;
 // the state is stored in the pool's dtype, rounded once.
 #include <c10/cuda/CUDAException.h>
 
@@ -37,10 +37,10 @@ constexpr int kRowLanes = 8;                             // lanes a row
 constexpr int kRowGroups = kDecodeThreads / kRowLanes;   // rows a block updates at once
 constexpr int kRowsPerThread = kSlabRows / kRowGroups;
 constexpr int kLaneCols = D / kRowLanes;                 // key columns a lane
-constexpr int kTileTokens = 8;                           // tokens whose activations one barrier covers
-constexpr int kDecodeBlocksPerSm = 7;                    // a cap of 72 registers a thread (token_step)
+constexpr int kTileTokens = kDecodeWarps;                // a token a warp; one barrier a tile
+constexpr int kDecodeBlocksPerSm = 7;                    // a cap of 72 registers a thread
 static_assert(kRowsPerThread * kRowGroups == kSlabRows && kSlabs * kSlabRows == D, "whole rows, whole slabs");
-static_assert(D == 32 * 4 && kTileTokens % kDecodeWarps == 0, "a warp's lanes take four channels of a token");
+static_assert(D == 32 * 4, "a warp's lanes take four channels of a token");
 
 __device__ __forceinline__ int64_t clamp64(int64_t x, int64_t lo, int64_t hi) {
   return x < lo ? lo : x > hi ? hi : x;
@@ -163,38 +163,86 @@ struct DecodeTile {
   float beta[kTileTokens];
 };
 
-// Warp w: tokens t0 + w, t0 + w + 4, ... (< eos) whole, lane l channels 4 l..4 l + 3.
-__device__ __forceinline__ void tile_activations(const FwdParams& p, int64_t t0, int64_t eos, int64_t h, int slab,
-                                                 float A, const float (&bias)[4], int warp, int lane,
-                                                 DecodeTile& s) {
-#pragma unroll 1
-  for (int tt = warp; tt < kTileTokens && t0 + tt < eos; tt += kDecodeWarps) {
-    const int64_t th = (t0 + tt) * p.H + h;
-    const uint2 qv = *reinterpret_cast<const uint2*>(static_cast<const __nv_bfloat16*>(p.q) + th * D + 4 * lane);
-    const uint2 kv = *reinterpret_cast<const uint2*>(static_cast<const __nv_bfloat16*>(p.k) + th * D + 4 * lane);
-    const uint2 gv = *reinterpret_cast<const uint2*>(static_cast<const __nv_bfloat16*>(p.g) + th * D + 4 * lane);
-    const float q[4] = {lo_half(qv.x), hi_half(qv.x), lo_half(qv.y), hi_half(qv.y)};
-    const float k[4] = {lo_half(kv.x), hi_half(kv.x), lo_half(kv.y), hi_half(kv.y)};
-    const float g[4] = {lo_half(gv.x), hi_half(gv.x), lo_half(gv.y), hi_half(gv.y)};
-    const float sq = warp_sum((q[0] * q[0] + q[1] * q[1]) + (q[2] * q[2] + q[3] * q[3]));
-    const float sk = warp_sum((k[0] * k[0] + k[1] * k[1]) + (k[2] * k[2] + k[3] * k[3]));
-    const float qn = rsqrtf(sq + static_cast<float>(kNormEps)) * p.scale, kn = rsqrtf(sk + static_cast<float>(kNormEps));
-    float al[4];
+// The first tile's inputs, warp w's token: its q, k and g (lane l's four
+// channels), the slab's 32 values of v, and the head's dt_bias (lane l's four)
+// and A_log, a copy a warp, so that each warp reads only what it fetched.
+// beta, 2 bytes, comes through a register.
+struct TileInputs {
+  uint2 raw[3][kTileTokens][32];
+  __nv_bfloat16 v[kTileTokens][kSlabRows];
+  float4 bias[kTileTokens][32];
+  float A_log[kTileTokens];
+};
+
+__device__ __forceinline__ void cp_async_8(uint32_t smem_dst, const void* gmem_src) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 8;\n" ::"r"(smem_dst), "l"(gmem_src));
+}
+
+__device__ __forceinline__ void cp_async_4(uint32_t smem_dst, const void* gmem_src) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(smem_dst), "l"(gmem_src));
+}
+
+// This warp's token t of the first tile, head h, value rows from `first`;
+// beta's logit into `beta`.
+__device__ __forceinline__ void fetch_token(const FwdParams& f, int64_t t, int h, int first, int warp, int lane,
+                                            TileInputs& in, float& beta) {
+  const int64_t th = t * f.H + h;
+  const void* rows[3] = {f.q, f.k, f.g};
 #pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      // The gates in fp32: bounded lower_bound * sigmoid(A x); softplus -A softplus(x).
-      const float x = g[e] + bias[e];
-      const float lam = p.softplus ? -A * (fmaxf(x, 0.f) + log1pf(expf(-fabsf(x)))) : p.lower_bound / (1.f + expf(-A * x));
-      al[e] = expf(lam);
-    }
-    *reinterpret_cast<float4*>(&s.q[tt][4 * lane]) = make_float4(q[0] * qn, q[1] * qn, q[2] * qn, q[3] * qn);
-    *reinterpret_cast<float4*>(&s.k[tt][4 * lane]) = make_float4(k[0] * kn, k[1] * kn, k[2] * kn, k[3] * kn);
-    *reinterpret_cast<float4*>(&s.alpha[tt][4 * lane]) = make_float4(al[0], al[1], al[2], al[3]);
-    s.v[tt][lane] = load_bf16(p.v, th * D + slab * kSlabRows + lane);
-    if (lane == 0) {
-      s.beta[tt] = 1.f / (1.f + expf(-load_bf16(p.beta, th)));
-    }
+  for (int m = 0; m < 3; ++m) {
+    cp_async_8(smem_u32(&in.raw[m][warp][lane]), static_cast<const __nv_bfloat16*>(rows[m]) + th * D + 4 * lane);
   }
+  if (lane < kSlabRows / 8) {
+    cp_async_16(smem_u32(&in.v[warp][8 * lane]), static_cast<const __nv_bfloat16*>(f.v) + th * D + first + 8 * lane);
+  }
+  cp_async_16(smem_u32(&in.bias[warp][lane]), f.dt_bias + int64_t{h} * D + 4 * lane);
+  if (lane == 0) {
+    cp_async_4(smem_u32(&in.A_log[warp]), f.A_log + h);
+  }
+  cp_async_commit();
+  beta = load_bf16(f.beta, th);
+}
+
+// One token's activations (warp-wide; lane l's channels 4 l..4 l + 3) into
+// row tt of the tile, from its raw q, k, g (bf16 pairs), the lane's value
+// channel v, beta's logit, A_log and the lane's four dt_bias.
+__device__ __forceinline__ void token_activations(const FwdParams& p, uint2 qv, uint2 kv, uint2 gv, float v,
+                                                  float beta, float A_log, float4 bias, int tt, int lane,
+                                                  DecodeTile& s) {
+  const float q[4] = {lo_half(qv.x), hi_half(qv.x), lo_half(qv.y), hi_half(qv.y)};
+  const float k[4] = {lo_half(kv.x), hi_half(kv.x), lo_half(kv.y), hi_half(kv.y)};
+  const float x[4] = {lo_half(gv.x) + bias.x, hi_half(gv.x) + bias.y, lo_half(gv.y) + bias.z, hi_half(gv.y) + bias.w};
+  const float sq = warp_sum((q[0] * q[0] + q[1] * q[1]) + (q[2] * q[2] + q[3] * q[3]));
+  const float sk = warp_sum((k[0] * k[0] + k[1] * k[1]) + (k[2] * k[2] + k[3] * k[3]));
+  const float qn = rsqrtf(sq + static_cast<float>(kNormEps)) * p.scale, kn = rsqrtf(sk + static_cast<float>(kNormEps));
+  const float A = expf(A_log);
+  float al[4];
+#pragma unroll
+  for (int e = 0; e < 4; ++e) {
+    // The gates in fp32: bounded lower_bound * sigmoid(A x); softplus -A softplus(x).
+    const float lam =
+        p.softplus ? -A * (fmaxf(x[e], 0.f) + log1pf(expf(-fabsf(x[e])))) : p.lower_bound / (1.f + expf(-A * x[e]));
+    al[e] = expf(lam);
+  }
+  *reinterpret_cast<float4*>(&s.q[tt][4 * lane]) = make_float4(q[0] * qn, q[1] * qn, q[2] * qn, q[3] * qn);
+  *reinterpret_cast<float4*>(&s.k[tt][4 * lane]) = make_float4(k[0] * kn, k[1] * kn, k[2] * kn, k[3] * kn);
+  *reinterpret_cast<float4*>(&s.alpha[tt][4 * lane]) = make_float4(al[0], al[1], al[2], al[3]);
+  s.v[tt][lane] = v;
+  if (lane == 0) {
+    s.beta[tt] = 1.f / (1.f + expf(-beta));
+  }
+}
+
+// A later tile's token for this warp, read where it is used (requests past one
+// tile are rare in decode; only the first tile is fetched ahead).
+__device__ __forceinline__ void later_token_activations(const FwdParams& p, int64_t t, int h, int first, int tt,
+                                                        int lane, DecodeTile& s) {
+  const int64_t th = t * p.H + h;
+  auto row = [&](const void* x) {
+    return *reinterpret_cast<const uint2*>(static_cast<const __nv_bfloat16*>(x) + th * D + 4 * lane);
+  };
+  token_activations(p, row(p.q), row(p.k), row(p.g), load_bf16(p.v, th * D + first + lane), load_bf16(p.beta, th),
+                    p.A_log[h], *reinterpret_cast<const float4*>(p.dt_bias + int64_t{h} * D + 4 * lane), tt, lane, s);
 }
 
 // The sum over a row's kRowLanes lanes (lanes 8 m .. 8 m + 7 of the warp).
@@ -217,9 +265,7 @@ __device__ __forceinline__ int quad_column(int c, int m) {
 
 // One token on this thread's rows: the tile's activations read from shared
 // memory four columns at a time where they are used, not held for the whole
-// step, so that the kernel fits 64 registers a thread and eight blocks an SM
-// (the decode's rate is the state bytes that the resident blocks have in
-// flight; each block's state loads wait on its slot index first).
+// step, so that the kernel fits the register cap.
 template <bool kFp32>
 __device__ __forceinline__ void token_step(const DecodeTile& s, int tt, int group, int c,
                                            float (&x)[kRowsPerThread][kLaneCols], float (&o)[kRowsPerThread]) {
@@ -261,18 +307,61 @@ __device__ __forceinline__ void token_step(const DecodeTile& s, int tt, int grou
   }
 }
 
+// The tokens of one tile: outputs, and with kSpec the state after each token
+// into that token's slot.
+template <bool kFp32, bool kSpec>
+__device__ __forceinline__ void tile_tokens(const PoolParams& p, int64_t n, int h, const Request& r, int first,
+                                            int tokens, const DecodeTile& s, int group, int c,
+                                            const int (&rows)[kRowsPerThread], float (&x)[kRowsPerThread][kLaneCols]) {
+  const FwdParams& f = p.fwd;
+  auto* out = static_cast<__nv_bfloat16*>(f.out);
+#pragma unroll 1
+  for (int tt = 0; tt < tokens; ++tt) {
+    float o[kRowsPerThread];
+    token_step<kFp32>(s, tt, group, c, x, o);
+    if (c == 0) {
+      const int64_t th = (r.bos + first + tt) * f.H + h;
+#pragma unroll
+      for (int i = 0; i < kRowsPerThread; ++i) {
+        out[th * D + rows[i]] = __float2bfloat16_rn(o[i]);
+      }
+    }
+    if constexpr (kSpec) {
+      const int64_t col = first + tt;
+      const int64_t slot = col < p.index_cols ? load_int(p.indices, p.indices_int32, n * p.index_cols + col) : -1;
+      if (slot >= 0 && slot < p.slots) {
+#pragma unroll
+        for (int i = 0; i < kRowsPerThread; ++i) {
+          store_row<kFp32>(p, slot, h, rows[i], c, x[i]);
+        }
+      }
+    }
+  }
+}
+
 // kSpec: speculative decoding (PoolParams::accepted): the state after every
 // token goes to that token's slot; else the final state goes to the start slot.
-// Block b: (request, head) b / kSlabs, value rows kSlabRows (b % kSlabs)..
+// Block b: (request, head) b / kSlabs, value rows kSlabRows (b % kSlabs)... A
+// block's life is a chain of memory latencies (the request's bounds and slot,
+// then its state; the first tile's inputs, then the activations): the inputs
+// are fetched first, as they need no slot, so that the two chains overlap.
 template <bool kFp32, bool kSpec>
 __global__ void __launch_bounds__(kDecodeThreads, kDecodeBlocksPerSm) pool_decode_kernel(const PoolParams p) {
   __shared__ __align__(16) DecodeTile s;
+  __shared__ __align__(16) TileInputs in;
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   const FwdParams& f = p.fwd;
   const int slab = blockIdx.x % kSlabs;
-  const int64_t pair = blockIdx.x / kSlabs, n = pair / f.H, h = pair % f.H;
+  const int64_t pair = blockIdx.x / kSlabs, n = pair / f.H;
+  const int h = static_cast<int>(pair % f.H);
   const Request r = request_of(p, n);
+  const int len = static_cast<int>(r.eos - r.bos);
+  float beta = 0.f;
+  if (warp < len) {
+    fetch_token(f, r.bos + warp, h, slab * kSlabRows, warp, lane, in, beta);
+  }
   if (r.slot < 0) {
+    cp_async_wait<0>();
     zero_out_rows(p, r, h, slab * kSlabRows, kSlabRows, tid);
     return;
   }
@@ -289,42 +378,22 @@ __global__ void __launch_bounds__(kDecodeThreads, kDecodeBlocksPerSm) pool_decod
       load_row<kFp32>(p, p.start != nullptr ? p.start : p.pool, r.slot, h, rows[i], c, x[i]);
     }
   }
-  const float A = expf(f.A_log[h]);
-  float bias[4];
-#pragma unroll
-  for (int e = 0; e < 4; ++e) {
-    bias[e] = f.dt_bias[h * D + 4 * lane + e];
+  if (warp < len) {
+    cp_async_wait<0>();
+    __syncwarp();  // the warp's copies are in
+    token_activations(f, in.raw[0][warp][lane], in.raw[1][warp][lane], in.raw[2][warp][lane],
+                      __bfloat162float(in.v[warp][lane]), beta, in.A_log[warp], in.bias[warp][lane], warp, lane, s);
   }
-  auto* out = static_cast<__nv_bfloat16*>(f.out);
-  for (int64_t t0 = r.bos; t0 < r.eos; t0 += kTileTokens) {
-    if (t0 != r.bos) {
+  for (int first = 0; first < len; first += kTileTokens) {
+    if (first != 0) {
       __syncthreads();  // every read of the previous tile is done
+      if (first + warp < len) {
+        later_token_activations(f, r.bos + first + warp, h, slab * kSlabRows, warp, lane, s);
+      }
     }
-    tile_activations(f, t0, r.eos, h, slab, A, bias, warp, lane, s);
     __syncthreads();
-    const int tokens = static_cast<int>(r.eos - t0 < kTileTokens ? r.eos - t0 : kTileTokens);
-#pragma unroll 1
-    for (int tt = 0; tt < tokens; ++tt) {
-      float o[kRowsPerThread];
-      token_step<kFp32>(s, tt, group, c, x, o);
-      if (c == 0) {
-        const int64_t th = (t0 + tt) * f.H + h;
-#pragma unroll
-        for (int i = 0; i < kRowsPerThread; ++i) {
-          out[th * D + rows[i]] = __float2bfloat16_rn(o[i]);
-        }
-      }
-      if constexpr (kSpec) {
-        const int64_t col = t0 + tt - r.bos;
-        const int64_t slot = col < p.index_cols ? load_int(p.indices, p.indices_int32, n * p.index_cols + col) : -1;
-        if (slot >= 0 && slot < p.slots) {
-#pragma unroll
-          for (int i = 0; i < kRowsPerThread; ++i) {
-            store_row<kFp32>(p, slot, h, rows[i], c, x[i]);
-          }
-        }
-      }
-    }
+    const int tokens = len - first < kTileTokens ? len - first : kTileTokens;
+    tile_tokens<kFp32, kSpec>(p, n, h, r, first, tokens, s, group, c, rows, x);
   }
   if (!kSpec && p.pool != nullptr) {
 #pragma unroll
