@@ -182,9 +182,7 @@ __device__ __forceinline__ void load_chunk_inputs(const FwdParams& p, const Chun
     sBeta[d] = d < c.len ? 1.f / (1.f + expf(-load_bf16(p.beta, (c.bos + d) * H + c.h))) : 0.f;
   }
 
-  // Gate: bounded, lambda = lower_bound * sigmoid(x), x = exp(A_log) (g +
-  // dt_bias), in base 2: lambda log2(e) = lower_bound log2(e) / (1 + 2^(-x
-  // log2(e))); softplus, softplus_lam2 (device_utils.cuh). Every row is
+  // Gate in base 2: bounded_lam2 or softplus_lam2 (device_utils.cuh). Every row is
   // computed and the padding selected away, which is cheaper than a branch per
   // row, as a row costs five instructions.
   const float A = expf(p.A_log[c.h]);
@@ -198,7 +196,7 @@ __device__ __forceinline__ void load_chunk_inputs(const FwdParams& p, const Chun
     if (sG != nullptr) {
       sG[i][d] = G2[i];
     }
-    const float l2 = kSoftplus ? softplus_lam2(G2[i] + bias, A) : lb2 * fast_rcp(1.f + fast_exp2(fmaf(a2, G2[i], b2)));
+    const float l2 = kSoftplus ? softplus_lam2(G2[i] + bias, A) : bounded_lam2(G2[i], a2, b2, lb2);
     lam2[i] = i < c.len ? l2 : 0.f;
     acc += lam2[i];
     G2[i] = acc;  // now G_i log2(e), the cumulative log decay in base 2

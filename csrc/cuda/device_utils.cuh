@@ -86,6 +86,13 @@ __device__ __forceinline__ float fast_rcp(float x) {
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
 
+// The bounded gate's log decay in base 2, lower_bound sigmoid(A (g + dt_bias))
+// log2(e), as lb2 / (1 + 2^(a2 g + b2)) with a2 = -A log2(e), b2 = a2 dt_bias
+// and lb2 = lower_bound log2(e), which callers form once a head.
+__device__ __forceinline__ float bounded_lam2(float g, float a2, float b2, float lb2) {
+  return lb2 * fast_rcp(1.f + fast_exp2(fmaf(a2, g, b2)));
+}
+
 // The softplus gate's log decay in base 2, -A softplus(x) log2(e), for any
 // finite x: softplus(x) log2(e) = max(x, 0) log2(e) + log2(1 + 2^(-|x| log2(e))),
 // the last term by its series where 1 + e would round e's bits away. Zero

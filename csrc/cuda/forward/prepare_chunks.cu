@@ -278,8 +278,8 @@ __device__ __forceinline__ void step_gate(const B& b, const FwdParams& p, const 
       lam0 = softplus_lam2(lo_half(gt[m]) + bias, A);
       lam1 = softplus_lam2(hi_half(gt[m]) + bias, A);
     } else {
-      lam0 = lb2 * fast_rcp(1.f + fast_exp2(fmaf(a2, lo_half(gt[m]), bias)));
-      lam1 = lb2 * fast_rcp(1.f + fast_exp2(fmaf(a2, hi_half(gt[m]), bias)));
+      lam0 = bounded_lam2(lo_half(gt[m]), a2, bias, lb2);
+      lam1 = bounded_lam2(hi_half(gt[m]), a2, bias, lb2);
     }
     lam0 = tok < c.len ? lam0 : 0.f;
     lam1 = tok + 1 < c.len ? lam1 : 0.f;
