@@ -12,7 +12,14 @@ U0) formed as a product with T kept in fp32 and its operands rounded as above,
 instead of solved by substitution; everything else in float64, so the gradients'
 differences from the exact solve are what the product's precision alone costs.
 
-    python benchmarks/precision_emulation.py [--T 4096] [--backward]
+--states: what the backward's kept states cost, by where they are kept and in which
+dtype: the chunk-start states S and the state gradients dS either every 16 tokens
+(each chunk's gradient reads its own, rounded) or every 64 (each block of four chunks
+recomputes its inner states forward from the rounded S at its start, and its inner
+dS backward from the rounded dS at its end), in bf16 or fp32; everything else in
+float64, so the gradients' differences from float64 are what the storage alone costs.
+
+    python benchmarks/precision_emulation.py [--T 4096] [--backward | --states]
 """
 import argparse
 
@@ -118,15 +125,88 @@ def backward_table(T, D):
             print(f"| {case} | {mode} | {errors} |")
 
 
+def rounded(x, dtype):
+    return x.to(dtype).double() if dtype is not None else x
+
+
+def kept_state_grads(qn, kn, v, lam, b, h0, dout, dfinal, every, dtype, exact_du=False):
+    """One sequence, one head, float64, as backward_grads, but each chunk's gradient
+    reads S and dS as a backward that keeps them every `every` tokens in `dtype`
+    (None: exact) would have them: the stored ones rounded, the inner ones
+    recomputed from those. exact_du (with every = 16): dU, and dW = -dU S from it,
+    come from the exact dS, as the dS recurrence hands dU to today's record
+    gradients in fp32. Also returns the initial state's gradient."""
+    scale = qn.shape[-1] ** -0.5
+    chunks = [slice(s, s + C) for s in range(0, qn.shape[0], C)]
+    recs = [chunk_record(qn[c], kn[c], v[c], lam[c], b[c], scale) for c in chunks]
+    states, S = [], h0.clone()
+    for rec in recs:
+        states.append(S)
+        S = chunk_step(S, rec)[1]
+    dS, dstates = dfinal.clone(), [None] * len(chunks)
+    for i in reversed(range(len(chunks))):
+        dstates[i] = dS  # the gradient of the state after chunk i
+        dS = chunk_step_backward(states[i], recs[i], chunk_step(states[i], recs[i])[2], dout[chunks[i]], dS)[0]
+    dinit = dS
+    grads = [torch.zeros_like(x) for x in (qn, kn, v, lam, b)]
+    per = every // C
+    for first in range(0, len(chunks), per):
+        block = range(first, min(first + per, len(chunks)))
+        S = rounded(states[first], dtype)
+        inner = []
+        for i in block:
+            _, S1, U = chunk_step(S, recs[i])
+            inner.append((S, U))
+            S = S1
+        dS = rounded(dstates[block[-1]], dtype)
+        for i, (S, U) in reversed(list(zip(block, inner))):
+            dS1 = dS
+            dS, drec = chunk_step_backward(S, recs[i], U, dout[chunks[i]], dS1)
+            if exact_du:
+                drec["U0"] = recs[i]["Aqk"].T @ dout[chunks[i]] + recs[i]["Kd"] @ dstates[i].T
+                drec["W"] = -drec["U0"] @ S
+            c = chunks[i]
+            for acc, d in zip(grads, chunk_record_backward(qn[c], kn[c], v[c], lam[c], b[c], scale, drec)):
+                acc[c] += d
+    return grads + [dinit]
+
+
+def states_table(T, D):
+    print("| case | states kept | dq^ | dk^ | dv | dlam | dbeta |")
+    print("|---|---|---|---|---|---|---|")
+    for case in ("random", "weak decay"):
+        q, k, g, v = (torch.randn(T, D).to(BF16).double() for _ in range(4))
+        beta = torch.randn(T).to(BF16).double()
+        A_log, dt_bias = torch.rand(1).double(), torch.rand(1, D).double()
+        if case == "weak decay":
+            A_log.fill_(2.0)
+            dt_bias.fill_(-8.0)
+        qn, kn, lam, b = (x[:, 0] for x in activations(q[:, None], k[:, None], g[:, None], beta[:, None], A_log,
+                                                       dt_bias, -5.0))
+        h0, dfinal = torch.randn(D, D).double(), torch.randn(D, D).double()
+        dout = torch.randn(T, D).double()
+        exact = kept_state_grads(qn, kn, v, lam, b, h0, dout, dfinal, C, None)
+        for every, dtype, exact_du in ((16, BF16, True), (16, BF16, False), (64, BF16, False),
+                                       (16, torch.float32, False), (64, torch.float32, False)):
+            got = kept_state_grads(qn, kn, v, lam, b, h0, dout, dfinal, every, dtype, exact_du)
+            errors = " | ".join(f"{((a - e).norm() / e.norm()).item():.2e}" for a, e in zip(got[:5], exact[:5]))
+            name = {BF16: "bf16", torch.float32: "fp32"}[dtype] + (", dU fp32 (today's)" if exact_du else "")
+            print(f"| {case} | every {every}, {name} | {errors} |")
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--T", type=int, default=4096)
     ap.add_argument("--backward", action="store_true", help="the backward's T^T products instead of the forward")
+    ap.add_argument("--states", action="store_true", help="the backward's kept states, by spacing and dtype")
     args = ap.parse_args()
     torch.manual_seed(0)
     T, D = args.T, 128
     if args.backward:
         backward_table(T, D)
+        return
+    if args.states:
+        states_table(T, D)
         return
     print("| case | operands | out rel | state rel |")
     print("|---|---|---|---|")

@@ -1,6 +1,9 @@
 """torch_kda.reference (the chunked form in the kernels' terms: the chunked forward, its
 hand-derived gradients, the per-chunk record and step) against the float64
 token-by-token reference, torch_kda.naive."""
+import importlib.util
+import os
+
 import pytest
 import torch
 
@@ -136,3 +139,29 @@ def test_chunk_record_backward_matches_autograd(C, lower_bound):
     for name, a, p, g in zip(("dqn", "dkn", "dv", "dlam", "db"), mine, by_product, grads):
         assert torch.allclose(a, g, rtol=1e-10, atol=1e-10), name
         assert torch.allclose(p, g, rtol=1e-10, atol=1e-10), name
+
+
+@pytest.mark.parametrize("T", [87, 64, 9])
+@pytest.mark.parametrize("every", [16, 64])
+def test_kept_state_backward_matches_autograd(T, every):
+    """benchmarks/precision_emulation.py's backward from states and state gradients
+    kept every 16 or 64 tokens (the inner ones recomputed: forward from a block's
+    start state, backward from its end gradient), with nothing rounded, gives
+    autograd's gradients through chunk_record and chunk_step, the initial state's too."""
+    path = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "precision_emulation.py")
+    spec = importlib.util.spec_from_file_location("precision_emulation", path)
+    emulation = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(emulation)
+    K, V = 8, 6
+    leaves = [t.requires_grad_() for t in _chunk_inputs(T, K, V)]
+    h0 = torch.randn(V, K, dtype=torch.float64, requires_grad=True)
+    dout, dfinal = torch.randn(T, V, dtype=torch.float64), torch.randn(V, K, dtype=torch.float64)
+    S, loss = h0, 0.0
+    for s in range(0, T, 16):
+        c = slice(s, s + 16)
+        O, S, _ = reference.chunk_step(S, reference.chunk_record(*(x[c] for x in leaves), K ** -0.5))
+        loss = loss + (O * dout[c]).sum()
+    grads = torch.autograd.grad(loss + (S * dfinal).sum(), leaves + [h0])
+    mine = emulation.kept_state_grads(*(x.detach() for x in leaves), h0.detach(), dout, dfinal, every, None)
+    for name, a, g in zip(("dqn", "dkn", "dv", "dlam", "db", "dh0"), mine, grads):
+        assert torch.allclose(a, g, rtol=1e-10, atol=1e-10), name
