@@ -65,7 +65,7 @@ def test_decode_many_requests_hard_gates(lower_bound, pool_dtype, T):
     zero, the slots no index names bitwise unchanged."""
     sms = torch.cuda.get_device_properties(DEV).multi_processor_count
     H = 8
-    N = max(300, 3 * 8 * sms // H)  # three waves at eight blocks an SM
+    N = max(300, 3 * 8 * sms // H)  # at least three waves (four blocks a request and head, at most seven an SM)
     slots = N + N // 2
     d = make_inputs(B=N, T=T, H=H, K=D, V=D, dtype=torch.bfloat16)
     d["g"][: N // 3] *= 8  # strong decay in the first third (either gate), tiny beta in the second
@@ -94,18 +94,21 @@ def test_decode_many_requests_hard_gates(lower_bound, pool_dtype, T):
 
 
 @pytest.mark.parametrize("pool_dtype", [torch.float32, torch.bfloat16])
-def test_speculative_many_requests(pool_dtype):
+@pytest.mark.parametrize("T", [4, 6])  # one tile of four tokens, and a second one
+def test_speculative_many_requests(pool_dtype, T):
     """Speculative decoding over several waves of blocks (accepted counts random,
-    some rows padding): the CPU kernel's outputs and slots."""
+    some rows padding): the CPU kernel's outputs and slots, every padding row's out
+    zero, the slots no index names bitwise unchanged."""
     sms = torch.cuda.get_device_properties(DEV).multi_processor_count
-    H, T = 4, 4
-    N = max(200, 3 * 8 * sms // H)
+    H = 4
+    N = max(200, 3 * 8 * sms // H)  # at least three waves, as above
     slots = N * T + 7
     d = make_inputs(B=N, T=T, H=H, K=D, V=D, dtype=torch.bfloat16)
     pool = torch.randn(slots, H, D, D).to(pool_dtype)
     indices = torch.randperm(slots)[: N * T].view(N, T)
     accepted = torch.randint(1, T + 1, (N,))
-    indices[torch.rand(N) < 0.1] = -1
+    padding = torch.rand(N) < 0.1
+    indices[padding] = -1
     cpu_pool = pool.clone()
     cpu_out = torch_kda.kda_pool(*positional(d), cpu_pool, indices, lower_bound=-5.0, num_accepted_tokens=accepted)
     gpu_pool = pool.to(DEV)
@@ -114,8 +117,12 @@ def test_speculative_many_requests(pool_dtype):
                        num_accepted_tokens=accepted.to(DEV), out=gpu_out)
     tol = 5e-3 if pool_dtype == torch.bfloat16 else 1e-4
     e_out, e_pool = rel(gpu_out.cpu(), cpu_out), rel(gpu_pool.cpu().float(), cpu_pool.float())
-    print(f"\nN={N} {pool_dtype}: out rel {e_out:.2e}, pool rel {e_pool:.2e}")
+    print(f"\nN={N} T={T} {pool_dtype}: out rel {e_out:.2e}, pool rel {e_pool:.2e}")
     assert e_out <= 5e-3 and e_pool <= tol
+    assert torch.equal(gpu_out[padding.to(DEV)], torch.zeros_like(gpu_out[padding.to(DEV)]))
+    untouched = torch.ones(slots, dtype=torch.bool)
+    untouched[indices[indices >= 0]] = False
+    assert torch.equal(gpu_pool[untouched.to(DEV)].cpu(), pool[untouched])
 
 
 @pytest.mark.parametrize("lower_bound", GATES)

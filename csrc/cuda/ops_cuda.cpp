@@ -95,14 +95,14 @@ void forward_into(const char* op, const Problem& p, const Tensor& q, const Tenso
       pool_by_decode(concrete(p.B) * concrete(p.T), concrete(p.N), false)) {
     // One kernel reads every input while it writes out and the final states,
     // in vectors of up to 16 bytes.
-    for (Tensor* input : {&in.q, &in.k, &in.v, &in.g, &in.beta, &in.A_log, &in.dt_bias}) {
+    for (Tensor* input : {&in.q, &in.k, &in.g, &in.beta, &in.A_log, &in.dt_bias}) {
       *input = staged16(*input);
       if (at::get_overlap_status(*input, out_c) != at::MemOverlapStatus::No ||
           (final_c.defined() && at::get_overlap_status(*input, final_c) != at::MemOverlapStatus::No)) {
         *input = input->clone();
       }
     }
-    params.q = in.q.data_ptr(), params.k = in.k.data_ptr(), params.v = in.v.data_ptr(), params.g = in.g.data_ptr();
+    params.q = in.q.data_ptr(), params.k = in.k.data_ptr(), params.g = in.g.data_ptr();
     params.beta = in.beta.data_ptr(), params.A_log = in.A_log.data_ptr<float>();
     params.dt_bias = in.dt_bias.data_ptr<float>();
     decode_forward(params, init, final_c, p.state_dtype == at::kFloat, stream);

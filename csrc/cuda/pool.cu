@@ -14,8 +14,8 @@
 // a warp's access is four rows' whole 512 (fp32) or 256 (bf16) bytes, and its
 // shared-memory reads of k^, q^ and alpha hit distinct banks), a row's sums in
 // three shuffles. Each warp computes a whole token's activations (norms by warp
-// sums), a tile of four tokens at once: one barrier a tile. fp32 throughout;
-// the state is stored in the pool's dtype, rounded once.
+// sums), a tile of four tokens at once, so that the tile's steps wait on one
+// barrier. fp32 throughout; the state is stored in the pool's dtype, rounded once.
 #include <c10/cuda/CUDAException.h>
 
 #include <string>
@@ -37,7 +37,7 @@ constexpr int kRowLanes = 8;                             // lanes a row
 constexpr int kRowGroups = kDecodeThreads / kRowLanes;   // rows a block updates at once
 constexpr int kRowsPerThread = kSlabRows / kRowGroups;
 constexpr int kLaneCols = D / kRowLanes;                 // key columns a lane
-constexpr int kTileTokens = kDecodeWarps;                // a token a warp; one barrier a tile
+constexpr int kTileTokens = kDecodeWarps;                // a token a warp
 constexpr int kDecodeBlocksPerSm = 7;                    // a cap of 72 registers a thread
 static_assert(kRowsPerThread * kRowGroups == kSlabRows && kSlabs * kSlabRows == D, "whole rows, whole slabs");
 static_assert(D == 32 * 4, "a warp's lanes take four channels of a token");
@@ -182,9 +182,9 @@ __device__ __forceinline__ void cp_async_4(uint32_t smem_dst, const void* gmem_s
   asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(smem_dst), "l"(gmem_src));
 }
 
-// This warp's token t of the first tile, head h, value rows from `first`;
-// beta's logit into `beta`.
-__device__ __forceinline__ void fetch_token(const FwdParams& f, int64_t t, int h, int first, int warp, int lane,
+// This warp's token t of the first tile, head h, the slab's value rows from
+// row0; beta's logit into `beta`.
+__device__ __forceinline__ void fetch_token(const FwdParams& f, int64_t t, int h, int row0, int warp, int lane,
                                             TileInputs& in, float& beta) {
   const int64_t th = t * f.H + h;
   const void* rows[3] = {f.q, f.k, f.g};
@@ -193,7 +193,7 @@ __device__ __forceinline__ void fetch_token(const FwdParams& f, int64_t t, int h
     cp_async_8(smem_u32(&in.raw[m][warp][lane]), static_cast<const __nv_bfloat16*>(rows[m]) + th * D + 4 * lane);
   }
   if (lane < kSlabRows / 8) {
-    cp_async_16(smem_u32(&in.v[warp][8 * lane]), static_cast<const __nv_bfloat16*>(f.v) + th * D + first + 8 * lane);
+    cp_async_16(smem_u32(&in.v[warp][8 * lane]), static_cast<const __nv_bfloat16*>(f.v) + th * D + row0 + 8 * lane);
   }
   cp_async_16(smem_u32(&in.bias[warp][lane]), f.dt_bias + int64_t{h} * D + 4 * lane);
   if (lane == 0) {
@@ -235,13 +235,13 @@ __device__ __forceinline__ void token_activations(const FwdParams& p, uint2 qv, 
 
 // A later tile's token for this warp, read where it is used (requests past one
 // tile are rare in decode; only the first tile is fetched ahead).
-__device__ __forceinline__ void later_token_activations(const FwdParams& p, int64_t t, int h, int first, int tt,
+__device__ __forceinline__ void later_token_activations(const FwdParams& p, int64_t t, int h, int row0, int tt,
                                                         int lane, DecodeTile& s) {
   const int64_t th = t * p.H + h;
   auto row = [&](const void* x) {
     return *reinterpret_cast<const uint2*>(static_cast<const __nv_bfloat16*>(x) + th * D + 4 * lane);
   };
-  token_activations(p, row(p.q), row(p.k), row(p.g), load_bf16(p.v, th * D + first + lane), load_bf16(p.beta, th),
+  token_activations(p, row(p.q), row(p.k), row(p.g), load_bf16(p.v, th * D + row0 + lane), load_bf16(p.beta, th),
                     p.A_log[h], *reinterpret_cast<const float4*>(p.dt_bias + int64_t{h} * D + 4 * lane), tt, lane, s);
 }
 
@@ -341,7 +341,7 @@ __device__ __forceinline__ void tile_tokens(const PoolParams& p, int64_t n, int 
 
 // kSpec: speculative decoding (PoolParams::accepted): the state after every
 // token goes to that token's slot; else the final state goes to the start slot.
-// Block b: (request, head) b / kSlabs, value rows kSlabRows (b % kSlabs)... A
+// Block b: (request, head) b / kSlabs, value rows from kSlabRows (b % kSlabs). A
 // block's life is a chain of memory latencies (the request's bounds and slot,
 // then its state; the first tile's inputs, then the activations): the inputs
 // are fetched first, as they need no slot, so that the two chains overlap.
@@ -361,7 +361,7 @@ __global__ void __launch_bounds__(kDecodeThreads, kDecodeBlocksPerSm) pool_decod
     fetch_token(f, r.bos + warp, h, slab * kSlabRows, warp, lane, in, beta);
   }
   if (r.slot < 0) {
-    cp_async_wait<0>();
+    cp_async_wait<0>();  // no copy may still be landing once the block has exited
     zero_out_rows(p, r, h, slab * kSlabRows, kSlabRows, tid);
     return;
   }
@@ -380,7 +380,7 @@ __global__ void __launch_bounds__(kDecodeThreads, kDecodeBlocksPerSm) pool_decod
   }
   if (warp < len) {
     cp_async_wait<0>();
-    __syncwarp();  // the warp's copies are in
+    __syncwarp();  // the wait covers this thread's copies; v and A_log came by other lanes'
     token_activations(f, in.raw[0][warp][lane], in.raw[1][warp][lane], in.raw[2][warp][lane],
                       __bfloat162float(in.v[warp][lane]), beta, in.A_log[warp], in.bias[warp][lane], warp, lane, s);
   }
