@@ -102,20 +102,27 @@ def backward_grads(qn, kn, v, lam, b, h0, dout, dfinal, t_product):
     return grads
 
 
+def backward_case(case, T, D):
+    """One sequence and head of the backward tables, float64 from bf16-rounded inputs:
+    qn, kn, v, lam, b, the initial state, dout and the final state's gradient."""
+    q, k, g, v = (torch.randn(T, D).to(BF16).double() for _ in range(4))
+    beta = torch.randn(T).to(BF16).double()
+    A_log, dt_bias = torch.rand(1).double(), torch.rand(1, D).double()
+    if case == "weak decay":
+        A_log.fill_(2.0)
+        dt_bias.fill_(-8.0)
+    qn, kn, lam, b = (x[:, 0] for x in activations(q[:, None], k[:, None], g[:, None], beta[:, None], A_log,
+                                                   dt_bias, -5.0))
+    h0, dfinal = torch.randn(D, D).double(), torch.randn(D, D).double()
+    dout = torch.randn(T, D).double()
+    return qn, kn, v, lam, b, h0, dout, dfinal
+
+
 def backward_table(T, D):
     print("| case | T^T products | dq^ | dk^ | dv | dlam | dbeta |")
     print("|---|---|---|---|---|---|---|")
     for case in ("random", "weak decay"):
-        q, k, g, v = (torch.randn(T, D).to(BF16).double() for _ in range(4))
-        beta = torch.randn(T).to(BF16).double()
-        A_log, dt_bias = torch.rand(1).double(), torch.rand(1, D).double()
-        if case == "weak decay":
-            A_log.fill_(2.0)
-            dt_bias.fill_(-8.0)
-        qn, kn, lam, b = (x[:, 0] for x in activations(q[:, None], k[:, None], g[:, None], beta[:, None], A_log,
-                                                       dt_bias, -5.0))
-        h0, dfinal = torch.randn(D, D).double(), torch.randn(D, D).double()
-        dout = torch.randn(T, D).double()
+        qn, kn, v, lam, b, h0, dout, dfinal = backward_case(case, T, D)
         exact = backward_grads(qn, kn, v, lam, b, h0, dout, dfinal, None)
         for mode in ("fp32", "bf16x3", "bf16"):
             def t_product(Tt, X, mode=mode):
@@ -175,16 +182,7 @@ def states_table(T, D):
     print("| case | states kept | dq^ | dk^ | dv | dlam | dbeta |")
     print("|---|---|---|---|---|---|---|")
     for case in ("random", "weak decay"):
-        q, k, g, v = (torch.randn(T, D).to(BF16).double() for _ in range(4))
-        beta = torch.randn(T).to(BF16).double()
-        A_log, dt_bias = torch.rand(1).double(), torch.rand(1, D).double()
-        if case == "weak decay":
-            A_log.fill_(2.0)
-            dt_bias.fill_(-8.0)
-        qn, kn, lam, b = (x[:, 0] for x in activations(q[:, None], k[:, None], g[:, None], beta[:, None], A_log,
-                                                       dt_bias, -5.0))
-        h0, dfinal = torch.randn(D, D).double(), torch.randn(D, D).double()
-        dout = torch.randn(T, D).double()
+        qn, kn, v, lam, b, h0, dout, dfinal = backward_case(case, T, D)
         exact = kept_state_grads(qn, kn, v, lam, b, h0, dout, dfinal, C, None)
         for every, dtype, exact_du in ((16, BF16, True), (16, BF16, False), (64, BF16, False),
                                        (16, torch.float32, False), (64, torch.float32, False)):
