@@ -146,14 +146,15 @@ def kept_state_grads(qn, kn, v, lam, b, h0, dout, dfinal, every, dtype, exact_du
     scale = qn.shape[-1] ** -0.5
     chunks = [slice(s, s + C) for s in range(0, qn.shape[0], C)]
     recs = [chunk_record(qn[c], kn[c], v[c], lam[c], b[c], scale) for c in chunks]
-    states, S = [], h0.clone()
+    states, us, S = [], [], h0.clone()
     for rec in recs:
         states.append(S)
-        S = chunk_step(S, rec)[1]
+        _, S, U = chunk_step(S, rec)
+        us.append(U)
     dS, dstates = dfinal.clone(), [None] * len(chunks)
     for i in reversed(range(len(chunks))):
         dstates[i] = dS  # the gradient of the state after chunk i
-        dS = chunk_step_backward(states[i], recs[i], chunk_step(states[i], recs[i])[2], dout[chunks[i]], dS)[0]
+        dS = chunk_step_backward(states[i], recs[i], us[i], dout[chunks[i]], dS)[0]
     dinit = dS
     grads = [torch.zeros_like(x) for x in (qn, kn, v, lam, b)]
     per = every // C
