@@ -135,11 +135,12 @@ void check_precomputed_gate_values(const char* op, const Problem& p, const at::T
   if (!p.precomputed_gate || g.numel() == 0) {
     return;
   }
-  const double largest = g.max().item<double>();
+  const auto [lowest, highest] = at::aminmax(g);  // one pass over g for both bounds
+  const double largest = highest.item<double>();
   TORCH_CHECK(largest <= 0.0, op, ": g must be a log decay (at most 0) when A_log and dt_bias are None, got a "
               "largest value of ", float_str(largest));
   if (p.gate == Gate::kBounded) {
-    const double smallest = g.min().item<double>();
+    const double smallest = lowest.item<double>();
     TORCH_CHECK(smallest >= p.lower_bound, op, ": g must be at least lower_bound = ", float_str(p.lower_bound),
                 " (its promise for a precomputed gate), got a smallest value of ", float_str(smallest));
   }

@@ -131,8 +131,9 @@ bool debug_checks_enabled();
 // debug_checks_enabled.
 void check_A_log_values(const char* op, const at::Tensor& A_log, bool in_double);
 
-// Reads a precomputed gate's g (a device sync on CUDA) and checks that it is a
-// log decay (<= 0) and, with a lower bound, at least the bound.
+// Reads a precomputed gate's g and checks that it is a log decay (<= 0) and,
+// with a lower bound, at least the bound: the CPU kernels' check (CUDA refuses a
+// precomputed gate).
 void check_precomputed_gate_values(const char* op, const Problem& p, const at::Tensor& g);
 
 // K^-0.5 unless the caller gave a scale.

@@ -153,6 +153,15 @@ def context_parallel_kda(q, k, v, g, beta, A_log, dt_bias, *, group=None, scale=
     the slices' lengths costs one small gather and a host sync.
     """
     group = group if group is not None else dist.group.WORLD
+    local_cu = None if cu_seqlens is None else local_offsets(cu_seqlens, q.shape[1], group)
+    return _context_parallel(q, k, v, g, beta, A_log, dt_bias, group, scale, lower_bound, initial_state,
+                             output_final_state, local_cu)
+
+
+def _context_parallel(q, k, v, g, beta, A_log, dt_bias, group, scale, lower_bound, initial_state,
+                      output_final_state, local_cu):
+    """context_parallel_kda with this slice's offsets already known (local_offsets, or
+    None for a fixed-length batch), for callers that found them for other uses too."""
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     if initial_state is not None and rank != 0:
         raise ValueError(f"context_parallel_kda: initial_state enters on rank 0 only, got one on rank {rank}")
@@ -160,7 +169,6 @@ def context_parallel_kda(q, k, v, g, beta, A_log, dt_bias, *, group=None, scale=
         state_dtype = initial_state.dtype
     else:
         state_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
-    local_cu = None if cu_seqlens is None else local_offsets(cu_seqlens, q.shape[1], group)
     out, final = _ContextParallelKDA.apply(q, k, v, g, beta, A_log, dt_bias, initial_state, local_cu, scale,
                                            lower_bound, group, state_dtype)
     return out, (final if output_final_state and rank == world - 1 else None)

@@ -8,11 +8,12 @@ import math
 from typing import NamedTuple, Optional
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
 from torch_kda._ops import kda, kda_pool
-from torch_kda.distributed import context_parallel_kda, local_offsets
+from torch_kda import distributed  # its _gather is the one seam for every collective
 
 
 class KDAState(NamedTuple):
@@ -75,11 +76,9 @@ class _Halo(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, z, offsets, width, group):
-        import torch.distributed as dist
-
         offsets = [int(x) for x in offsets.tolist()]
         N, C = len(offsets) - 1, z.shape[-1]
-        world, rank = dist.get_world_size(group), dist.get_rank(group)
+        rank = dist.get_rank(group)
         tail = z.new_zeros(N, width, C)  # each sequence's last inputs here, front-padded
         for n in range(N):
             start, end = offsets[n], offsets[n + 1]
@@ -87,11 +86,8 @@ class _Halo(torch.autograd.Function):
             if m:
                 tail[n, width - m:] = z[0, end - m:end]
         lengths = torch.tensor([offsets[n + 1] - offsets[n] for n in range(N)], device=z.device)
-        all_lengths = [torch.empty_like(lengths) for _ in range(world)]
-        dist.all_gather(all_lengths, lengths, group=group)
-        all_lengths = torch.stack(all_lengths).tolist()  # [rank][sequence]
-        tails = [torch.empty_like(tail) for _ in range(world)]
-        dist.all_gather(tails, tail, group=group)
+        all_lengths = distributed._gather(lengths, group).tolist()  # [rank][sequence]
+        tails = distributed._gather(tail, group)
         carried = z.new_zeros(N, width, C)
         for n in range(N):
             for p, src in enumerate(_halo_sources([row[n] for row in all_lengths], rank, width)):
@@ -103,12 +99,9 @@ class _Halo(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, d_carried):
-        import torch.distributed as dist
-
         width, rank, offsets, all_lengths = ctx.width, ctx.rank, ctx.offsets, ctx.all_lengths
         d = d_carried.transpose(1, 2).contiguous()  # [N, width, C]
-        all_d = [torch.empty_like(d) for _ in all_lengths]
-        dist.all_gather(all_d, d, group=ctx.group)
+        all_d = distributed._gather(d, ctx.group)
         dz = d.new_zeros(ctx.shape)
         for n in range(len(offsets) - 1):
             lengths = [row[n] for row in all_lengths]
@@ -414,30 +407,33 @@ class KimiDeltaAttention(nn.Module):
                              "state and output_state are not served with it")
         if cp_group is not None and cu_seqlens is not None:
             # The whole batch's offsets, as every rank passes them: this slice's pieces.
-            offsets = local_offsets(_sequence_offsets(B, T, cu_seqlens, x.device), T, cp_group)
+            offsets = distributed.local_offsets(_sequence_offsets(B, T, cu_seqlens, x.device), T, cp_group)
         else:
             offsets = _sequence_offsets(B, T, cu_seqlens, x.device)
         packed = x.reshape(1, B * T, x.shape[-1])
 
-        def conv(proj, conv_mod, field):
-            z = proj(packed)
-            if cp_group is not None:
-                carried = _Halo.apply(z, offsets, self.conv_size - 1, cp_group)
-            else:
-                carried = getattr(state, field) if state is not None else None
-            y, new = conv_mod(z, offsets, carried, output_state, state_name=f"state.{field}")
-            return y.reshape(B, T, conv_mod.channels // d, d), new
-
-        q, conv_q = conv(self.q_proj, self.q_conv1d, "conv_q")
-        k, conv_k = conv(self.k_proj, self.k_conv1d, "conv_k")
-        v, conv_v = conv(self.v_proj, self.v_conv1d, "conv_v")
+        convs = (self.q_conv1d, self.k_conv1d, self.v_conv1d)
+        fields = ("conv_q", "conv_k", "conv_v")
+        zs = [proj(packed) for proj in (self.q_proj, self.k_proj, self.v_proj)]
+        if cp_group is not None:
+            # One halo exchange for the three convolutions' carried inputs.
+            halo = _Halo.apply(torch.cat(zs, -1), offsets, self.conv_size - 1, cp_group)
+            carried = halo.split([c.channels for c in convs], dim=1)
+        else:
+            carried = [getattr(state, f) if state is not None else None for f in fields]
+        outs = []
+        for conv, z, h, field in zip(convs, zs, carried, fields):
+            y, new = conv(z, offsets, h, output_state, state_name=f"state.{field}")
+            outs.append((y.reshape(B, T, conv.channels // d, d), new))
+        (q, conv_q), (k, conv_k), (v, conv_v) = outs
         g = self.f_b_proj(self.f_a_proj(x)).reshape(B, T, HV, d)
         beta = self.b_proj(x)
         A_log, dt_bias = self._gate()
         if cp_group is not None:
-            o, recurrent = context_parallel_kda(q, k, v, g.to(q.dtype), beta.to(q.dtype), A_log, dt_bias,
-                                                group=cp_group, lower_bound=self.lower_bound,
-                                                cu_seqlens=cu_seqlens)
+            # The slice's offsets found above serve the recurrence too.
+            o, recurrent = distributed._context_parallel(
+                q, k, v, g.to(q.dtype), beta.to(q.dtype), A_log, dt_bias, cp_group, None, self.lower_bound, None,
+                False, offsets if cu_seqlens is not None else None)
         else:
             o, recurrent = kda(
                 q, k, v, g.to(q.dtype), beta.to(q.dtype), A_log, dt_bias,
