@@ -423,7 +423,8 @@ def test_prepare_backward_matches_reference(case):
         err = rel(t.cpu(), w)
         print(f"{name}: rel {err:.2e}")
         assert torch.isfinite(t).all(), name
-        assert err <= 2e-5, name  # fp32 against float64: ~1e-6 in a CPU emulation of the kernel
+        # fp32 with its 16 x 16 by 16 x 128 products in bf16x3: up to ~1e-5 on the GPU
+        assert err <= 2e-5, name
 
 
 @pytest.mark.parametrize("case, ds_block", [("random", "auto"), ("weak_decay", "auto"), ("random", "4x1"),

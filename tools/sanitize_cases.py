@@ -8,6 +8,8 @@ with a padding row and a request past a tile of tokens, speculative decoding, se
 waves of blocks), and kda::fwd_ with decode shapes (with and without an initial
 state).
 segments: a forward over forced segments (K1, three K2 passes, the scan).
+backward: forward + backward steps of both gates on varlen sequences (an empty one,
+odd lengths, a partial last chunk), and K1's backward alone (the private test op).
 Each result is checked finite; a sanitizer's report is the test.
 """
 import sys
@@ -83,6 +85,27 @@ def segments():
     torch.cuda.synchronize()
 
 
+def backward():
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    H = 2
+    cu = torch.tensor([0, 37, 37, 54], device="cuda")
+    for lower_bound in (-5.0, None):
+        q, k, v, g, beta = (t.requires_grad_() for t in inputs(54, H, gen))
+        A_log = torch.rand(H, device="cuda", generator=gen).requires_grad_()
+        dt_bias = torch.rand(H, D, device="cuda", generator=gen).requires_grad_()
+        h0 = torch.randn(3, H, D, D, device="cuda", generator=gen).requires_grad_()
+        out, final = torch_kda.kda(q, k, v, g, beta, A_log, dt_bias, lower_bound=lower_bound, initial_state=h0,
+                                   output_final_state=True, cu_seqlens=cu)
+        (out.float().square().sum() + final.square().sum()).backward()
+        for t in (q, k, v, g, beta, A_log, dt_bias, h0):
+            assert torch.isfinite(t.grad).all()
+    q, k, v, g, beta = inputs(37, H, gen)
+    d_record = torch.randn(3, H, 8576, device="cuda", generator=gen)
+    got = torch.ops.kda_testing.prepare_bwd(q, k, v, g, beta, A_log.detach(), dt_bias.detach(), d_record, None, -5.0)
+    assert all(torch.isfinite(t).all() for t in got)
+    torch.cuda.synchronize()
+
+
 if __name__ == "__main__":
-    {"decode": decode, "segments": segments}[sys.argv[1]]()
+    {"decode": decode, "segments": segments, "backward": backward}[sys.argv[1]]()
     print(f"{sys.argv[1]}: done")

@@ -1,9 +1,10 @@
 // What K1 and its backward share: where a block's chunk lies (place_chunk) and
-// the substitution for M (forward_substitute). The rest is K1's backward's: the
-// chunk's inputs (raw q and k rows into shared tiles, g and v into registers),
-// beta's sigmoid, the gate and its cumulative sum G, and the rows' inverse L2
-// norms, in one 128-thread block per (chunk slot, head), thread d owning channel
-// d (the forward's K1 works on mma fragments instead: forward/prepare_chunks.cu).
+// the substitution with I + A (forward_substitute: K1's M, the backward's T). The
+// rest is K1's backward's: the chunk's inputs (raw q and k rows into shared
+// tiles, g and v into registers), beta's sigmoid, the gate and its cumulative
+// sum G, and the rows' inverse L2 norms, in one 128-thread block per (chunk
+// slot, head), thread d owning channel d (the forward's K1 works on mma
+// fragments instead: forward/prepare_chunks.cu).
 #pragma once
 
 #include "cuda/device_utils.cuh"
@@ -142,12 +143,13 @@ __device__ __forceinline__ void forward_substitute(const float (*sA)[kPitch], Rh
 // chain rule; each thread writes and reads only its own column). Rows past the
 // sequence's end are zeros with lambda = 0 and beta = 0, so that G_last is the
 // last real row's G and the padding moves nothing. All threads of the block
-// call it (two barriers).
-template <int kPad, bool kSoftplus>
+// call it (two barriers). after_loads() runs once the loads are issued, before
+// their values are used: more memory traffic issued there queues behind them.
+template <int kPad, bool kSoftplus, typename AfterLoads>
 __device__ __forceinline__ void load_chunk_inputs(const FwdParams& p, const ChunkPlace& c, float (*sQ)[kPad],
                                                   float (*sK)[kPad], float* sBeta, float (*sInvNorm)[kChunk],
                                                   float (&G2)[kChunk], float (&lam2)[kChunk], float (&v)[kChunk],
-                                                  float (*sG)[kHeadDim] = nullptr) {
+                                                  float (*sG)[kHeadDim], AfterLoads after_loads) {
   constexpr int C = kChunk, D = kHeadDim;
   const int64_t H = p.H;
   const int d = threadIdx.x;
@@ -178,8 +180,10 @@ __device__ __forceinline__ void load_chunk_inputs(const FwdParams& p, const Chun
       v[i] = valid ? __bfloat162float(vv[i * stride]) : 0.f;
     }
   }
+  const float beta_logit = d < c.len ? load_bf16(p.beta, (c.bos + d) * H + c.h) : 0.f;
+  after_loads();
   if (d < C) {
-    sBeta[d] = d < c.len ? 1.f / (1.f + expf(-load_bf16(p.beta, (c.bos + d) * H + c.h))) : 0.f;
+    sBeta[d] = d < c.len ? 1.f / (1.f + expf(-beta_logit)) : 0.f;
   }
 
   // Gate in base 2: bounded_lam2 or softplus_lam2 (device_utils.cuh). Every row is

@@ -104,8 +104,9 @@ __device__ __forceinline__ void row_group_barrier(int rg) {
 // dS0 = dS1 diag(gl) + dO^T Qs - dU^T W over the warp's key columns; Qs and
 // W [t][k] transposed on the way (tokens are the k dimension). As in K2, the
 // products go into zero accumulators and reach dS through one fp32 FMA.
-// oh, ol: dO^T as an A operand; du: dU^T in fragment order.
-template <class St, int kNt>
+// oh, ol: dO^T as an A operand (ol is zero for a bf16 dO, kDoutLo false, and
+// its products are skipped); du: dU^T in fragment order.
+template <bool kDoutLo, class St, int kNt>
 __device__ __forceinline__ void ds_update(const St& st, const float (&du)[2][4], const uint32_t (&oh)[4],
                                           const uint32_t (&ol)[4], int mi, int mr, int j0, int t4,
                                           float (&ds)[kNt][4]) {
@@ -123,8 +124,15 @@ __device__ __forceinline__ void ds_update(const St& st, const float (&du)[2][4],
     ldmatrix_x4_trans(wh, record_piece(st.mat[kWHi], row, piece));
     ldmatrix_x4_trans(wl, record_piece(st.mat[kWLo], row, piece));
     float upd[2][4];
-    mma_bf16x3_zero(upd[0], oh, ol, qh[0], qh[1], ql[0], ql[1]);
-    mma_bf16x3_zero(upd[1], oh, ol, qh[2], qh[3], ql[2], ql[3]);
+    if constexpr (kDoutLo) {
+      mma_bf16x3_zero(upd[0], oh, ol, qh[0], qh[1], ql[0], ql[1]);
+      mma_bf16x3_zero(upd[1], oh, ol, qh[2], qh[3], ql[2], ql[3]);
+    } else {
+      mma_bf16_zero(upd[0], oh, ql[0], ql[1]);
+      mma_bf16(upd[0], oh, qh[0], qh[1]);
+      mma_bf16_zero(upd[1], oh, ql[2], ql[3]);
+      mma_bf16(upd[1], oh, qh[2], qh[3]);
+    }
     mma_bf16x3(upd[0], nh, nl, wh[0], wh[1], wl[0], wl[1]);
     mma_bf16x3(upd[1], nh, nl, wh[2], wh[3], wl[2], wl[3]);
 #pragma unroll
@@ -313,7 +321,15 @@ __global__ void __launch_bounds__(kWarps * 32) ds_recurrence_kernel(const SweepB
 #pragma unroll
       for (int nt = 0; nt < 2; ++nt) {
         if (kSplit == 1 || nt == ks) {
-          mma_split<true, true>(acc_du, nt, oh, ol, ah[2 * nt], ah[2 * nt + 1], al[2 * nt], al[2 * nt + 1], false);
+          if constexpr (kDoutFp32) {
+            mma_split<true, true>(acc_du, nt, oh, ol, ah[2 * nt], ah[2 * nt + 1], al[2 * nt], al[2 * nt + 1], false);
+          } else {
+            // A bf16 dO has no lo part: its lo * hi term would add exact zeros
+            // to acc_du[0]; the other two terms into acc_du[1] and [2] as above.
+            auto& hi_terms = *reinterpret_cast<float(*)[2][2][4]>(&acc_du[1]);
+            mma_split<false, true>(hi_terms, nt, oh, ol, ah[2 * nt], ah[2 * nt + 1], al[2 * nt], al[2 * nt + 1],
+                                   false);
+          }
         }
       }
     }
@@ -353,7 +369,7 @@ __global__ void __launch_bounds__(kWarps * 32) ds_recurrence_kernel(const SweepB
       }
     }
 
-    ds_update(st, du, oh, ol, mi, mr, j0, t4, ds);
+    ds_update<kDoutFp32>(st, du, oh, ol, mi, mr, j0, t4, ds);
     if (c + 1 < nchunks) {
       store_ds1(wslot - 1);
     }

@@ -3,11 +3,12 @@
 // torch_kda/reference.py chunk_record_backward is the same math in float64. One
 // block of 128 threads per (chunk slot, head), thread d owns key channel d and
 // value channel d: it recomputes what K1 computed (G, the norms, A = diag(beta)
-// P, W and U0 by forward substitution), then runs the two transposed solves per
-// column, the 16 x 16 dA from two column-sum products, and the rest per column;
-// then, for kda.bwd, the chain rule through the L2 norms, the gate and beta's
-// sigmoid, so that no activation or activation gradient goes through memory.
-// Its 16 x 16 products on the tensor cores in bf16x3, like K1's; the rest in fp32 FMAs.
+// P), inverts I + A once (T, 16 threads), and forms W, U0 and the transposed
+// solves as products with T on the tensor cores, tile by tile in shared
+// memory; then the 16 x 16 dA from column-sum products, and the rest per
+// column; then, for kda.bwd, the chain rule through the L2 norms, the gate and
+// beta's sigmoid, so that no activation or activation gradient goes through
+// memory. Its products in bf16x3 (fp32-level accuracy), the rest in fp32 FMAs.
 #include <c10/cuda/CUDAException.h>
 
 #include <string>
@@ -28,25 +29,33 @@ constexpr int kPad = D + 4;
 // The warps' partial sums of a 16 x 16 product: [warp][n-tile][lane], C fragments.
 using ProductParts = float4[kThreads / 32][2][32];
 
-// Row i0 = d / 16 and i0 + 8 of column j = d % 16 of X Y^T, X and Y [16][128]
-// tiles, as K1 forms its 16 x 16 products: on the tensor cores in bf16x3, warp
-// w over channels [32w, 32w + 32), the partial sums through `parts`, added in
-// warp order. All threads call it; one barrier inside (the caller's barriers
-// keep two calls' uses of `parts` apart).
+// Row i0 = d / 16 and i0 + 8 of column j = d % 16 of X Y^T (+ X2 Y2^T where
+// X2 is given), X and Y [16][128] tiles, as K1 forms its 16 x 16 products: on
+// the tensor cores in bf16x3, warp w over channels [32w, 32w + 32), the partial
+// sums through `parts`, added in warp order. All threads call it; one barrier
+// inside, after every read of the tiles (the caller's barriers keep two calls'
+// uses of `parts` apart).
 __device__ __forceinline__ void rows_times_rows(const float (*X)[kPad], const float (*Y)[kPad], int d, float& r0,
-                                                float& r1, ProductParts& parts) {
+                                                float& r1, ProductParts& parts, const float (*X2)[kPad] = nullptr,
+                                                const float (*Y2)[kPad] = nullptr) {
   const int warp = d / 32, lane = d % 32, g = lane / 4, t = lane % 4;
   float acc[2][4] = {};
+  auto add = [&](const float (*A)[kPad], const float (*B)[kPad]) {
 #pragma unroll
-  for (int kk = 0; kk < 2; ++kk) {
-    const int c0 = 32 * warp + 16 * kk + 2 * t;
-    uint32_t yh[2][2], yl[2][2], xh[4], xl[4];
-    split_b_fragments(Y, g, c0, yh, yl);
-    split_a_fragment(X, g, c0, xh, xl);
+    for (int kk = 0; kk < 2; ++kk) {
+      const int c0 = 32 * warp + 16 * kk + 2 * t;
+      uint32_t yh[2][2], yl[2][2], xh[4], xl[4];
+      split_b_fragments(B, g, c0, yh, yl);
+      split_a_fragment(A, g, c0, xh, xl);
 #pragma unroll
-    for (int nt = 0; nt < 2; ++nt) {
-      mma_bf16x3(acc[nt], xh, xl, yh[nt][0], yh[nt][1], yl[nt][0], yl[nt][1]);
+      for (int nt = 0; nt < 2; ++nt) {
+        mma_bf16x3(acc[nt], xh, xl, yh[nt][0], yh[nt][1], yl[nt][0], yl[nt][1]);
+      }
     }
+  };
+  add(X, Y);
+  if (X2 != nullptr) {
+    add(X2, Y2);
   }
 #pragma unroll
   for (int nt = 0; nt < 2; ++nt) {
@@ -63,6 +72,99 @@ __device__ __forceinline__ void rows_times_rows(const float (*X)[kPad], const fl
     r0 += part[j % 2];
     r1 += part[2 + j % 2];
   }
+}
+
+// The products L B for warp w's 32 channels [32w, 32w + 32) on the tensor
+// cores: L [16][16] given by its entries l(i, j) (fp32, split into bf16 hi and
+// lo) as the A fragment, B a [16][128] tile whose rows are the products' k
+// index (the tokens) as four n-tiles' B fragments, split too (kBLo) or exact in
+// bf16 (v). Each warp reads and writes only its own channels, so a product may
+// go in place of its operand once the warp's reads are done (__syncwarp).
+struct SplitA {
+  uint32_t hi[4], lo[4];
+};
+struct SplitB {
+  uint32_t hi[4][2], lo[4][2];
+};
+
+template <typename L>
+__device__ __forceinline__ SplitA l_fragment(L l, int lane) {
+  const int g = lane / 4, t = lane % 4;
+  SplitA a;
+#pragma unroll
+  for (int r = 0; r < 4; ++r) {
+    const int i = g + 8 * (r % 2), j = 2 * t + 8 * (r / 2);
+    split_pack(l(i, j), l(i, j + 1), a.hi[r], a.lo[r]);
+  }
+  return a;
+}
+
+template <bool kBLo>
+__device__ __forceinline__ SplitB b_fragments(const float (*B)[kPad], int d) {
+  const int warp = d / 32, g = d % 32 / 4, t = d % 4;
+  SplitB b;
+#pragma unroll
+  for (int nt = 0; nt < 4; ++nt) {
+    const int col = 32 * warp + 8 * nt + g;
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const int k = 2 * t + 8 * r;
+      if constexpr (kBLo) {
+        split_pack(B[k][col], B[k + 1][col], b.hi[nt][r], b.lo[nt][r]);
+      } else {
+        b.hi[nt][r] = pack_bf16x2_rn(B[k][col], B[k + 1][col]);
+      }
+    }
+  }
+  return b;
+}
+
+// acc[nt] (+)= L B for n-tile nt, zero: start the sums.
+template <bool kBLo>
+__device__ __forceinline__ void product_into(float (&acc)[4][4], const SplitA& a, const SplitB& b, bool zero) {
+#pragma unroll
+  for (int nt = 0; nt < 4; ++nt) {
+    mma_bf16_into(acc[nt], a.lo, b.hi[nt][0], b.hi[nt][1], zero);
+    if constexpr (kBLo) {
+      mma_bf16(acc[nt], a.hi, b.lo[nt][0], b.lo[nt][1]);
+    }
+    mma_bf16(acc[nt], a.hi, b.hi[nt][0], b.hi[nt][1]);
+  }
+}
+
+// Row g and g + 8 of the warp's n-tile nt in a C fragment: f(row, column, value) for each entry.
+template <typename F>
+__device__ __forceinline__ void for_each_entry(const float (&acc)[4][4], int d, F f) {
+  const int warp = d / 32, g = d % 32 / 4, t = d % 4;
+#pragma unroll
+  for (int nt = 0; nt < 4; ++nt) {
+    const int col = 32 * warp + 8 * nt + 2 * t;
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      f(g + 8 * (e / 2), col + e % 2, acc[nt][e]);
+    }
+  }
+}
+
+__device__ __forceinline__ void store_tile(const float (&acc)[4][4], int d, float (*Z)[kPad]) {
+  const int warp = d / 32, g = d % 32 / 4, t = d % 4;
+#pragma unroll
+  for (int nt = 0; nt < 4; ++nt) {
+    const int col = 32 * warp + 8 * nt + 2 * t;
+    *reinterpret_cast<float2*>(&Z[g][col]) = make_float2(acc[nt][0], acc[nt][1]);
+    *reinterpret_cast<float2*>(&Z[g + 8][col]) = make_float2(acc[nt][2], acc[nt][3]);
+  }
+}
+
+// Z = L B, in place of B where Z is B.
+template <bool kBLo, typename L>
+__device__ __forceinline__ void left_product(L l, const float (*B)[kPad], float (*Z)[kPad], int d) {
+  const SplitA a = l_fragment(l, d % 32);
+  const SplitB b = b_fragments<kBLo>(B, d);
+  __syncwarp();  // the warp's reads of B are done before Z, which may be B, is written
+  float acc[4][4];
+  product_into<kBLo>(acc, a, b, true);
+  store_tile(acc, d, Z);
 }
 
 __device__ __forceinline__ void store_bf16(void* base, int64_t index, float x) {
@@ -96,7 +198,7 @@ __device__ __forceinline__ void level_factors(int h, const float (&alpha)[kChunk
 // from the column sums of two tiles (rows_times_rows). The softplus gate sums
 // P over the levels of (k^ f_h) (k^ f_h)^T, each entry from the level of its
 // highest differing bit (the others are finite and unread). Waits for the
-// record gradients' copies (sRec) before its last barrier.
+// record gradients' copies before its last barrier.
 template <bool kSoftplus>
 __device__ __forceinline__ void form_p_and_a(int d, const float (&kn)[C], const float (&E)[C], const float (&alpha)[C],
                                              float (*sT0)[kPad], float (*sT1)[kPad], float (*sP)[C + 1],
@@ -105,7 +207,7 @@ __device__ __forceinline__ void form_p_and_a(int d, const float (&kn)[C], const 
   float p0 = 0.f, p1 = 0.f;  // P's entries (i0, j), (i1, j)
   if constexpr (kSoftplus) {
     auto level_of = [](int x) { return x >= 8 ? 8 : x >= 4 ? 4 : x >= 2 ? 2 : 1; };
-    cp_async_wait<0>();  // sRec: every thread's copies are in before the barrier
+    cp_async_wait<0>();  // the record gradients: every thread's copies are in before the barrier
     auto level = [&](const int h) {
       float f[C];
       level_factors(h, alpha, f);
@@ -134,7 +236,7 @@ __device__ __forceinline__ void form_p_and_a(int d, const float (&kn)[C], const 
       sT0[i][d] = kn[i] * E[i];
       sT1[i][d] = kn[i] * fast_rcp(E[i]);
     }
-    cp_async_wait<0>();  // sRec: every thread's copies are in before the barrier
+    cp_async_wait<0>();  // the record gradients: every thread's copies are in before the barrier
     __syncthreads();
     rows_times_rows(sT0, sT1, d, p0, p1, sParts);
   }
@@ -147,11 +249,13 @@ __device__ __forceinline__ void form_p_and_a(int d, const float (&kn)[C], const 
 // The per-column sums of the softplus gate (prepare_backward_kernel), with
 // exp(G_i - G_j) as products of decays: along row i (j from i down) and along
 // column i (j from i up), whose last product is exp(G_last - G_i), Kd's decay.
+// Row i of dRw is read before put(i), which may write dq^ over it.
 template <class Put>
-__device__ __forceinline__ void softplus_column_sums(const FwdParams& p, int d, const float* dr,
-                                                     const float (&qn)[C], const float (&kn)[C],
-                                                     const float (&E)[C], const float (&alpha)[C],
-                                                     const float (&rw)[C], const float (*sDAb)[C + 1],
+__device__ __forceinline__ void softplus_column_sums(const FwdParams& p, int d, const float (*sQs)[D],
+                                                     const float (*sKd)[D], const float (&qn)[C],
+                                                     const float (&kn)[C], const float (&E)[C],
+                                                     const float (&alpha)[C], const float (*sRW)[kPad],
+                                                     const float (*sDAb)[C + 1],
                                                      const float (*sDPq)[C + 1], const float* sBeta, float gl,
                                                      float dgl, float (&dG)[C], Put&& put) {
   float dgl_terms = 0.f;
@@ -175,9 +279,9 @@ __device__ __forceinline__ void softplus_column_sums(const FwdParams& p, int d, 
       }
       dKi += sDPq[j][i] * (qn[j] * e);
     }
-    const float kd = dr[kDRecKd + i * D + d] * e;
-    const float dq = E[i] * p.scale * dr[kDRecQs + i * D + d] + dQe;
-    const float dke = E[i] * sBeta[i] * rw[i] + dKe;
+    const float kd = sKd[i][d] * e;
+    const float dq = E[i] * p.scale * sQs[i][d] + dQe;
+    const float dke = E[i] * sBeta[i] * sRW[i][d] + dKe;
     dG[i] = qn[i] * dq + kn[i] * dke - kn[i] * (dKi + kd);
     dgl_terms += kn[i] * kd;
     put(i, dq, dke + dKi + kd);
@@ -195,7 +299,8 @@ __device__ __forceinline__ void activation_gradients(const PrepareBwdParams& bp,
                                                      const float (&dG)[C], const float (&lam2)[C],
                                                      const float (&qn)[C], const float (&kn)[C],
                                                      float (*sT0)[kPad], float (*sT1)[kPad], float (*sDot)[C],
-                                                     float* sDA_part, const float (*sDq)[D], const float (*sDk)[D],
+                                                     float* sDA_part, const float (*sDq)[kPad],
+                                                     const float (*sDk)[kPad],
                                                      const float (*sG)[D], const float (*sInvNorm)[C],
                                                      const float* sDb, const float* sBeta) {
   const FwdParams& p = bp.fwd;
@@ -281,36 +386,68 @@ __device__ __forceinline__ void activation_gradients(const PrepareBwdParams& bp,
   }
 }
 
+// The block's shared memory (over the 48 KB of static shared memory, so
+// dynamic): 70.9 KB, three blocks an SM.
+struct Smem {
+  // The tiles, [token][channel], each thread writing its own column outside the products:
+  float T0[C][kPad];  // raw q; the factors of P; k^ exp(G), then W; dbeta's terms; dq^ qn
+  float T1[C][kPad];  // raw k; the factors of P; v, then U0; dk^ kn
+  float RW[C][kPad];  // dW (copied in), then dRw = T^T dW; then dq^ (kChain)
+  float RU[C][kPad];  // dU0 (copied in), then dRu = T^T dU0; then dk^ (kChain)
+  // The raw g rows (kChain): the gate's chain rule reads them again at the end,
+  // where reloading them from global memory left each row's loads waiting.
+  float G[C][D];
+  // The rest of the chunk's record gradients, copied in while the inputs load
+  // and the record is recomputed: read from global memory where they are used,
+  // they stalled the block on memory latency.
+  float Qs[C][D];
+  float Kd[C][D];
+  float Aqk[C * C];
+  float gl[D];
+  float Tm[C][C + 1];   // T = (I + A)^-1, lower with a unit diagonal
+  float P[C][C + 1];    // P = (k^ exp(G)) (k^ exp(-G))^T, strictly lower
+  float A[C][C + 1];    // A = diag(beta) P
+  float DA[C][C + 1];   // dA, strictly lower
+  float DAb[C][C + 1];  // dP = diag(beta) dA
+  float DPq[C][C + 1];  // scale * dAqk, lower with the diagonal
+  float InvNorm[2][C];
+  float Beta[C];
+  float Db[C];
+  float Dot[2][C];  // qn . dqn and kn . dkn per row (kChain)
+  float DA_part[kThreads / 32];
+  ProductParts parts;
+};
+static_assert(3 * (sizeof(Smem) + 1024) <= 228 * 1024, "three blocks an SM (1 KB of each reserved)");
+
+// The record gradients into shared memory by cp.async (one group): dW and dU0
+// into the padded tiles that the products read, the rest as they lie.
+__device__ __forceinline__ void copy_record_gradients(const float* src, Smem& sm, int d) {
+  constexpr int kRowPieces = D / 4;  // 16-byte pieces a row
+  for (int e = d; e < C * kRowPieces; e += kThreads) {
+    const int i = e / kRowPieces, col = 4 * (e % kRowPieces);
+    cp_async_16(smem_u32(&sm.RW[i][col]), src + kDRecW + i * D + col);
+    cp_async_16(smem_u32(&sm.RU[i][col]), src + kDRecU0 + i * D + col);
+    cp_async_16(smem_u32(&sm.Qs[i][col]), src + kDRecQs + i * D + col);
+    cp_async_16(smem_u32(&sm.Kd[i][col]), src + kDRecKd + i * D + col);
+  }
+  for (int e = d; e < (C * C + D) / 4; e += kThreads) {
+    const bool aqk = e < C * C / 4;
+    cp_async_16(aqk ? smem_u32(&sm.Aqk[4 * e]) : smem_u32(&sm.gl[4 * e - C * C]),
+                src + (aqk ? kDRecAqk + 4 * e : kDRecGl + 4 * e - C * C));
+  }
+  cp_async_commit();
+}
+
 // kChain: finish with the chain rule through the activations (PrepareBwdParams
 // `chain`); otherwise leave the activation gradients (the private test op).
 // kSoftplus: the softplus gate (FwdParams::softplus), whose pairs' decays are
 // products of the tokens' decays (level_factors) instead of exp(G_i) exp(-G_j).
 template <bool kChain, bool kSoftplus>
-__global__ void __launch_bounds__(kThreads) prepare_backward_kernel(const PrepareBwdParams bp) {
+__global__ void __launch_bounds__(kThreads, 3) prepare_backward_kernel(const PrepareBwdParams bp) {
   static_assert(kChain || !kSoftplus, "the private test op serves the bounded gate only");
   const FwdParams& p = bp.fwd;
-  __shared__ __align__(16) float sT0[C][kPad];  // raw q; then k^ exp(G); then scratch
-  __shared__ __align__(16) float sT1[C][kPad];  // raw k; then k^ exp(-G); then scratch
-  __shared__ float sP[C][C + 1];    // P = (k^ exp(G)) (k^ exp(-G))^T, strictly lower
-  __shared__ float sA[C][C + 1];    // A = diag(beta) P
-  __shared__ float sDA[C][C + 1];   // dA, strictly lower
-  __shared__ float sDAb[C][C + 1];  // dP = diag(beta) dA
-  __shared__ float sDPq[C][C + 1];  // scale * dAqk, lower with the diagonal
-  __shared__ float sInvNorm[2][C];
-  __shared__ float sBeta[C];
-  __shared__ float sDb[C];
-  __shared__ float sDot[2][C];   // qn . dqn and kn . dkn per row (kChain)
-  __shared__ __align__(16) float sDq[kChain ? C : 1][D];  // dqn, dkn of every row (kChain)
-  __shared__ __align__(16) float sDk[kChain ? C : 1][D];
-  // The raw g rows (kChain): the gate's chain rule reads them again at the end,
-  // where reloading them from global memory left each row's loads waiting.
-  __shared__ __align__(16) float sG[kChain ? C : 1][D];
-  __shared__ float sDA_part[kThreads / 32];
-  __shared__ ProductParts sParts;
-  // The chunk's record gradients (34 KB), copied in while the inputs load and
-  // the record is recomputed: read from global memory where they are used, they
-  // stalled the block on memory latency at 8 warps per SM (255 registers).
-  extern __shared__ __align__(16) float sRec[];
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  Smem& sm = *reinterpret_cast<Smem*>(smem_raw);
 
   ChunkPlace c;
   if (!place_chunk(p, c)) {
@@ -318,22 +455,17 @@ __global__ void __launch_bounds__(kThreads) prepare_backward_kernel(const Prepar
   }
   const int64_t H = p.H;
   const int d = threadIdx.x;
-  {
-    const float* src = bp.d_record + ((c.slot - p.slot_begin) * H + c.h) * kDRecFloats;
-    const uint32_t dst = smem_u32(sRec);
-    for (int e = d; e < kDRecFloats / 4; e += kThreads) {
-      cp_async_16(dst + e * 16, src + e * 4);
-    }
-    cp_async_commit();
-  }
   float G2[C], lam2[C], v[C];
-  load_chunk_inputs<kPad, kSoftplus>(p, c, sT0, sT1, sBeta, sInvNorm, G2, lam2, v, kChain ? sG : nullptr);
+  // The record gradients are read from the products on; the inputs first.
+  load_chunk_inputs<kPad, kSoftplus>(
+      p, c, sm.T0, sm.T1, sm.Beta, sm.InvNorm, G2, lam2, v, kChain ? sm.G : nullptr,
+      [&] { copy_record_gradients(bp.d_record + ((c.slot - p.slot_begin) * H + c.h) * kDRecFloats, sm, d); });
 
   float qn[C], kn[C], E[C];
 #pragma unroll
   for (int i = 0; i < C; ++i) {
-    qn[i] = sT0[i][d] * sInvNorm[0][i];
-    kn[i] = sT1[i][d] * sInvNorm[1][i];
+    qn[i] = sm.T0[i][d] * sm.InvNorm[0][i];
+    kn[i] = sm.T1[i][d] * sm.InvNorm[1][i];
     // Bounded: |G| <= 80, so exp(G) and its reciprocal are finite. Softplus:
     // only exp(G) (G <= 0) is formed.
     E[i] = fast_exp2(G2[i]);
@@ -344,60 +476,50 @@ __global__ void __launch_bounds__(kThreads) prepare_backward_kernel(const Prepar
   for (int i = 0; i < C; ++i) {
     alpha[i] = kSoftplus ? fast_exp2(lam2[i]) : 0.f;
   }
-  form_p_and_a<kSoftplus>(d, kn, E, alpha, sT0, sT1, sP, sA, sBeta, sParts);
-  // The record's gradients for this column (and dAqk, scaled and masked, for all).
-  const float* dr = sRec;
+  form_p_and_a<kSoftplus>(d, kn, E, alpha, sm.T0, sm.T1, sm.P, sm.A, sm.Beta, sm.parts);
+  // The operands of W and U0 (the tiles' last readers passed form_p_and_a's
+  // last barrier), and dAqk, scaled and masked.
+#pragma unroll
+  for (int i = 0; i < C; ++i) {
+    sm.T0[i][d] = kn[i] * E[i];
+    sm.T1[i][d] = v[i];
+  }
   for (int e = d; e < C * C; e += kThreads) {
     const int i = e / C, j = e % C;
-    sDPq[i][j] = j <= i ? p.scale * dr[kDRecAqk + e] : 0.f;
+    sm.DPq[i][j] = j <= i ? p.scale * sm.Aqk[e] : 0.f;
   }
   __syncthreads();
 
-  // W and U0, column d: (I + A) X = diag(beta) [k^ exp(G) | v].
-  float x[C], y[C];
-  forward_substitute(
-      sA, [&](int i) { return make_float2(sBeta[i] * kn[i] * E[i], sBeta[i] * v[i]); }, x, y,
-      [](int, float, float) {});
-  // dRw, dRu = (I + A)^-T [dW | dU0], column d: back substitution.
-  float rw[C], ru[C];
-#pragma unroll
-  for (int i = C - 1; i >= 0; --i) {
-    float a = dr[kDRecW + i * D + d];
-    float b = dr[kDRecU0 + i * D + d];
-#pragma unroll
-    for (int j = i + 1; j < C; ++j) {
-      a -= sA[j][i] * rw[j];
-      b -= sA[j][i] * ru[j];
-    }
-    rw[i] = a;
-    ru[i] = b;
+  // T = (I + A)^-1, column j by thread j: the one substitution chain left.
+  if (d < C) {
+    float col[C], unused[C];
+    forward_substitute<C + 1, false>(
+        sm.A, [&](int i) { return make_float2(i == d ? 1.f : 0.f, 0.f); }, col, unused,
+        [&](int i, float x, float) { sm.Tm[i][d] = x; });
   }
+  __syncthreads();
 
-  // dA = -strict_lower(dRw W^T + dRu U0^T): sums over the columns, two passes
-  // through the tiles (every thread is done with them: the barrier above).
-  float da0, da1;
+  // W = T diag(beta) (k^ exp(G)) and U0 = T diag(beta) v (what K1 stored),
+  // and [dRw | dRu] = T^T [dW | dU0], each in place of its operand.
   {
-#pragma unroll
-    for (int i = 0; i < C; ++i) {
-      sT0[i][d] = rw[i];
-      sT1[i][d] = x[i];
-    }
-    __syncthreads();
-    rows_times_rows(sT0, sT1, d, da0, da1, sParts);
-    __syncthreads();
-#pragma unroll
-    for (int i = 0; i < C; ++i) {
-      sT0[i][d] = ru[i];
-      sT1[i][d] = y[i];
-    }
-    __syncthreads();
-    float u0, u1;
-    rows_times_rows(sT0, sT1, d, u0, u1, sParts);
+    const auto m = [&](int i, int j) { return sm.Tm[i][j] * sm.Beta[j]; };
+    const auto tt = [&](int i, int j) { return sm.Tm[j][i]; };
+    left_product<true>(m, sm.T0, sm.T0, d);
+    left_product<false>(m, sm.T1, sm.T1, d);
+    left_product<true>(tt, sm.RW, sm.RW, d);
+    left_product<true>(tt, sm.RU, sm.RU, d);
+  }
+  __syncthreads();
+
+  // dA = -strict_lower(dRw W^T + dRu U0^T): sums over the columns.
+  {
+    float da0, da1;
+    rows_times_rows(sm.RW, sm.T0, d, da0, da1, sm.parts, sm.RU, sm.T1);
     const int j = d % C, i0 = d / C, i1 = i0 + C / 2;
-    sDA[i0][j] = j < i0 ? -(da0 + u0) : 0.f;
-    sDA[i1][j] = j < i1 ? -(da1 + u1) : 0.f;
-    sDAb[i0][j] = j < i0 ? sBeta[i0] * -(da0 + u0) : 0.f;
-    sDAb[i1][j] = j < i1 ? sBeta[i1] * -(da1 + u1) : 0.f;
+    sm.DA[i0][j] = j < i0 ? -da0 : 0.f;
+    sm.DA[i1][j] = j < i1 ? -da1 : 0.f;
+    sm.DAb[i0][j] = j < i0 ? sm.Beta[i0] * -da0 : 0.f;
+    sm.DAb[i1][j] = j < i1 ? sm.Beta[i1] * -da1 : 0.f;
     __syncthreads();
   }
 
@@ -405,7 +527,7 @@ __global__ void __launch_bounds__(kThreads) prepare_backward_kernel(const Prepar
   // terms staged, then four threads a row as in the norms.
 #pragma unroll
   for (int i = 0; i < C; ++i) {
-    sT0[i][d] = rw[i] * kn[i] * E[i] + ru[i] * v[i];
+    sm.T0[i][d] = sm.RW[i][d] * kn[i] * E[i] + sm.RU[i][d] * v[i];
   }
   __syncthreads();
   if (d < 4 * C) {
@@ -413,7 +535,7 @@ __global__ void __launch_bounds__(kThreads) prepare_backward_kernel(const Prepar
     float s = 0.f;
 #pragma unroll
     for (int m = 0; m < D / 16; ++m) {
-      const float4 t = *reinterpret_cast<const float4*>(&sT0[row][m * 16 + part * 4]);
+      const float4 t = *reinterpret_cast<const float4*>(&sm.T0[row][m * 16 + part * 4]);
       s += t.x + t.y + t.z + t.w;
     }
     s += __shfl_xor_sync(0xffffffffu, s, 1);
@@ -422,76 +544,84 @@ __global__ void __launch_bounds__(kThreads) prepare_backward_kernel(const Prepar
       float a = 0.f;
 #pragma unroll
       for (int j = 0; j < C; ++j) {
-        a += sDA[row][j] * sP[row][j];
+        a += sm.DA[row][j] * sm.P[row][j];
       }
-      sDb[row] = s + a;
+      sm.Db[row] = s + a;
     }
   }
   __syncthreads();
 
-  // v's gradient now: ru is not needed past here.
+  // v's gradient now: dRu is not read past here (its tile takes dk^ below).
 #pragma unroll
   for (int i = 0; i < C; ++i) {
     if (i < c.len) {
       const int64_t idx = ((c.bos + i) * H + c.h) * D + d;
       if constexpr (kChain) {
-        store_bf16(bp.grads.dv, idx, sBeta[i] * ru[i]);
+        store_bf16(bp.grads.dv, idx, sm.Beta[i] * sm.RU[i][d]);
       } else {
-        bp.dv[idx] = sBeta[i] * ru[i];
+        bp.dv[idx] = sm.Beta[i] * sm.RU[i][d];
       }
     }
   }
 
-  // Per column: dKe = diag(beta) dRw + dP Ki, dKi = dP^T Ke + dPq^T Qe,
-  // dQe = scale dQs + dPq Ki (dP = diag(beta) dA), then the decays. dP is
-  // strictly lower and dPq lower: the sums run over their nonzero triangles
-  // (the loops are unrolled, so the bounds cost nothing).
-  const float dgl_in = dr[kDRecGl + d];
+  // dKe = diag(beta) dRw + dP Ki, dKi = dP^T Ke + dPq^T Qe, dQe = scale dQs +
+  // dPq Ki (dP = diag(beta) dA), then the decays.
   float dG[C];
-  float dgl = dgl_in;
-  // dq and dk of row i, wherever they were formed.
+  float dgl = sm.gl[d];
+  // dq and dk of row i, wherever they were formed; in the kernel's own column
+  // of the dRw and dRu tiles, whose row i was read before.
   auto put = [&](int i, float dq, float dk) {
     const int64_t idx = ((c.bos + i) * H + c.h) * D + d;
     if constexpr (kChain) {
-      // dq, dk wait in the tiles (free since the dbeta sums) for their rows'
-      // dot products with qn, kn: sT0 / sT1 hold the products, sDq / sDk the values.
-      sT0[i][d] = qn[i] * dq;
-      sT1[i][d] = kn[i] * dk;
-      sDq[i][d] = dq;
-      sDk[i][d] = dk;
+      // dq, dk wait for their rows' dot products with qn, kn: T0 / T1 hold the
+      // products (the tiles are free since the dbeta sums), RW / RU the values.
+      sm.T0[i][d] = qn[i] * dq;
+      sm.T1[i][d] = kn[i] * dk;
+      sm.RW[i][d] = dq;
+      sm.RU[i][d] = dk;
     } else if (i < c.len) {
       bp.dqn[idx] = dq;
       bp.dkn[idx] = dk;
     }
   };
   if constexpr (kSoftplus) {
-    softplus_column_sums(p, d, dr, qn, kn, E, alpha, rw, sDAb, sDPq, sBeta, gl, dgl, dG, put);
+    softplus_column_sums(p, d, sm.Qs, sm.Kd, qn, kn, E, alpha, sm.RW, sm.DAb, sm.DPq, sm.Beta, gl, dgl, dG, put);
   } else {
-    float ki[C];  // Ki column d: k^ exp(-G)
+    // dKe = diag(beta) dRw + dP Ki and dQe's part dPq Ki from one split of Ki
+    // (T0), dKi = dP^T Ke + dPq^T Qe (Ke in T1, Qe in RU: dRu's last reader
+    // was dv), on the tensor cores; then per column.
 #pragma unroll
-    for (int j = 0; j < C; ++j) {
-      ki[j] = kn[j] * fast_rcp(E[j]);
+    for (int i = 0; i < C; ++i) {
+      sm.T0[i][d] = kn[i] * fast_rcp(E[i]);
+      sm.T1[i][d] = kn[i] * E[i];
+      sm.RU[i][d] = qn[i] * E[i];
     }
+    __syncwarp();  // each warp's products read only its own channels
+    {
+      const int lane = d % 32;
+      float ke[4][4], qe[4][4], kd[4][4];
+      {
+        const SplitB ki = b_fragments<true>(sm.T0, d);
+        product_into<true>(ke, l_fragment([&](int i, int j) { return sm.DAb[i][j]; }, lane), ki, true);
+        product_into<true>(qe, l_fragment([&](int i, int j) { return sm.DPq[i][j]; }, lane), ki, true);
+      }
+      {
+        const SplitB ke_b = b_fragments<true>(sm.T1, d);
+        const SplitB qe_b = b_fragments<true>(sm.RU, d);
+        product_into<true>(kd, l_fragment([&](int i, int j) { return sm.DAb[j][i]; }, lane), ke_b, true);
+        product_into<true>(kd, l_fragment([&](int i, int j) { return sm.DPq[j][i]; }, lane), qe_b, false);
+      }
+      __syncwarp();  // the warp's reads of the operands are done
+      for_each_entry(ke, d, [&](int i, int col, float x) { sm.RW[i][col] = sm.Beta[i] * sm.RW[i][col] + x; });
+      store_tile(qe, d, sm.T0);
+      store_tile(kd, d, sm.T1);
+    }
+    __syncwarp();  // column d is warp d / 32's
 #pragma unroll
     for (int i = 0; i < C; ++i) {
       const float ei = E[i], ei_inv = fast_rcp(ei);
-      float dKe = sBeta[i] * rw[i], dKi = 0.f, dQe = p.scale * dr[kDRecQs + i * D + d];
-#pragma unroll
-      for (int j = 0; j < i; ++j) {
-        dKe += sDAb[i][j] * ki[j];
-      }
-#pragma unroll
-      for (int j = 0; j <= i; ++j) {
-        dQe += sDPq[i][j] * ki[j];
-      }
-#pragma unroll
-      for (int j = i; j < C; ++j) {
-        if (j > i) {
-          dKi += sDAb[j][i] * (kn[j] * E[j]);
-        }
-        dKi += sDPq[j][i] * (qn[j] * E[j]);
-      }
-      const float dKd = dr[kDRecKd + i * D + d];
+      const float dKe = sm.RW[i][d], dKi = sm.T1[i][d], dQe = p.scale * sm.Qs[i][d] + sm.T0[i][d];
+      const float dKd = sm.Kd[i][d];
       const float dq = ei * dQe;
       const float dk = ei * dKe + ei_inv * dKi + gl * ei_inv * dKd;
       dG[i] = ei * (qn[i] * dQe + kn[i] * dKe) - ei_inv * (kn[i] * dKi + gl * kn[i] * dKd);
@@ -500,8 +630,8 @@ __global__ void __launch_bounds__(kThreads) prepare_backward_kernel(const Prepar
     }
     dG[C - 1] += gl * dgl;
   }
-  activation_gradients<kChain, kSoftplus>(bp, c, d, dG, lam2, qn, kn, sT0, sT1, sDot, sDA_part, sDq, sDk, sG,
-                                          sInvNorm, sDb, sBeta);
+  activation_gradients<kChain, kSoftplus>(bp, c, d, dG, lam2, qn, kn, sm.T0, sm.T1, sm.Dot, sm.DA_part, sm.RW,
+                                          sm.RU, sm.G, sm.InvNorm, sm.Db, sm.Beta);
 }
 
 }  // namespace
@@ -514,12 +644,15 @@ void launch_prepare_backward(const PrepareBwdParams& bp, cudaStream_t stream) {
   const int64_t blocks = slots * bp.fwd.H;
   TORCH_CHECK(blocks <= INT32_MAX, "kda.bwd: ", std::to_string(slots), " chunks x ", std::to_string(bp.fwd.H),
               " heads is more blocks than one launch takes");
-  constexpr int kSmem = kDRecFloats * 4;  // sRec; with the static part over the 48 KB default
+  constexpr int kSmem = sizeof(Smem);
   TORCH_CHECK(bp.chain || !bp.fwd.softplus, "kda: the activation gradients alone serve the bounded gate only");
   auto* kernel = bp.fwd.softplus ? prepare_backward_kernel<true, true>
                  : bp.chain      ? prepare_backward_kernel<true, false>
                                  : prepare_backward_kernel<false, false>;
   C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem));
+  // Three blocks an SM need the largest carveout.
+  C10_CUDA_CHECK(
+      cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout, cudaSharedmemCarveoutMaxShared));
   kernel<<<static_cast<unsigned int>(blocks), kThreads, kSmem, stream>>>(bp);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
