@@ -143,8 +143,9 @@ __device__ __forceinline__ void forward_substitute(const float (*sA)[kPitch], Rh
 // chain rule; each thread writes and reads only its own column). Rows past the
 // sequence's end are zeros with lambda = 0 and beta = 0, so that G_last is the
 // last real row's G and the padding moves nothing. All threads of the block
-// call it (two barriers). after_loads() runs once the loads are issued, before
-// their values are used: more memory traffic issued there queues behind them.
+// call it (two barriers). after_loads() follows the loads in program order
+// (ptxas issues them all first and their uses after it): memory traffic issued
+// there queues behind them.
 template <int kPad, bool kSoftplus, typename AfterLoads>
 __device__ __forceinline__ void load_chunk_inputs(const FwdParams& p, const ChunkPlace& c, float (*sQ)[kPad],
                                                   float (*sK)[kPad], float* sBeta, float (*sInvNorm)[kChunk],

@@ -324,11 +324,9 @@ __global__ void __launch_bounds__(kWarps * 32) ds_recurrence_kernel(const SweepB
           if constexpr (kDoutFp32) {
             mma_split<true, true>(acc_du, nt, oh, ol, ah[2 * nt], ah[2 * nt + 1], al[2 * nt], al[2 * nt + 1], false);
           } else {
-            // A bf16 dO has no lo part: its lo * hi term would add exact zeros
-            // to acc_du[0]; the other two terms into acc_du[1] and [2] as above.
-            auto& hi_terms = *reinterpret_cast<float(*)[2][2][4]>(&acc_du[1]);
-            mma_split<false, true>(hi_terms, nt, oh, ol, ah[2 * nt], ah[2 * nt + 1], al[2 * nt], al[2 * nt + 1],
-                                   false);
+            // A bf16 dO has no lo part: its lo * hi term would add exact zeros.
+            mma_split<false, true, 1>(acc_du, nt, oh, ol, ah[2 * nt], ah[2 * nt + 1], al[2 * nt], al[2 * nt + 1],
+                                      false);
           }
         }
       }

@@ -229,7 +229,7 @@ __device__ __forceinline__ void form_p_and_a(int d, const float (&kn)[C], const 
   } else {
     // Each thread rewrites only its own column below, and the norms' reads of
     // other columns ended at load_chunk_inputs' last barrier: this one orders
-    // nothing that needs it (kept as run on the GPU; removable).
+    // nothing that needs it.
     __syncthreads();
 #pragma unroll
     for (int i = 0; i < C; ++i) {
@@ -389,17 +389,23 @@ __device__ __forceinline__ void activation_gradients(const PrepareBwdParams& bp,
 // The block's shared memory (over the 48 KB of static shared memory, so
 // dynamic): 70.9 KB, three blocks an SM.
 struct Smem {
-  // The tiles, [token][channel], each thread writing its own column outside the products:
-  float T0[C][kPad];  // raw q; the factors of P; k^ exp(G), then W; dbeta's terms; dq^ qn
-  float T1[C][kPad];  // raw k; the factors of P; v, then U0; dk^ kn
-  float RW[C][kPad];  // dW (copied in), then dRw = T^T dW; then dq^ (kChain)
-  float RU[C][kPad];  // dU0 (copied in), then dRu = T^T dU0; then dk^ (kChain)
+  // The tiles, [token][channel], each thread writing its own column outside
+  // the products, in turn (bounded gate / softplus gate where they differ):
+  //   T0: raw q; P's factors; k^ exp(G), then W; dbeta's terms; Ki, then dPq Ki
+  //       (bounded); qn dq^
+  //   T1: raw k; P's factor (bounded); v, then U0; Ke, then dKi (bounded); kn dk^
+  //   RW: dW (copied in), then dRw = T^T dW; dKe in place (bounded); dq^ (kChain)
+  //   RU: dU0 (copied in), then dRu = T^T dU0; Qe (bounded); dk^ (kChain)
+  float T0[C][kPad];
+  float T1[C][kPad];
+  float RW[C][kPad];
+  float RU[C][kPad];
   // The raw g rows (kChain): the gate's chain rule reads them again at the end,
-  // where reloading them from global memory left each row's loads waiting.
+  // so that its reads do not wait on memory there, 16 rows deep.
   float G[C][D];
   // The rest of the chunk's record gradients, copied in while the inputs load
-  // and the record is recomputed: read from global memory where they are used,
-  // they stalled the block on memory latency.
+  // and the record is recomputed, so that no read waits on memory where they
+  // are used.
   float Qs[C][D];
   float Kd[C][D];
   float Aqk[C * C];
@@ -568,7 +574,7 @@ __global__ void __launch_bounds__(kThreads, 3) prepare_backward_kernel(const Pre
   // dPq Ki (dP = diag(beta) dA), then the decays.
   float dG[C];
   float dgl = sm.gl[d];
-  // dq and dk of row i, wherever they were formed; in the kernel's own column
+  // dq and dk of row i, wherever they were formed; in the thread's own column
   // of the dRw and dRu tiles, whose row i was read before.
   auto put = [&](int i, float dq, float dk) {
     const int64_t idx = ((c.bos + i) * H + c.h) * D + d;

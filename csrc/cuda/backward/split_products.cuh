@@ -18,18 +18,21 @@ constexpr int kQsHi = 0, kWHi = 1, kWLo = 2, kKdHi = 3, kKdLo = 4;
 // One product of A and B, each split (hi, lo) or an exact bf16 (hi alone): the
 // terms into separate accumulators, the small ones first (lo * hi, hi * lo,
 // then hi * hi), so that consecutive mmas rarely wait on each other. With `zero`
-// (a constant once loops are unrolled) the products start the sums.
-template <bool kALo, bool kBLo>
-__device__ __forceinline__ void mma_split(float (&acc)[1 + kALo + kBLo][2][4], int nt, const uint32_t (&ah)[4],
+// (a constant once loops are unrolled) the products start the sums. The terms
+// go to acc[kFirst] on: a product whose lo * hi term is known to be zero skips
+// it (kFirst = 1) and leaves its other terms where a full one puts them.
+template <bool kALo, bool kBLo, int kFirst = 0, int kTerms>
+__device__ __forceinline__ void mma_split(float (&acc)[kTerms][2][4], int nt, const uint32_t (&ah)[4],
                                           const uint32_t (&al)[4], uint32_t bh0, uint32_t bh1, uint32_t bl0,
                                           uint32_t bl1, bool zero) {
+  static_assert(kFirst + 1 + kALo + kBLo == kTerms, "every accumulator is one term's");
   if constexpr (kALo) {
-    mma_bf16_into(acc[0][nt], al, bh0, bh1, zero);
+    mma_bf16_into(acc[kFirst][nt], al, bh0, bh1, zero);
   }
   if constexpr (kBLo) {
-    mma_bf16_into(acc[kALo][nt], ah, bl0, bl1, zero);
+    mma_bf16_into(acc[kFirst + kALo][nt], ah, bl0, bl1, zero);
   }
-  mma_bf16_into(acc[kALo + kBLo][nt], ah, bh0, bh1, zero);
+  mma_bf16_into(acc[kFirst + kALo + kBLo][nt], ah, bh0, bh1, zero);
 }
 
 template <int kTerms>
