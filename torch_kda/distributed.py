@@ -154,11 +154,11 @@ def context_parallel_kda(q, k, v, g, beta, A_log, dt_bias, *, group=None, scale=
     """
     group = group if group is not None else dist.group.WORLD
     local_cu = None if cu_seqlens is None else local_offsets(cu_seqlens, q.shape[1], group)
-    return _context_parallel(q, k, v, g, beta, A_log, dt_bias, group, scale, lower_bound, initial_state,
-                             output_final_state, local_cu)
+    return _context_parallel(q, k, v, g, beta, A_log, dt_bias, group, scale=scale, lower_bound=lower_bound,
+                             initial_state=initial_state, output_final_state=output_final_state, local_cu=local_cu)
 
 
-def _context_parallel(q, k, v, g, beta, A_log, dt_bias, group, scale, lower_bound, initial_state,
+def _context_parallel(q, k, v, g, beta, A_log, dt_bias, group, *, scale, lower_bound, initial_state,
                       output_final_state, local_cu):
     """context_parallel_kda with this slice's offsets already known (local_offsets, or
     None for a fixed-length batch), for callers that found them for other uses too."""

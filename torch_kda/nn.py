@@ -68,33 +68,36 @@ def _halo_sources(lengths, rank, width):
 
 
 class _Halo(torch.autograd.Function):
-    """[N, C, width]: for each of the N sequences in this rank's packed slice z [1, L,
-    C] (offsets [N + 1]), the `width` inputs before its piece here, the earlier ranks'
-    last ones (oldest first; zeros before the sequence's first token): a
-    ShortConvolution's carried state under context parallelism. Every rank runs the
-    same collectives forward and backward, whatever its slice holds."""
+    """[N, C, width]: for each of the N sequences in this rank's packed slices zs
+    ([1, L, C_i] each, C their channels side by side; offsets [N + 1]), the `width`
+    inputs before its piece here, the earlier ranks' last ones (oldest first; zeros
+    before the sequence's first token): ShortConvolutions' carried states under
+    context parallelism, for all of zs in one exchange. Only the sequences' last
+    `width` tokens are joined, not the slices. Every rank runs the same collectives
+    forward and backward, whatever its slice holds."""
 
     @staticmethod
-    def forward(ctx, z, offsets, width, group):
+    def forward(ctx, offsets, width, group, *zs):
         offsets = [int(x) for x in offsets.tolist()]
-        N, C = len(offsets) - 1, z.shape[-1]
+        channels = [z.shape[-1] for z in zs]
+        N, C, z0 = len(offsets) - 1, sum(channels), zs[0]
         rank = dist.get_rank(group)
-        tail = z.new_zeros(N, width, C)  # each sequence's last inputs here, front-padded
+        tail = z0.new_zeros(N, width, C)  # each sequence's last inputs here, front-padded
         for n in range(N):
             start, end = offsets[n], offsets[n + 1]
             m = min(end - start, width)
             if m:
-                tail[n, width - m:] = z[0, end - m:end]
-        lengths = torch.tensor([offsets[n + 1] - offsets[n] for n in range(N)], device=z.device)
+                tail[n, width - m:] = torch.cat([z[0, end - m:end] for z in zs], -1)
+        lengths = torch.tensor([offsets[n + 1] - offsets[n] for n in range(N)], device=z0.device)
         all_lengths = distributed._gather(lengths, group).tolist()  # [rank][sequence]
         tails = distributed._gather(tail, group)
-        carried = z.new_zeros(N, width, C)
+        carried = z0.new_zeros(N, width, C)
         for n in range(N):
             for p, src in enumerate(_halo_sources([row[n] for row in all_lengths], rank, width)):
                 if src is not None:
                     carried[n, p] = tails[src[0]][n, src[1]]
         ctx.offsets, ctx.all_lengths, ctx.width, ctx.group, ctx.rank = offsets, all_lengths, width, group, rank
-        ctx.shape = z.shape
+        ctx.shapes, ctx.channels = [z.shape for z in zs], channels
         return carried.transpose(1, 2)
 
     @staticmethod
@@ -102,7 +105,7 @@ class _Halo(torch.autograd.Function):
         width, rank, offsets, all_lengths = ctx.width, ctx.rank, ctx.offsets, ctx.all_lengths
         d = d_carried.transpose(1, 2).contiguous()  # [N, width, C]
         all_d = distributed._gather(d, ctx.group)
-        dz = d.new_zeros(ctx.shape)
+        dzs = [d.new_zeros(shape) for shape in ctx.shapes]
         for n in range(len(offsets) - 1):
             lengths = [row[n] for row in all_lengths]
             d_tail = d.new_zeros(width, d.shape[2])
@@ -113,8 +116,9 @@ class _Halo(torch.autograd.Function):
             end = offsets[n + 1]
             m = min(end - offsets[n], width)
             if m:
-                dz[0, end - m:end] = d_tail[width - m:]
-        return dz, None, None, None
+                for dz, piece in zip(dzs, d_tail[width - m:].split(ctx.channels, -1)):
+                    dz[0, end - m:end] = piece
+        return (None, None, None, *dzs)
 
 
 def _at_least_fp32(dtype):
@@ -417,7 +421,7 @@ class KimiDeltaAttention(nn.Module):
         zs = [proj(packed) for proj in (self.q_proj, self.k_proj, self.v_proj)]
         if cp_group is not None:
             # One halo exchange for the three convolutions' carried inputs.
-            halo = _Halo.apply(torch.cat(zs, -1), offsets, self.conv_size - 1, cp_group)
+            halo = _Halo.apply(offsets, self.conv_size - 1, cp_group, *zs)
             carried = halo.split([c.channels for c in convs], dim=1)
         else:
             carried = [getattr(state, f) if state is not None else None for f in fields]
@@ -432,8 +436,9 @@ class KimiDeltaAttention(nn.Module):
         if cp_group is not None:
             # The slice's offsets found above serve the recurrence too.
             o, recurrent = distributed._context_parallel(
-                q, k, v, g.to(q.dtype), beta.to(q.dtype), A_log, dt_bias, cp_group, None, self.lower_bound, None,
-                False, offsets if cu_seqlens is not None else None)
+                q, k, v, g.to(q.dtype), beta.to(q.dtype), A_log, dt_bias, cp_group, scale=None,
+                lower_bound=self.lower_bound, initial_state=None, output_final_state=False,
+                local_cu=offsets if cu_seqlens is not None else None)
         else:
             o, recurrent = kda(
                 q, k, v, g.to(q.dtype), beta.to(q.dtype), A_log, dt_bias,
