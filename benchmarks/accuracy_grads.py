@@ -13,15 +13,17 @@ ones without recomputing them.
 """
 import argparse
 import os
+import sys
 
 import torch
 
 import torch_kda
 from torch_kda.naive import kda_naive
 
-D = 128
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from accuracy_cuda import D, INPUTS, rel  # noqa: E402
+
 T, H = 1024, 2
-INPUTS = ("q", "k", "v", "g", "beta", "A_log", "dt_bias", "h0")
 GATES = {"bounded": -5.0, "softplus": None}
 CASES = ("random", "weak decay", "weak decay, tiny beta")
 
@@ -64,10 +66,6 @@ def step(d, grads, lower_bound, state_dtype, reference):
     return {n: x[n].grad.double() for n in INPUTS}
 
 
-def rel(x, ref):
-    return (torch.linalg.vector_norm(x - ref) / torch.linalg.vector_norm(ref)).item()
-
-
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--cache", default=None, help="a folder for the reference's gradients")
@@ -78,7 +76,7 @@ def main():
     for gate, lower_bound in GATES.items():
         for seed, case in enumerate(CASES):
             d, grads = make(gate, case, seed)
-            path = args.cache and os.path.join(args.cache, f"{gate}-{seed}.pt")
+            path = args.cache and os.path.join(args.cache, f"{gate}-{seed}-T{T}-H{H}-D{D}.pt")
             if path and os.path.exists(path):
                 ref = torch.load(path)
             else:

@@ -141,7 +141,7 @@ def kept_state_grads(qn, kn, v, lam, b, h0, dout, dfinal, every, dtype, exact_du
     reads S and dS as a backward that keeps them every `every` tokens in `dtype`
     (None: exact) would have them: the stored ones rounded, the inner ones
     recomputed from those. exact_du (with every = 16): dU, and dW = -dU S from it,
-    come from the exact dS, as the dS recurrence hands dU to today's record
+    come from the exact dS, as the dS recurrence hands dU to the record
     gradients in fp32. Also returns the initial state's gradient."""
     scale = qn.shape[-1] ** -0.5
     chunks = [slice(s, s + C) for s in range(0, qn.shape[0], C)]
@@ -189,7 +189,7 @@ def states_table(T, D):
                                        (16, torch.float32, False), (64, torch.float32, False)):
             got = kept_state_grads(qn, kn, v, lam, b, h0, dout, dfinal, every, dtype, exact_du)
             errors = " | ".join(f"{((a - e).norm() / e.norm()).item():.2e}" for a, e in zip(got[:5], exact[:5]))
-            name = {BF16: "bf16", torch.float32: "fp32"}[dtype] + (", dU fp32 (today's)" if exact_du else "")
+            name = {BF16: "bf16", torch.float32: "fp32"}[dtype] + (", dU fp32 (as built)" if exact_du else "")
             print(f"| {case} | every {every}, {name} | {errors} |")
 
 

@@ -12,7 +12,7 @@ them to work here too. Three families of rows:
 Every row carries an fp32 initial state ~ N(0, 1).
 
 On the CPU every row runs, forward and (chunk, varlen) every gradient.
-On CUDA the path serves today only K = V = 128, bf16 q/k/v/g/beta, fp32 A_log
+On CUDA the path serves only K = V = 128, bf16 q/k/v/g/beta, fp32 A_log
 and dt_bias, the gate computed in the op, lower_bound in [-5, 0) or None. fla's
 rows are fp16 (or fp32), so none is served as given: each is also run in bf16,
 and of those only the 128-wide chunk row with the gate in the op is served. The
