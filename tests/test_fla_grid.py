@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 import torch_kda
-from conftest import reference_kda, rel, requires_cuda
+from conftest import reference_kda, rel, requires_cuda, run_reference
 from torch_kda.naive import sequence_bounds
 
 F16, BF16, F32, F64 = torch.float16, torch.bfloat16, torch.float32, torch.float64
@@ -154,11 +154,6 @@ def run_ours(x, scale):
                          initial_state=x["initial_state"], output_final_state=True, cu_seqlens=x["cu_seqlens"])
 
 
-def run_reference(x, scale):
-    return reference_kda(*(x[n] for n in TOKEN_NAMES + PARAM_NAMES), scale=scale, lower_bound=None,
-                         initial_state=x["initial_state"], cu_seqlens=x["cu_seqlens"])
-
-
 def ours_with_grads(x, scale, do, dht):
     leaves = {n: x[n].detach().clone().requires_grad_(True) for n in grad_names(x)}
     y = {**x, **leaves}
@@ -272,7 +267,7 @@ def test_recurrent_row(row):
     x = make_row_inputs(row)
     out, final = run_ours(x, row.scale)
     with torch.no_grad():
-        ref_out, ref_final = run_reference(x, row.scale)
+        ref_out, ref_final = run_reference(x, scale=row.scale, lower_bound=None)
     assert out.dtype == F32 and final.dtype == F32
     e_out, e_state = rel(out, ref_out), rel(final, ref_final)
     print(f"\n{row.id}: out {e_out:.2e}, final_state {e_state:.2e}", end="")
@@ -290,7 +285,7 @@ def test_segmented_reference_is_the_reference(shape, gate_in_op):
     do, dht = torch.randn(x["v"].shape, dtype=F64), torch.randn(x["initial_state"].shape, dtype=F64)
     out, final, got = reference_with_grads(x, row.scale, do, dht, step=16)
     leaves = {n: x[n].clone().requires_grad_(True) for n in grad_names(x)}
-    ref_out, ref_final = run_reference({**x, **leaves}, row.scale)
+    ref_out, ref_final = run_reference({**x, **leaves}, scale=row.scale, lower_bound=None)
     want = torch.autograd.grad([ref_out, ref_final], list(leaves.values()), [do, dht])
     assert torch.allclose(out, ref_out, rtol=1e-12, atol=1e-12)
     assert torch.allclose(final, ref_final, rtol=1e-12, atol=1e-12)
@@ -335,7 +330,7 @@ def test_rows_on_cuda(row, as_bf16):
         return
     out, final = run_ours(x, row.scale)
     with torch.no_grad():
-        ref_out, ref_final = run_reference(x, row.scale)  # float64, on the GPU
+        ref_out, ref_final = run_reference(x, scale=row.scale, lower_bound=None)  # float64, on the GPU
     e_out, e_state = rel(out, ref_out), rel(final, ref_final)
     print(f"\n{row.id} in bf16 on CUDA: out {e_out:.2e}, final_state {e_state:.2e}", end="")
     assert out.dtype == BF16 and final.dtype == F32
