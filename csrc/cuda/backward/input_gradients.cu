@@ -171,6 +171,20 @@ __device__ __forceinline__ void store_bf16(void* base, int64_t index, float x) {
   static_cast<__nv_bfloat16*>(base)[index] = __float2bfloat16_rn(x);
 }
 
+// Thread d's column of a [T][H][D] bf16 gradient, from the chunk's first token:
+// token i lies i * stride elements on, a 32-bit step (launch_prepare_backward
+// checks that a chunk's 16 H D elements fit), so that each row's address costs
+// one multiply-add: a 64-bit index per row and output costs about a dozen
+// integer instructions, and integer work is a third of this kernel's issue.
+struct ChunkColumn {
+  __nv_bfloat16* first;
+  int stride;
+  __device__ __forceinline__ ChunkColumn(void* base, const ChunkPlace& c, int64_t H, int d)
+      : first(static_cast<__nv_bfloat16*>(base) + (c.bos * H + c.h) * kHeadDim + d),
+        stride(static_cast<int>(H) * kHeadDim) {}
+  __device__ __forceinline__ void store(int i, float x) const { first[i * stride] = __float2bfloat16_rn(x); }
+};
+
 // exp(G_i - G_j) for the softplus gate, which admits no factor exp(-G_j)
 // (params.h): a product of the tokens' decays alpha_t = exp(lambda_t) over t in
 // (j, i], never a difference of cumulative sums. The factors of level h (as in
@@ -315,11 +329,11 @@ __device__ __forceinline__ void activation_gradients(const PrepareBwdParams& bp,
     const float A = expf(p.A_log[c.h]);
     const float bias = p.dt_bias[c.h * D + d];
     float tail = 0.f, ddt = 0.f, dA = 0.f;
+    const ChunkColumn dg(bp.grads.dg, c, H, d);
 #pragma unroll
     for (int i = C - 1; i >= 0; --i) {
       tail += dG[i];
       if (i < c.len) {
-        const int64_t idx = ((c.bos + i) * H + c.h) * D + d;
         if constexpr (kSoftplus) {
           // Every term of dlambda_i holds the token's own decay as a factor,
           // so a decay that underflows to zero (lambda < -87) has dlambda_i = 0
@@ -328,14 +342,14 @@ __device__ __forceinline__ void activation_gradients(const PrepareBwdParams& bp,
           const float dlam = lam2[i] < -126.f ? 0.f : tail;
           const float x = sG[i][d] + bias;
           const float dx = -A * dlam * fast_rcp(1.f + fast_exp2(-kLog2e * x));
-          store_bf16(bp.grads.dg, idx, dx);
+          dg.store(i, dx);
           ddt += dx;
           dA += dlam * lam2[i] * kLn2;
         } else {
           const float x = A * (sG[i][d] + bias);
           const float s = fast_rcp(1.f + fast_exp2(-kLog2e * x));
           const float darg = tail * p.lower_bound * s * (1.f - s);
-          store_bf16(bp.grads.dg, idx, darg * A);
+          dg.store(i, darg * A);
           ddt += darg * A;
           dA += darg * x;
         }
@@ -360,12 +374,12 @@ __device__ __forceinline__ void activation_gradients(const PrepareBwdParams& bp,
     }
     __syncthreads();
     // The L2 norm's backward: dx = (dxn - xn (xn . dxn)) / ||x||.
+    const ChunkColumn dq(bp.grads.dq, c, H, d), dk(bp.grads.dk, c, H, d);
 #pragma unroll
     for (int i = 0; i < C; ++i) {
       if (i < c.len) {
-        const int64_t idx = ((c.bos + i) * H + c.h) * D + d;
-        store_bf16(bp.grads.dq, idx, (sDq[i][d] - qn[i] * sDot[0][i]) * sInvNorm[0][i]);
-        store_bf16(bp.grads.dk, idx, (sDk[i][d] - kn[i] * sDot[1][i]) * sInvNorm[1][i]);
+        dq.store(i, (sDq[i][d] - qn[i] * sDot[0][i]) * sInvNorm[0][i]);
+        dk.store(i, (sDk[i][d] - kn[i] * sDot[1][i]) * sInvNorm[1][i]);
       }
     }
     if (d < c.len) {
@@ -558,14 +572,19 @@ __global__ void __launch_bounds__(kThreads, 3) prepare_backward_kernel(const Pre
   __syncthreads();
 
   // v's gradient now: dRu is not read past here (its tile takes dk^ below).
+  if constexpr (kChain) {
+    const ChunkColumn dv(bp.grads.dv, c, H, d);
 #pragma unroll
-  for (int i = 0; i < C; ++i) {
-    if (i < c.len) {
-      const int64_t idx = ((c.bos + i) * H + c.h) * D + d;
-      if constexpr (kChain) {
-        store_bf16(bp.grads.dv, idx, sm.Beta[i] * sm.RU[i][d]);
-      } else {
-        bp.dv[idx] = sm.Beta[i] * sm.RU[i][d];
+    for (int i = 0; i < C; ++i) {
+      if (i < c.len) {
+        dv.store(i, sm.Beta[i] * sm.RU[i][d]);
+      }
+    }
+  } else {
+#pragma unroll
+    for (int i = 0; i < C; ++i) {
+      if (i < c.len) {
+        bp.dv[((c.bos + i) * H + c.h) * D + d] = sm.Beta[i] * sm.RU[i][d];
       }
     }
   }
@@ -650,6 +669,8 @@ void launch_prepare_backward(const PrepareBwdParams& bp, cudaStream_t stream) {
   const int64_t blocks = slots * bp.fwd.H;
   TORCH_CHECK(blocks <= INT32_MAX, "kda.bwd: ", std::to_string(slots), " chunks x ", std::to_string(bp.fwd.H),
               " heads is more blocks than one launch takes");
+  TORCH_CHECK(bp.fwd.H <= INT32_MAX / (C * D), "kda.bwd: ", std::to_string(bp.fwd.H),
+              " heads put a chunk's rows further apart than the kernel's 32-bit steps reach");
   constexpr int kSmem = sizeof(Smem);
   TORCH_CHECK(bp.chain || !bp.fwd.softplus, "kda: the activation gradients alone serve the bounded gate only");
   auto* kernel = bp.fwd.softplus ? prepare_backward_kernel<true, true>
