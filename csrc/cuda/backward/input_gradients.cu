@@ -596,7 +596,6 @@ __global__ void __launch_bounds__(kThreads, 3) prepare_backward_kernel(const Pre
   // dq and dk of row i, wherever they were formed; in the thread's own column
   // of the dRw and dRu tiles, whose row i was read before.
   auto put = [&](int i, float dq, float dk) {
-    const int64_t idx = ((c.bos + i) * H + c.h) * D + d;
     if constexpr (kChain) {
       // dq, dk wait for their rows' dot products with qn, kn: T0 / T1 hold the
       // products (the tiles are free since the dbeta sums), RW / RU the values.
@@ -605,6 +604,7 @@ __global__ void __launch_bounds__(kThreads, 3) prepare_backward_kernel(const Pre
       sm.RW[i][d] = dq;
       sm.RU[i][d] = dk;
     } else if (i < c.len) {
+      const int64_t idx = ((c.bos + i) * H + c.h) * D + d;
       bp.dqn[idx] = dq;
       bp.dkn[idx] = dk;
     }
@@ -669,8 +669,9 @@ void launch_prepare_backward(const PrepareBwdParams& bp, cudaStream_t stream) {
   const int64_t blocks = slots * bp.fwd.H;
   TORCH_CHECK(blocks <= INT32_MAX, "kda.bwd: ", std::to_string(slots), " chunks x ", std::to_string(bp.fwd.H),
               " heads is more blocks than one launch takes");
-  TORCH_CHECK(bp.fwd.H <= INT32_MAX / (C * D), "kda.bwd: ", std::to_string(bp.fwd.H),
-              " heads put a chunk's rows further apart than the kernel's 32-bit steps reach");
+  TORCH_CHECK(bp.fwd.H <= INT32_MAX / (C * D), "kda.bwd: H = ", std::to_string(bp.fwd.H),
+              " heads (q's dimension 2) put a chunk's rows further apart than the kernel's 32-bit steps reach; ",
+              "at most ", std::to_string(INT32_MAX / (C * D)));
   constexpr int kSmem = sizeof(Smem);
   TORCH_CHECK(bp.chain || !bp.fwd.softplus, "kda: the activation gradients alone serve the bounded gate only");
   auto* kernel = bp.fwd.softplus ? prepare_backward_kernel<true, true>
