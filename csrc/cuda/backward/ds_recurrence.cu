@@ -43,7 +43,15 @@ struct DsConfig {
   static constexpr int kRowGroups = kWarps / kSplit;
   static constexpr int kCols = 16 * kRowGroups;  // the block's value channels (rows of dS)
   static constexpr int kNt = 16 / kSplit;        // 8-column n-tiles of dS per warp
-  static constexpr int kStages = 3;              // chunks staged ahead, as in K2
+  // Chunks staged ahead, as in K2. The split shapes with a bf16 dO take four
+  // (two blocks an SM still fit), so that more of the loads a step waits on are
+  // in flight; the full-width 4x1 measured slower with four.
+  static constexpr int kStages = kSplit == 2 && !kDoutFp32 ? 4 : 3;
+  // dU^T's key-column products in two accumulator chains (even and odd k-steps)
+  // where the warps split the columns: half the dependent mma latency a step,
+  // for 136 -> 156-163 registers. The full-width 4x1 would need 254 and
+  // measured no faster.
+  static constexpr bool kTwoChains = kSplit == 2;
   static constexpr int kDoutBytes = kDoutFp32 ? 4 : 2;
   static constexpr int kRowPieces = kCols * kDoutBytes / 16;  // 16-byte pieces of one token's dO
   // Rows of the staged dO 16 bytes longer than the data: the two tokens a lane
@@ -296,7 +304,8 @@ __global__ void __launch_bounds__(kWarps * 32) ds_recurrence_kernel(const SweepB
     // tokens as the n dimension, as W in K2; Aqk [i][t] as the B operand (k = i),
     // transposed. Split warps: dS1 Kd^T over the warp's key columns, and of
     // dO^T Aqk n-tile ks alone, so that the parts add up to dU^T.
-    float acc_du[3][2][4];  // written first by the kk = 0 products
+    float acc_du[3][2][4];   // written first by the kk = 0 products
+    float acc_du2[3][2][4];  // kTwoChains: the odd k-steps', written first by kk = 1
 #pragma unroll
     for (int kk = 0; kk < kNt / 2; ++kk) {
       uint32_t dh[4], dl[4];
@@ -308,9 +317,23 @@ __global__ void __launch_bounds__(kWarps * 32) ds_recurrence_kernel(const SweepB
       uint32_t kh[4], kl[4];
       ldmatrix_x4(kh, record_piece(st.mat[kKdHi], row, piece));
       ldmatrix_x4(kl, record_piece(st.mat[kKdLo], row, piece));
+      const bool odd = Cfg::kTwoChains && kk % 2 == 1;
 #pragma unroll
       for (int nt = 0; nt < 2; ++nt) {
-        mma_split<true, true>(acc_du, nt, dh, dl, kh[2 * nt], kh[2 * nt + 1], kl[2 * nt], kl[2 * nt + 1], kk == 0);
+        mma_split<true, true>(odd ? acc_du2 : acc_du, nt, dh, dl, kh[2 * nt], kh[2 * nt + 1], kl[2 * nt],
+                              kl[2 * nt + 1], kk == (odd ? 1 : 0));
+      }
+    }
+    if constexpr (Cfg::kTwoChains) {
+#pragma unroll
+      for (int t = 0; t < 3; ++t) {
+#pragma unroll
+        for (int nt = 0; nt < 2; ++nt) {
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            acc_du[t][nt][e] += acc_du2[t][nt][e];
+          }
+        }
       }
     }
     {
