@@ -16,8 +16,9 @@ differences from the exact solve are what the product's precision alone costs.
 dtype: the chunk-start states S and the state gradients dS either every 16 tokens
 (each chunk's gradient reads its own, rounded) or every 64 (each block of four chunks
 recomputes its inner states forward from the rounded S at its start, and its inner
-dS backward from the rounded dS at its end), in bf16 or fp32; everything else in
-float64, so the gradients' differences from float64 are what the storage alone costs.
+dS backward from the rounded dS at its end), in bf16 or fp32, or S as built with dS
+alone every 64 in fp32; everything else in float64, so the gradients' differences from
+float64 are what the storage alone costs.
 
     python benchmarks/precision_emulation.py [--T 4096] [--backward | --states]
 """
@@ -136,13 +137,19 @@ def rounded(x, dtype):
     return x.to(dtype).double() if dtype is not None else x
 
 
-def kept_state_grads(qn, kn, v, lam, b, h0, dout, dfinal, every, dtype, exact_du=False):
+def kept_state_grads(qn, kn, v, lam, b, h0, dout, dfinal, every, dtype, exact_du=False, ds_every=None,
+                     ds_dtype="as S", ds1_dtype=None):
     """One sequence, one head, float64, as backward_grads, but each chunk's gradient
     reads S and dS as a backward that keeps them every `every` tokens in `dtype`
     (None: exact) would have them: the stored ones rounded, the inner ones
-    recomputed from those. exact_du (with every = 16): dU, and dW = -dU S from it,
-    come from the exact dS, as the dS recurrence hands dU to the record
-    gradients in fp32. Also returns the initial state's gradient."""
+    recomputed from those (S forward from its block's start, dS backward from its
+    block's end). dS may be kept otherwise: every `ds_every` tokens in `ds_dtype`;
+    and ds1_dtype rounds each chunk's dS1 where it meets the record's products (a
+    kernel that walks dS in fp32 but multiplies by it in bf16). exact_du: dU, and
+    dW = -dU S from it, come from the exact dS, as the dS recurrence hands dU to
+    the record gradients in fp32. Also returns the initial state's gradient."""
+    ds_every = ds_every or every
+    ds_dtype = dtype if ds_dtype == "as S" else ds_dtype
     scale = qn.shape[-1] ** -0.5
     chunks = [slice(s, s + C) for s in range(0, qn.shape[0], C)]
     recs = [chunk_record(qn[c], kn[c], v[c], lam[c], b[c], scale) for c in chunks]
@@ -156,41 +163,57 @@ def kept_state_grads(qn, kn, v, lam, b, h0, dout, dfinal, every, dtype, exact_du
         dstates[i] = dS  # the gradient of the state after chunk i
         dS = chunk_step_backward(states[i], recs[i], us[i], dout[chunks[i]], dS)[0]
     dinit = dS
-    grads = [torch.zeros_like(x) for x in (qn, kn, v, lam, b)]
-    per = every // C
-    for first in range(0, len(chunks), per):
-        block = range(first, min(first + per, len(chunks)))
-        S = rounded(states[first], dtype)
-        inner = []
+
+    def blocks(per):
+        return [range(first, min(first + per, len(chunks))) for first in range(0, len(chunks), per)]
+
+    kept_s, kept_u = [None] * len(chunks), [None] * len(chunks)
+    for block in blocks(every // C):
+        S = rounded(states[block[0]], dtype)
         for i in block:
-            _, S1, U = chunk_step(S, recs[i])
-            inner.append((S, U))
-            S = S1
-        dS = rounded(dstates[block[-1]], dtype)
-        for i, (S, U) in reversed(list(zip(block, inner))):
-            dS1 = dS
-            dS, drec = chunk_step_backward(S, recs[i], U, dout[chunks[i]], dS1)
-            if exact_du:
-                drec["U0"] = recs[i]["Aqk"].T @ dout[chunks[i]] + recs[i]["Kd"] @ dstates[i].T
-                drec["W"] = -drec["U0"] @ S
-            c = chunks[i]
-            for acc, d in zip(grads, chunk_record_backward(qn[c], kn[c], v[c], lam[c], b[c], scale, drec)):
-                acc[c] += d
+            kept_s[i] = S
+            _, S, kept_u[i] = chunk_step(S, recs[i])
+    kept_ds1 = [None] * len(chunks)
+    for block in blocks(ds_every // C):
+        dS = rounded(dstates[block[-1]], ds_dtype)
+        for i in reversed(block):
+            kept_ds1[i] = dS
+            dS = chunk_step_backward(kept_s[i], recs[i], kept_u[i], dout[chunks[i]], dS)[0]
+    grads = [torch.zeros_like(x) for x in (qn, kn, v, lam, b)]
+    for i, c in enumerate(chunks):
+        S = kept_s[i]
+        drec = chunk_step_backward(S, recs[i], kept_u[i], dout[c], rounded(kept_ds1[i], ds1_dtype))[1]
+        if exact_du:
+            drec["U0"] = recs[i]["Aqk"].T @ dout[c] + recs[i]["Kd"] @ dstates[i].T
+            drec["W"] = -drec["U0"] @ S
+        for acc, d in zip(grads, chunk_record_backward(qn[c], kn[c], v[c], lam[c], b[c], scale, drec)):
+            acc[c] += d
     return grads + [dinit]
 
 
 def states_table(T, D):
+    rows = (
+        ("every 16, bf16, dU fp32 (as built)", dict(every=16, dtype=BF16, exact_du=True)),
+        ("every 16, bf16", dict(every=16, dtype=BF16)),
+        ("every 64, bf16", dict(every=64, dtype=BF16)),
+        ("every 16, fp32", dict(every=16, dtype=torch.float32)),
+        ("every 64, fp32", dict(every=64, dtype=torch.float32)),
+        # dS alone kept in fp32 every 64 (S as built), walked through each block in
+        # fp32 and met by the products rounded to bf16, or split (exact).
+        ("S every 16, bf16; dS every 64, fp32, bf16 in the products; dU fp32",
+         dict(every=16, dtype=BF16, exact_du=True, ds_every=64, ds_dtype=torch.float32, ds1_dtype=BF16)),
+        ("S every 16, bf16; dS every 64, fp32; dU fp32",
+         dict(every=16, dtype=BF16, exact_du=True, ds_every=64, ds_dtype=torch.float32)),
+    )
     print("| case | states kept | dq^ | dk^ | dv | dlam | dbeta |")
     print("|---|---|---|---|---|---|---|")
     for case in ("random", "weak decay"):
         qn, kn, v, lam, b, h0, dout, dfinal = backward_case(case, T, D)
         exact = kept_state_grads(qn, kn, v, lam, b, h0, dout, dfinal, C, None)
-        for every, dtype, exact_du in ((16, BF16, True), (16, BF16, False), (64, BF16, False),
-                                       (16, torch.float32, False), (64, torch.float32, False)):
-            got = kept_state_grads(qn, kn, v, lam, b, h0, dout, dfinal, every, dtype, exact_du)
+        for name, kept in rows:
+            got = kept_state_grads(qn, kn, v, lam, b, h0, dout, dfinal, **kept)
             errors = " | ".join(f"{((a - e).norm() / e.norm()).item():.2e}" for a, e in zip(got[:5], exact[:5]))
-            name = {BF16: "bf16", torch.float32: "fp32"}[dtype] + (", dU fp32 (as built)" if exact_du else "")
-            print(f"| {case} | every {every}, {name} | {errors} |")
+            print(f"| {case} | {name} | {errors} |")
 
 
 def main():

@@ -142,12 +142,13 @@ def test_chunk_record_backward_matches_autograd(C, lower_bound):
 
 
 @pytest.mark.parametrize("T", [87, 64, 9])
-@pytest.mark.parametrize("every", [16, 64])
-def test_kept_state_backward_matches_autograd(T, every):
+@pytest.mark.parametrize("every, ds_every", [(16, None), (64, None), (16, 64)])
+def test_kept_state_backward_matches_autograd(T, every, ds_every):
     """benchmarks/precision_emulation.py's backward from states and state gradients
-    kept every 16 or 64 tokens (the inner ones recomputed: forward from a block's
-    start state, backward from its end gradient), with nothing rounded, gives
-    autograd's gradients through chunk_record and chunk_step, the initial state's too."""
+    kept every 16 or 64 tokens, or the states every 16 and their gradients every 64
+    (the inner ones recomputed: forward from a block's start state, backward from
+    its end gradient), with nothing rounded, gives autograd's gradients through
+    chunk_record and chunk_step, the initial state's too."""
     path = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "precision_emulation.py")
     spec = importlib.util.spec_from_file_location("precision_emulation", path)
     emulation = importlib.util.module_from_spec(spec)
@@ -162,6 +163,7 @@ def test_kept_state_backward_matches_autograd(T, every):
         O, S, _ = reference.chunk_step(S, reference.chunk_record(*(x[c] for x in leaves), K ** -0.5))
         loss = loss + (O * dout[c]).sum()
     grads = torch.autograd.grad(loss + (S * dfinal).sum(), leaves + [h0])
-    mine = emulation.kept_state_grads(*(x.detach() for x in leaves), h0.detach(), dout, dfinal, every, None)
+    mine = emulation.kept_state_grads(*(x.detach() for x in leaves), h0.detach(), dout, dfinal, every, None,
+                                      ds_every=ds_every)
     for name, a, g in zip(("dqn", "dkn", "dv", "dlam", "db", "dh0"), mine, grads):
         assert torch.allclose(a, g, rtol=1e-10, atol=1e-10), name
