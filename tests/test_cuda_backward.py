@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import torch_kda
-from torch_kda.testing import forced
+from torch_kda.testing import RECORD_GRAD_FLOATS, RECORD_GRAD_SLICES, forced, record_grad_parts
 from conftest import positional, rel
 from cuda_helpers import (
     CUDA_MARKS,
@@ -397,7 +397,7 @@ def test_prepare_backward_matches_reference(case):
     d, g = cuda_inputs(B=B, T=T, H=H)
     hard_case(case, d, g)
     nch = (T + 15) // 16
-    d_record = torch.randn(B * nch, H, 8576, device=DEV)
+    d_record = torch.randn(B * nch, H, RECORD_GRAD_FLOATS, device=DEV)
     got = torch.ops.kda_testing.prepare_bwd(g["q"], g["k"], g["v"], g["g"], g["beta"], g["A_log"], g["dt_bias"],
                                             d_record, None, -5.0)
     torch.cuda.synchronize()
@@ -412,9 +412,8 @@ def test_prepare_backward_matches_reference(case):
             L = e - s
             for h in range(H):
                 r = rec[bb * nch + ci, h]
-                drec = dict(Qs=r[0:2048].view(16, D)[:L], W=r[2048:4096].view(16, D)[:L],
-                            Kd=r[4096:6144].view(16, D)[:L], Aqk=r[6144:6400].view(16, 16)[:L, :L],
-                            U0=r[6400:8448].view(16, D)[:L], gl=r[8448:8576])
+                parts = record_grad_parts(r)
+                drec = {n: t if n == "gl" else t[:L, :L] if n == "Aqk" else t[:L] for n, t in parts.items()}
                 res = reference.chunk_record_backward(qn[bb, s:e, h], kn[bb, s:e, h], x["v"][bb, s:e, h],
                                                       lam[bb, s:e, h], b[bb, s:e, h], D ** -0.5, drec)
                 for w, t in zip(want, res):
@@ -472,7 +471,7 @@ def test_sweep_backward_matches_reference(case, ds_block):
     assert d_states.dtype == torch.bfloat16
     got_ds = d_states.double().cpu()
     want_ds = torch.zeros(B * nch, H, D, D, dtype=torch.float64)
-    want_rec = torch.zeros(B * nch, H, 8576, dtype=torch.float64)
+    want_rec = torch.zeros(B * nch, H, RECORD_GRAD_FLOATS, dtype=torch.float64)
     want_init = torch.zeros(B, H, D, D, dtype=torch.float64)
     for bb in range(B):
         for h in range(H):
@@ -488,20 +487,18 @@ def test_sweep_backward_matches_reference(case, ds_block):
                 _, dr_st = reference.chunk_step_backward(S0, rec, U, dO64[bb, s:e, h], got_ds[bb * nch + ci, h])
                 dr["Kd"], dr["gl"] = dr_st["Kd"], dr_st["gl"]
                 dS = dS_next
-                w = want_rec[bb * nch + ci, h]
-                w[0:2048].view(16, D)[:L] = dr["Qs"]
-                w[2048:4096].view(16, D)[:L] = dr["W"]
-                w[4096:6144].view(16, D)[:L] = dr["Kd"]
-                w[6144:6400].view(16, 16)[:L, :L] = dr["Aqk"]
-                w[6400:8448].view(16, D)[:L] = dr["U0"]
-                w[8448:8576] = dr["gl"]
+                w = record_grad_parts(want_rec[bb * nch + ci, h])
+                for n in ("Qs", "W", "Kd", "U0"):
+                    w[n][:L] = dr[n]
+                w["Aqk"][:L, :L] = dr["Aqk"]
+                w["gl"][:] = dr["gl"]
             want_init[bb, h] = dS
     err = rel(got_ds, want_ds)
     print(f"d_states: rel {err:.2e}")
     assert err <= 3e-3  # bf16's rounding: 1.67e-3 measured on the H200
-    for name, lo, hi in (("dQs", 0, 2048), ("dW", 2048, 4096), ("dKd", 4096, 6144), ("dAqk", 6144, 6400),
-                         ("dU0", 6400, 8448), ("dgl", 8448, 8576)):
-        err = rel(d_record[..., lo:hi].cpu(), want_rec[..., lo:hi])
+    for part, cols in RECORD_GRAD_SLICES.items():
+        name = "d" + part
+        err = rel(d_record[..., cols].cpu(), want_rec[..., cols])
         print(f"{name}: rel {err:.2e}")
         assert err <= 5e-5, name  # the fp32 side's bf16 hi + lo planes keep ~2^-17
     err = rel(d_initial.cpu(), want_init)

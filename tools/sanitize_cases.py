@@ -17,10 +17,9 @@ import sys
 import torch
 
 import torch_kda
-from torch_kda.testing import forced
+from torch_kda.testing import RECORD_GRAD_FLOATS, forced
 
 D = 128
-D_RECORD_FLOATS = 8576  # a chunk's record gradients (kDRecFloats, csrc/cuda/params.h)
 
 
 def inputs(T, H, gen):
@@ -101,7 +100,7 @@ def backward():
         for t in (q, k, v, g, beta, A_log, dt_bias, h0):
             assert torch.isfinite(t.grad).all()
     q, k, v, g, beta = inputs(37, H, gen)
-    d_record = torch.randn(3, H, D_RECORD_FLOATS, device="cuda", generator=gen)
+    d_record = torch.randn(3, H, RECORD_GRAD_FLOATS, device="cuda", generator=gen)
     got = torch.ops.kda_testing.prepare_bwd(q, k, v, g, beta, A_log.detach(), dt_bias.detach(), d_record, None, -5.0)
     assert all(torch.isfinite(t).all() for t in got)
     torch.cuda.synchronize()

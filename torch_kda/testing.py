@@ -1,18 +1,37 @@
 """The testing hook: force the automatic choices of the CUDA path
 (csrc/cuda/heuristics.h) and the number of segments a sequence is cut into on
-either device (csrc/segments.h).
+either device (csrc/segments.h). Also the layout of a chunk's record gradients,
+which the private torch.ops.kda_testing kernels take and give.
 
 For tests and measurements only. The setting is process-wide and not seen by
 torch.compile's guards; it changes no result's meaning, only the low bits (the
 block shapes and the segments sum in different orders) and the speed.
 """
 import contextlib
+import math
 import numbers
 
 import torch
 
 import torch_kda._C  # noqa: F401  (registers torch.ops.kda_testing.*)
 from torch_kda._ops import cuda_built
+
+
+# A chunk's record gradients (csrc/cuda/params.h, kDRec*): fp32 [..., RECORD_GRAD_FLOATS],
+# the parts in this order, each of its shape (16-token chunks, 128 channels).
+RECORD_GRAD_SHAPES = {"Qs": (16, 128), "W": (16, 128), "Kd": (16, 128), "Aqk": (16, 16), "U0": (16, 128), "gl": (128,)}
+RECORD_GRAD_SLICES = {}  # each part's slice of the last dimension
+_start = 0
+for _name, _shape in RECORD_GRAD_SHAPES.items():
+    RECORD_GRAD_SLICES[_name] = slice(_start, _start + math.prod(_shape))
+    _start += math.prod(_shape)
+RECORD_GRAD_FLOATS = _start
+del _start, _name, _shape
+
+
+def record_grad_parts(r):
+    """One chunk's record gradients r [RECORD_GRAD_FLOATS] as views, by part, in their shapes."""
+    return {name: r[RECORD_GRAD_SLICES[name]].view(shape) for name, shape in RECORD_GRAD_SHAPES.items()}
 
 
 def _check_count(name, value, least):
