@@ -9,13 +9,16 @@
 // independently given the token's activations:
 //   s <- s * alpha;  w = s . k^;  u = beta (v - w);  s <- s + u k^;  o = s . (scale q^)
 // so a block of 128 threads carries a slab of 32 rows in registers across the
-// request's tokens, four slabs a (request, head): 8 lanes a row, each lane
-// 16 key columns as 16-byte vectors (kVec elements apart by 8 vectors, so that
-// a warp's access is four rows' whole 512 (fp32) or 256 (bf16) bytes, and its
-// shared-memory reads of k^, q^ and alpha hit distinct banks), a row's sums in
-// three shuffles. Each warp computes a whole token's activations (norms by warp
-// sums), a tile of four tokens at once, so that the tile's steps wait on one
-// barrier. fp32 throughout; the state is stored in the pool's dtype, rounded once.
+// request's tokens, four slabs a (request, head): 16 lanes a row, each lane 8
+// key columns as 16-byte vectors (two fp32, one bf16), so that a warp's access
+// is two rows' 256-byte halves (fp32) or whole rows (bf16). A token's step reads
+// the tile's alpha, k^ and q^ from shared memory, 16 bytes at a time, and each
+// read serves the thread's four rows: with two rows a thread those reads bound
+// the step. A row's four sums meet by halving (each lane hands half of its
+// partial sums to its partner), four shuffles, and three more share them. Each
+// warp computes a whole token's activations (norms by warp sums), a tile of four
+// tokens at once, so that the tile's steps wait on one barrier. fp32 throughout;
+// the state is stored in the pool's dtype, rounded once.
 #include <c10/cuda/CUDAException.h>
 
 #include <string>
@@ -33,13 +36,14 @@ constexpr int kDecodeThreads = 128;
 constexpr int kDecodeWarps = kDecodeThreads / 32;
 constexpr int kSlabRows = 32;                            // value rows a decode block carries
 constexpr int kSlabs = D / kSlabRows;                    // decode blocks a (request, head)
-constexpr int kRowLanes = 8;                             // lanes a row
+constexpr int kRowLanes = 16;                            // lanes a row
 constexpr int kRowGroups = kDecodeThreads / kRowLanes;   // rows a block updates at once
 constexpr int kRowsPerThread = kSlabRows / kRowGroups;
 constexpr int kLaneCols = D / kRowLanes;                 // key columns a lane
 constexpr int kTileTokens = kDecodeWarps;                // a token a warp
 constexpr int kDecodeBlocksPerSm = 7;                    // a cap of 72 registers a thread
 static_assert(kRowsPerThread * kRowGroups == kSlabRows && kSlabs * kSlabRows == D, "whole rows, whole slabs");
+static_assert(kRowsPerThread == 4 && kRowLanes == 16, "rows_sum_one halves four sums over 16 lanes");
 static_assert(D == 32 * 4, "a warp's lanes take four channels of a token");
 
 __device__ __forceinline__ int64_t clamp64(int64_t x, int64_t lo, int64_t hi) {
@@ -154,6 +158,15 @@ __device__ __forceinline__ void store_row(const PoolParams& p, int64_t slot, int
   }
 }
 
+// Where a token's channels 4 q .. 4 q + 3 sit in the tile's [D] vectors: lane
+// c of a row reads quads c and kRowLanes + c, its key columns with an fp32 pool
+// (LaneColumns) and 8 c .. 8 c + 7 with a bf16 one, so that a quarter-warp's
+// 16-byte reads cover 128 contiguous bytes (no bank conflict) in both.
+template <bool kFp32>
+__device__ __forceinline__ int tile_quad(int q) {
+  return kFp32 ? q : (q & 1) * kRowLanes + (q >> 1);
+}
+
 // A tile of tokens' activations, shared by the block: the scale folded into q^.
 struct DecodeTile {
   float q[kTileTokens][D];      // scale q^
@@ -206,6 +219,7 @@ __device__ __forceinline__ void fetch_token(const FwdParams& f, int64_t t, int h
 // One token's activations (warp-wide; lane l's channels 4 l..4 l + 3) into
 // row tt of the tile, from its raw q, k, g (bf16 pairs), the lane's value
 // channel v, beta's logit, A_log and the lane's four dt_bias.
+template <bool kFp32>
 __device__ __forceinline__ void token_activations(const FwdParams& p, uint2 qv, uint2 kv, uint2 gv, float v,
                                                   float beta, float A_log, float4 bias, int tt, int lane,
                                                   DecodeTile& s) {
@@ -224,9 +238,10 @@ __device__ __forceinline__ void token_activations(const FwdParams& p, uint2 qv, 
         p.softplus ? -A * (fmaxf(x[e], 0.f) + log1pf(expf(-fabsf(x[e])))) : p.lower_bound / (1.f + expf(-A * x[e]));
     al[e] = expf(lam);
   }
-  *reinterpret_cast<float4*>(&s.q[tt][4 * lane]) = make_float4(q[0] * qn, q[1] * qn, q[2] * qn, q[3] * qn);
-  *reinterpret_cast<float4*>(&s.k[tt][4 * lane]) = make_float4(k[0] * kn, k[1] * kn, k[2] * kn, k[3] * kn);
-  *reinterpret_cast<float4*>(&s.alpha[tt][4 * lane]) = make_float4(al[0], al[1], al[2], al[3]);
+  const int at = 4 * tile_quad<kFp32>(lane);
+  *reinterpret_cast<float4*>(&s.q[tt][at]) = make_float4(q[0] * qn, q[1] * qn, q[2] * qn, q[3] * qn);
+  *reinterpret_cast<float4*>(&s.k[tt][at]) = make_float4(k[0] * kn, k[1] * kn, k[2] * kn, k[3] * kn);
+  *reinterpret_cast<float4*>(&s.alpha[tt][at]) = make_float4(al[0], al[1], al[2], al[3]);
   s.v[tt][lane] = v;
   if (lane == 0) {
     s.beta[tt] = 1.f / (1.f + expf(-beta));
@@ -235,44 +250,57 @@ __device__ __forceinline__ void token_activations(const FwdParams& p, uint2 qv, 
 
 // A later tile's token for this warp, read where it is used (requests past one
 // tile are rare in decode; only the first tile is fetched ahead).
+template <bool kFp32>
 __device__ __forceinline__ void later_token_activations(const FwdParams& p, int64_t t, int h, int row0, int tt,
                                                         int lane, DecodeTile& s) {
   const int64_t th = t * p.H + h;
   auto row = [&](const void* x) {
     return *reinterpret_cast<const uint2*>(static_cast<const __nv_bfloat16*>(x) + th * D + 4 * lane);
   };
-  token_activations(p, row(p.q), row(p.k), row(p.g), load_bf16(p.v, th * D + row0 + lane), load_bf16(p.beta, th),
+  token_activations<kFp32>(p, row(p.q), row(p.k), row(p.g), load_bf16(p.v, th * D + row0 + lane), load_bf16(p.beta, th),
                     p.A_log[h], *reinterpret_cast<const float4*>(p.dt_bias + int64_t{h} * D + 4 * lane), tt, lane, s);
 }
 
-// The sum over a row's kRowLanes lanes (lanes 8 m .. 8 m + 7 of the warp).
-__device__ __forceinline__ float row_sum(float x) {
-#pragma unroll
-  for (int m = 1; m < kRowLanes; m *= 2) {
-    x += __shfl_xor_sync(0xffffffffu, x, m);
-  }
-  return x;
+// The sums over a row's 16 lanes of the thread's four rows x[0..3], in four
+// shuffles: lanes c and c ^ 8 swap two partial sums each, then c and c ^ 4 one,
+// so that lane c holds row own_row(c)'s sum over four lanes, which c ^ 2 and c ^ 1
+// complete. Every lane with that row holds the same bits.
+__device__ __forceinline__ int own_row(int c) { return (c >> 2) & 3; }
+
+__device__ __forceinline__ float rows_sum_one(const float (&x)[kRowsPerThread], int c) {
+  const bool b3 = c & 8, b2 = c & 4;
+  const float a = (b3 ? x[2] : x[0]) + __shfl_xor_sync(0xffffffffu, b3 ? x[0] : x[2], 8);  // row 2 b3
+  const float b = (b3 ? x[3] : x[1]) + __shfl_xor_sync(0xffffffffu, b3 ? x[1] : x[3], 8);  // row 2 b3 + 1
+  float r = (b2 ? b : a) + __shfl_xor_sync(0xffffffffu, b2 ? a : b, 4);
+  r += __shfl_xor_sync(0xffffffffu, r, 2);
+  return r + __shfl_xor_sync(0xffffffffu, r, 1);
 }
 
-// Where this lane's key columns 4 m .. 4 m + 3 (of its 16, in x's order) sit
-// in one of the tile's [D] vectors.
-template <bool kFp32>
-__device__ __forceinline__ int quad_column(int c, int m) {
-  using L = LaneColumns<kFp32>;
-  constexpr int kQuads = L::kVec / 4;  // 4-column groups a vector
-  return L::column(c, m / kQuads) + 4 * (m % kQuads);
+// All four rows' sums in every lane: lanes c ^ 4, c ^ 8 and c ^ 12 hold rows
+// own_row(c) ^ 1, ^ 2 and ^ 3.
+__device__ __forceinline__ void rows_sum_all(const float (&x)[kRowsPerThread], int c, float (&sum)[kRowsPerThread]) {
+  const float r = rows_sum_one(x, c);
+  const float s1 = __shfl_xor_sync(0xffffffffu, r, 4), s2 = __shfl_xor_sync(0xffffffffu, r, 8),
+              s3 = __shfl_xor_sync(0xffffffffu, r, 12);
+  const bool b3 = c & 8, b2 = c & 4;
+  const float p0 = b2 ? s1 : r, p1 = b2 ? r : s1;   // rows 2 b3 and 2 b3 + 1
+  const float q0 = b2 ? s3 : s2, q1 = b2 ? s2 : s3;  // the other pair
+  sum[0] = b3 ? q0 : p0;
+  sum[1] = b3 ? q1 : p1;
+  sum[2] = b3 ? p0 : q0;
+  sum[3] = b3 ? p1 : q1;
 }
 
 // One token on this thread's rows: the tile's activations read from shared
-// memory four columns at a time where they are used, not held for the whole
-// step, so that the kernel fits the register cap.
-template <bool kFp32>
-__device__ __forceinline__ void token_step(const DecodeTile& s, int tt, int group, int c,
-                                           float (&x)[kRowsPerThread][kLaneCols], float (&o)[kRowsPerThread]) {
+// memory four columns at a time where they are used (iteration m: the lane's
+// tile quad kRowLanes m + c, tile_quad), not held for the whole step, so that
+// the kernel fits the register cap. Returns the output of row own_row(c).
+__device__ __forceinline__ float token_step(const DecodeTile& s, int tt, int group, int c,
+                                            float (&x)[kRowsPerThread][kLaneCols]) {
   float w[kRowsPerThread] = {};
 #pragma unroll
   for (int m = 0; m < kLaneCols / 4; ++m) {
-    const int col = quad_column<kFp32>(c, m);
+    const int col = 4 * (kRowLanes * m + c);
     const float4 a = *reinterpret_cast<const float4*>(&s.alpha[tt][col]);
     const float4 k = *reinterpret_cast<const float4*>(&s.k[tt][col]);
 #pragma unroll
@@ -282,15 +310,15 @@ __device__ __forceinline__ void token_step(const DecodeTile& s, int tt, int grou
       w[i] = fmaf(y[3], k.w, fmaf(y[2], k.z, fmaf(y[1], k.y, fmaf(y[0], k.x, w[i]))));
     }
   }
-  float u[kRowsPerThread];
+  float ws[kRowsPerThread], u[kRowsPerThread], o[kRowsPerThread] = {};
+  rows_sum_all(w, c, ws);
 #pragma unroll
   for (int i = 0; i < kRowsPerThread; ++i) {
-    u[i] = s.beta[tt] * (s.v[tt][group + kRowGroups * i] - row_sum(w[i]));
-    o[i] = 0.f;
+    u[i] = s.beta[tt] * (s.v[tt][group + kRowGroups * i] - ws[i]);
   }
 #pragma unroll
   for (int m = 0; m < kLaneCols / 4; ++m) {
-    const int col = quad_column<kFp32>(c, m);
+    const int col = 4 * (kRowLanes * m + c);
     const float4 k = *reinterpret_cast<const float4*>(&s.k[tt][col]);
     const float4 q = *reinterpret_cast<const float4*>(&s.q[tt][col]);
 #pragma unroll
@@ -301,10 +329,7 @@ __device__ __forceinline__ void token_step(const DecodeTile& s, int tt, int grou
       o[i] = fmaf(y[3], q.w, fmaf(y[2], q.z, fmaf(y[1], q.y, fmaf(y[0], q.x, o[i]))));
     }
   }
-#pragma unroll
-  for (int i = 0; i < kRowsPerThread; ++i) {
-    o[i] = row_sum(o[i]);
-  }
+  return rows_sum_one(o, c);
 }
 
 // The tokens of one tile: outputs, and with kSpec the state after each token
@@ -317,14 +342,10 @@ __device__ __forceinline__ void tile_tokens(const PoolParams& p, int64_t n, int 
   auto* out = static_cast<__nv_bfloat16*>(f.out);
 #pragma unroll 1
   for (int tt = 0; tt < tokens; ++tt) {
-    float o[kRowsPerThread];
-    token_step<kFp32>(s, tt, group, c, x, o);
-    if (c == 0) {
+    const float o = token_step(s, tt, group, c, x);
+    if ((c & 3) == 0) {  // one lane a row
       const int64_t th = (r.bos + first + tt) * f.H + h;
-#pragma unroll
-      for (int i = 0; i < kRowsPerThread; ++i) {
-        out[th * D + rows[i]] = __float2bfloat16_rn(o[i]);
-      }
+      out[th * D + rows[0] + kRowGroups * own_row(c)] = __float2bfloat16_rn(o);
     }
     if constexpr (kSpec) {
       const int64_t col = first + tt;
@@ -381,14 +402,14 @@ __global__ void __launch_bounds__(kDecodeThreads, kDecodeBlocksPerSm) pool_decod
   if (warp < len) {
     cp_async_wait<0>();
     __syncwarp();  // the wait covers this thread's copies; v and A_log came by other lanes'
-    token_activations(f, in.raw[0][warp][lane], in.raw[1][warp][lane], in.raw[2][warp][lane],
+    token_activations<kFp32>(f, in.raw[0][warp][lane], in.raw[1][warp][lane], in.raw[2][warp][lane],
                       __bfloat162float(in.v[warp][lane]), beta, in.A_log[warp], in.bias[warp][lane], warp, lane, s);
   }
   for (int first = 0; first < len; first += kTileTokens) {
     if (first != 0) {
       __syncthreads();  // every read of the previous tile is done
       if (first + warp < len) {
-        later_token_activations(f, r.bos + first + warp, h, slab * kSlabRows, warp, lane, s);
+        later_token_activations<kFp32>(f, r.bos + first + warp, h, slab * kSlabRows, warp, lane, s);
       }
     }
     __syncthreads();
