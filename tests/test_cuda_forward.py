@@ -314,12 +314,3 @@ def test_grouped_value_heads_are_refused_naming_both_counts():
     with pytest.raises(RuntimeError, match=r"on CUDA, v must have as many heads as q \(grouped value heads run on "
                                            r"the CPU\), got HV = 4 value heads for H = 2 query/key heads"):
         run_cuda(g)
-
-
-def test_precomputed_gate_is_refused():
-    """A_log=None and dt_bias=None (g the log decay itself) run on the CPU only: CUDA says so."""
-    _, g = cuda_inputs(B=1, T=16, H=2)
-    g["A_log"] = g["dt_bias"] = None
-    g["g"] = -g["g"].abs()
-    with pytest.raises(RuntimeError, match=r"on CUDA, A_log and dt_bias must be tensors \(a precomputed gate"):
-        run_cuda(g, lower_bound=None)

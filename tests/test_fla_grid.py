@@ -12,12 +12,12 @@ them to work here too. Three families of rows:
 Every row carries an fp32 initial state ~ N(0, 1).
 
 On the CPU every row runs, forward and (chunk, varlen) every gradient.
-On CUDA the path serves only K = V = 128, bf16 q/k/v/g/beta, fp32 A_log
-and dt_bias, the gate computed in the op, lower_bound in [-5, 0) or None. fla's
-rows are fp16 (or fp32), so none is served as given: each is also run in bf16,
-and of those only the 128-wide chunk row with the gate in the op is served. The
-rows it does not serve must be refused by the host checks (csrc/cuda/staging.cpp,
-before any launch) with an error naming the argument at fault.
+On CUDA the path serves only K = V = 128, bf16 q/k/v/beta (and g, but for a
+precomputed gate's fp32 one), fp32 A_log and dt_bias, lower_bound in [-5, 0) or
+None. fla's rows are fp16 (or fp32), so none is served as given: each is also
+run in bf16, and of those the 128-wide rows are served. The rows it does not
+serve must be refused by the host checks (csrc/cuda/staging.cpp, before any
+launch) with an error naming the argument at fault.
 """
 import dataclasses
 
@@ -301,11 +301,9 @@ def test_segmented_reference_is_the_reference(shape, gate_in_op):
 def cuda_refusal(row, dtype):
     """None where the CUDA path serves the row with q/k/v/beta in dtype; else what the
     first of its refusals says, in the order csrc/cuda/staging.cpp checks. Served:
-    the gate computed in the op (A_log and dt_bias tensors, fp32 here), bf16 inputs,
-    K = V = 128; every row's gate is the softplus one (lower_bound None) and its
-    state fp32, both served."""
-    if not row.gate_in_op:
-        return r"on CUDA, A_log and dt_bias must be tensors"
+    bf16 inputs, K = V = 128, the gate computed in the op (A_log and dt_bias fp32
+    here) or precomputed (g fp32); every row's gate is the softplus one or
+    unbounded (lower_bound None) and its state fp32, both served."""
     if dtype != BF16:
         return r"on CUDA, q, k, v, g and beta must have dtype bfloat16, got " + str(dtype).removeprefix("torch.")
     if row.D != 128:

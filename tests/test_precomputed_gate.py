@@ -3,7 +3,7 @@ itself, gradients flow to g, and lower_bound (if given) is the caller's promise
 that g >= lower_bound. On the CPU, against the float64 reference: forward and
 gradients, fixed length and varlen with empty sequences, state resets, almost no
 decay, tiny beta, grouped value heads, bf16 inputs with an fp32 g, the in-place op
-and the pool; and the inputs it rejects. CUDA refuses it (tests/test_cuda_forward.py)."""
+and the pool; and the inputs it rejects. On CUDA: tests/test_cuda_precomputed_gate.py."""
 import pytest
 import torch
 

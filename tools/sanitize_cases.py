@@ -5,11 +5,12 @@
 
 decode: kda_pool's decode kernel (fp32 and bf16 pools; one token, a varlen batch
 with a padding row and a request past a tile of tokens, speculative decoding, several
-waves of blocks), and kda::fwd_ with decode shapes (with and without an initial
-state).
+waves of blocks), kda::fwd_ with decode shapes (with and without an initial
+state), and a precomputed fp32 gate's one token and speculative calls.
 segments: a forward over forced segments (K1, three K2 passes, the scan).
-backward: forward + backward steps of both gates on varlen sequences (an empty one,
-odd lengths, a partial last chunk), and K1's backward alone (the private test op).
+backward: forward + backward steps of both gates and of a precomputed gate (fp32
+and bf16 g) on varlen sequences (an empty one, odd lengths, a partial last chunk),
+and K1's backward alone (the private test op).
 Each result is checked finite; a sanitizer's report is the test.
 """
 import sys
@@ -67,6 +68,20 @@ def decode():
                 torch_kda.fwd(q, k, v, g, beta, None, out, A_log, dt_bias, lower_bound, initial_state=init,
                               final_state=final, cu_seqlens=cu)
                 assert torch.isfinite(out).all() and torch.isfinite(final.float()).all()
+    # A precomputed gate, fp32: one token a request, then speculative
+    for lower_bound in (-5.0, None):
+        q, k, v, g, beta = inputs(3, H, gen)
+        lam = -5.0 * torch.sigmoid(g.view(3, 1, H, D).float())
+        pool = torch.randn(6, H, D, D, device="cuda", generator=gen)
+        out = torch_kda.kda_pool(q.view(3, 1, H, D), k.view(3, 1, H, D), v.view(3, 1, H, D), lam,
+                                 beta.view(3, 1, H), None, None, pool, torch.tensor([4, -1, 1], device="cuda"),
+                                 lower_bound=lower_bound)
+        assert torch.isfinite(out).all()
+        q, k, v, g, beta = (t.view(2, 4, *t.shape[2:]) for t in inputs(8, H, gen))
+        out = torch_kda.kda_pool(q, k, v, -5.0 * torch.sigmoid(g.float()), beta, None, None, pool,
+                                 torch.tensor([[0, 1, 2, 3], [5, -1, 4, -1]], device="cuda"), lower_bound=lower_bound,
+                                 num_accepted_tokens=torch.tensor([3, 1], device="cuda"))
+        assert torch.isfinite(out).all() and torch.isfinite(pool).all()
     torch.cuda.synchronize()
 
 
@@ -98,6 +113,17 @@ def backward():
                                    output_final_state=True, cu_seqlens=cu)
         (out.float().square().sum() + final.square().sum()).backward()
         for t in (q, k, v, g, beta, A_log, dt_bias, h0):
+            assert torch.isfinite(t.grad).all()
+    # A precomputed gate (bounded, unbounded; fp32 and bf16 g)
+    for lower_bound, g_dtype in ((-5.0, torch.float32), (None, torch.float32), (None, torch.bfloat16)):
+        q, k, v, g, beta = inputs(54, H, gen)
+        lam = (-5.0 * torch.sigmoid(g.float())).to(g_dtype)
+        q, k, v, lam, beta = (t.requires_grad_() for t in (q, k, v, lam, beta))
+        h0 = torch.randn(3, H, D, D, device="cuda", generator=gen).requires_grad_()
+        out, final = torch_kda.kda(q, k, v, lam, beta, None, None, lower_bound=lower_bound, initial_state=h0,
+                                   output_final_state=True, cu_seqlens=cu)
+        (out.float().square().sum() + final.square().sum()).backward()
+        for t in (q, k, v, lam, beta, h0):
             assert torch.isfinite(t.grad).all()
     q, k, v, g, beta = inputs(37, H, gen)
     d_record = torch.randn(3, H, RECORD_GRAD_FLOATS, device="cuda", generator=gen)

@@ -140,13 +140,14 @@ __device__ __forceinline__ void forward_substitute(const float (*sA)[kPitch], Rh
 // lambda log2(e) too, sigmoid(beta) (sBeta), and the inverse
 // norms of q's and k's rows (sInvNorm[0], [1]); sQ and sK keep the raw rows,
 // and sG, where given, the raw g (K1's backward reads it again in the gate's
-// chain rule; each thread writes and reads only its own column). Rows past the
+// chain rule, which a precomputed gate does not need; each thread writes and
+// reads only its own column). Rows past the
 // sequence's end are zeros with lambda = 0 and beta = 0, so that G_last is the
 // last real row's G and the padding moves nothing. All threads of the block
 // call it (two barriers). after_loads() follows the loads in program order
 // (ptxas issues them all first and their uses after it): memory traffic issued
 // there queues behind them.
-template <int kPad, bool kSoftplus, typename AfterLoads>
+template <int kPad, bool kSoftplus, bool kGiven, typename AfterLoads>
 __device__ __forceinline__ void load_chunk_inputs(const FwdParams& p, const ChunkPlace& c, float (*sQ)[kPad],
                                                   float (*sK)[kPad], float* sBeta, float (*sInvNorm)[kChunk],
                                                   float (&G2)[kChunk], float (&lam2)[kChunk], float (&v)[kChunk],
@@ -163,12 +164,21 @@ __device__ __forceinline__ void load_chunk_inputs(const FwdParams& p, const Chun
   const __nv_bfloat16* k = static_cast<const __nv_bfloat16*>(p.k) + first;
   const __nv_bfloat16* g = static_cast<const __nv_bfloat16*>(p.g) + first;
   const __nv_bfloat16* vv = static_cast<const __nv_bfloat16*>(p.v) + first;
+  // A precomputed gate (kGiven) may come in fp32, read where the bf16 g is.
+  const float* gf = static_cast<const float*>(p.g) + first;
+  auto load_g = [&](int i) {
+    if constexpr (kGiven) {
+      return p.g_fp32 ? gf[i * stride] : __bfloat162float(g[i * stride]);
+    } else {
+      return __bfloat162float(g[i * stride]);
+    }
+  };
   if (c.len == C) {
 #pragma unroll
     for (int i = 0; i < C; ++i) {
       sQ[i][d] = __bfloat162float(q[i * stride]);
       sK[i][d] = __bfloat162float(k[i * stride]);
-      G2[i] = __bfloat162float(g[i * stride]);
+      G2[i] = load_g(i);
       v[i] = __bfloat162float(vv[i * stride]);
     }
   } else {
@@ -177,7 +187,7 @@ __device__ __forceinline__ void load_chunk_inputs(const FwdParams& p, const Chun
       const bool valid = i < c.len;
       sQ[i][d] = valid ? __bfloat162float(q[i * stride]) : 0.f;
       sK[i][d] = valid ? __bfloat162float(k[i * stride]) : 0.f;
-      G2[i] = valid ? __bfloat162float(g[i * stride]) : 0.f;
+      G2[i] = valid ? load_g(i) : 0.f;
       v[i] = valid ? __bfloat162float(vv[i * stride]) : 0.f;
     }
   }
@@ -187,24 +197,34 @@ __device__ __forceinline__ void load_chunk_inputs(const FwdParams& p, const Chun
     sBeta[d] = d < c.len ? 1.f / (1.f + expf(-beta_logit)) : 0.f;
   }
 
-  // Gate in base 2: bounded_lam2 or softplus_lam2 (device_utils.cuh). Every row is
-  // computed and the padding selected away, which is cheaper than a branch per
-  // row, as a row costs five instructions.
-  const float A = expf(p.A_log[c.h]);
-  const float a2 = -A * kLog2e;
-  const float bias = p.dt_bias[c.h * D + d];
-  const float b2 = a2 * bias;
-  const float lb2 = p.lower_bound * kLog2e;
+  // Gate in base 2: bounded_lam2 or softplus_lam2 (device_utils.cuh), or g
+  // itself for a precomputed gate. Every row is computed and the padding
+  // selected away, which is cheaper than a branch per row, as a row costs five
+  // instructions.
   float acc = 0.f;
-#pragma unroll
-  for (int i = 0; i < C; ++i) {
-    if (sG != nullptr) {
-      sG[i][d] = G2[i];
-    }
-    const float l2 = kSoftplus ? softplus_lam2(G2[i] + bias, A) : bounded_lam2(G2[i], a2, b2, lb2);
+  auto cumulate = [&](int i, float l2) {
     lam2[i] = i < c.len ? l2 : 0.f;
     acc += lam2[i];
     G2[i] = acc;  // now G_i log2(e), the cumulative log decay in base 2
+  };
+  if constexpr (kGiven) {
+#pragma unroll
+    for (int i = 0; i < C; ++i) {
+      cumulate(i, G2[i] * kLog2e);
+    }
+  } else {
+    const float A = expf(p.A_log[c.h]);
+    const float a2 = -A * kLog2e;
+    const float bias = p.dt_bias[c.h * D + d];
+    const float b2 = a2 * bias;
+    const float lb2 = p.lower_bound * kLog2e;
+#pragma unroll
+    for (int i = 0; i < C; ++i) {
+      if (sG != nullptr) {
+        sG[i][d] = G2[i];
+      }
+      cumulate(i, kSoftplus ? softplus_lam2(G2[i] + bias, A) : bounded_lam2(G2[i], a2, b2, lb2));
+    }
   }
   __syncthreads();
 

@@ -21,7 +21,7 @@ void launch_boundaries(const void* cu_seqlens, bool cu_int32, int64_t N, int64_t
 // Rows of bf16 tensors [tokens, width] to clear where no chunk covers a token.
 struct ZeroRows {
   static constexpr int kMax = 5;
-  void* base[kMax] = {};  // bf16; null: unused
+  void* base[kMax] = {};  // zeroed as bf16 elements, width[r] a token; null: unused
   int64_t width[kMax] = {};
 };
 

@@ -35,6 +35,9 @@ void run_windows(const FwdParams& params, const Tensor& q, ForwardPlan plan, flo
                  const CallInputs& in, const Tensor& out_c, const Tensor& final_c) {
   if (plan.window < params.num_slots) {
     for (const Tensor* input : {&in.q, &in.k, &in.v, &in.g, &in.beta, &in.A_log, &in.dt_bias}) {
+      if (!input->defined()) {
+        continue;  // a precomputed gate's A_log and dt_bias
+      }
       if (at::get_overlap_status(*input, out_c) != at::MemOverlapStatus::No ||
           (final_c.defined() && at::get_overlap_status(*input, final_c) != at::MemOverlapStatus::No)) {
         plan.window = params.num_slots;
@@ -97,14 +100,17 @@ void forward_into(const char* op, const Problem& p, const Tensor& q, const Tenso
     // in vectors of up to 16 bytes.
     for (Tensor* input : {&in.q, &in.k, &in.g, &in.beta, &in.A_log, &in.dt_bias}) {
       *input = staged16(*input);
+      if (!input->defined()) {
+        continue;
+      }
       if (at::get_overlap_status(*input, out_c) != at::MemOverlapStatus::No ||
           (final_c.defined() && at::get_overlap_status(*input, final_c) != at::MemOverlapStatus::No)) {
         *input = input->clone();
       }
     }
     params.q = in.q.data_ptr(), params.k = in.k.data_ptr(), params.g = in.g.data_ptr();
-    params.beta = in.beta.data_ptr(), params.A_log = in.A_log.data_ptr<float>();
-    params.dt_bias = in.dt_bias.data_ptr<float>();
+    params.beta = in.beta.data_ptr(), params.A_log = float_data_or_null(in.A_log);
+    params.dt_bias = float_data_or_null(in.dt_bias);
     decode_forward(params, init, final_c, p.state_dtype == at::kFloat, stream);
   } else {
     // Every chunk-start state, for the backward (kda._fwd_checkpointed):
@@ -231,8 +237,8 @@ BackwardTuple backward_by_kernels(const Problem& p, const Tensor& grad_out, cons
   Tensor gf = staged16(grad_final_state.has_value() ? grad_final_state->to(at::kFloat) : Tensor());
   Tensor d_initial = init.defined() ? at::empty({N, H, kHeadDim, kHeadDim}, f32) : Tensor();
   BackwardOutputs o = allocate_backward_outputs(p, q, k, v, g, beta, A_log, dt_bias, initial_state);
-  // The gradients straight from K1's backward (bf16, contiguous: allocated so,
-  // and the CUDA op takes bf16 inputs only). Zeros where no chunk covers a
+  // The gradients straight from K1's backward (bf16, dg fp32 for an fp32
+  // precomputed gate; contiguous: allocated so). Zeros where no chunk covers a
   // token (only a malformed cu_seqlens leaves any): those tokens alone, as
   // zeroing the five tensors whole would write each of them once more.
   if (cu_seqlens.has_value()) {
@@ -240,13 +246,16 @@ BackwardTuple backward_by_kernels(const Problem& p, const Tensor& grad_out, cons
     int r = 0;
     for (Tensor* t : {&o.dq, &o.dk, &o.dv, &o.dg, &o.dbeta}) {
       rows.base[r] = t->data_ptr();
-      rows.width[r++] = t->numel() / std::max<int64_t>(concrete(p.T), 1);
+      // In bf16 units: an fp32 dg (a precomputed fp32 gate's) is twice as wide.
+      rows.width[r++] = t->numel() * t->element_size() / 2 / std::max<int64_t>(concrete(p.T), 1);
     }
     launch_zero_uncovered(in.params.seq_offsets, N, concrete(p.T), rows, stream);
   }
-  // Zeros: the blocks of slots past the live chunks return without writing their part.
-  Tensor ddt_part = at::zeros({bounds.num_slots, H, kHeadDim}, f32);
-  Tensor dA_part = at::zeros({bounds.num_slots, H}, f32);
+  // Zeros: the blocks of slots past the live chunks return without writing
+  // their part. A precomputed gate has neither parameter.
+  const bool gate_params = !p.precomputed_gate;
+  Tensor ddt_part = gate_params ? at::zeros({bounds.num_slots, H, kHeadDim}, f32) : Tensor();
+  Tensor dA_part = gate_params ? at::zeros({bounds.num_slots, H}, f32) : Tensor();
 
   BackwardCall call;
   call.fwd = in.params;
@@ -260,13 +269,15 @@ BackwardTuple backward_by_kernels(const Problem& p, const Tensor& grad_out, cons
   call.grads.dv = o.dv.data_ptr();
   call.grads.dg = o.dg.data_ptr();
   call.grads.dbeta = o.dbeta.data_ptr();
-  call.grads.ddt_bias_part = ddt_part.data_ptr<float>();
-  call.grads.dA_log_part = dA_part.data_ptr<float>();
+  call.grads.ddt_bias_part = gate_params ? ddt_part.data_ptr<float>() : nullptr;
+  call.grads.dA_log_part = gate_params ? dA_part.data_ptr<float>() : nullptr;
   run_backward(call, in.v, plan, saved ? checkpoints.data_ptr() : nullptr,
                saved_records ? records.data_ptr<float>() : nullptr);
 
-  o.ddt_bias.copy_(ddt_part.sum(0));
-  o.dA_log.copy_(dA_part.sum(0));
+  if (gate_params) {
+    o.ddt_bias.copy_(ddt_part.sum(0));
+    o.dA_log.copy_(dA_part.sum(0));
+  }
   if (init.defined()) {
     o.dinitial_state.copy_(d_initial);
   }

@@ -130,6 +130,12 @@ struct FwdParams {
   // its backward form only exponents of sums over ranges of the chunk (<= 0).
   bool softplus = false;
   float lower_bound = 0.f;
+  // A precomputed gate (A_log and dt_bias null): g is the log decay lambda
+  // itself, bf16 or (g_fp32) fp32, with no formula applied; `softplus` then
+  // chooses only the factoring, bounded where the caller promised g >=
+  // lower_bound >= -5 and the levels otherwise.
+  bool gate_given = false;
+  bool g_fp32 = false;
 };
 
 // K1's backward (backward/input_gradients.cu) reads, per (chunk slot, head), the gradients of
@@ -165,10 +171,10 @@ struct PrepareBwdParams {
   float* dbeta = nullptr;
   // Or, with `chain`, the op's own gradients through the activations
   // (the chain rule in the same kernel): bf16 dq, dk, dv, dg [tokens, H, 128]
-  // and dbeta [tokens, H], written for the chunks' real tokens, and per chunk
-  // slot the parts of ddt_bias [slots, H, 128] and dA_log [slots, H] (fp32),
-  // which the host then sums over the slots with one ATen reduction each
-  // (deterministic).
+  // (dg fp32 with fwd.g_fp32) and dbeta [tokens, H], written for the chunks'
+  // real tokens, and per chunk slot the parts of ddt_bias [slots, H, 128] and
+  // dA_log [slots, H] (fp32; none for a precomputed gate), which the host then
+  // sums over the slots with one ATen reduction each (deterministic).
   struct Grads {
     void* dq = nullptr;
     void* dk = nullptr;

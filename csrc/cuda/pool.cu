@@ -177,15 +177,21 @@ struct DecodeTile {
 };
 
 // The first tile's inputs, warp w's token: its q, k and g (lane l's four
-// channels), the slab's 32 values of v, and the head's dt_bias (lane l's four)
-// and A_log, a copy a warp, so that each warp reads only what it fetched.
-// beta, 2 bytes, comes through a register.
+// channels; a precomputed gate's g may be fp32), the slab's 32 values of v,
+// and the head's dt_bias (lane l's four) and A_log, a copy a warp, so that
+// each warp reads only what it fetched. beta, 2 bytes, comes through a register.
 struct TileInputs {
   uint2 raw[3][kTileTokens][32];
+  float4 g32[kTileTokens][32];
   __nv_bfloat16 v[kTileTokens][kSlabRows];
   float4 bias[kTileTokens][32];
   float A_log[kTileTokens];
 };
+
+// Four channels of g as floats, from bf16 pairs.
+__device__ __forceinline__ float4 bf16x4(uint2 x) {
+  return make_float4(lo_half(x.x), hi_half(x.x), lo_half(x.y), hi_half(x.y));
+}
 
 __device__ __forceinline__ void cp_async_8(uint32_t smem_dst, const void* gmem_src) {
   asm volatile("cp.async.ca.shared.global [%0], [%1], 8;\n" ::"r"(smem_dst), "l"(gmem_src));
@@ -203,29 +209,36 @@ __device__ __forceinline__ void fetch_token(const FwdParams& f, int64_t t, int h
   const void* rows[3] = {f.q, f.k, f.g};
 #pragma unroll
   for (int m = 0; m < 3; ++m) {
-    cp_async_8(smem_u32(&in.raw[m][warp][lane]), static_cast<const __nv_bfloat16*>(rows[m]) + th * D + 4 * lane);
+    if (m == 2 && f.g_fp32) {
+      cp_async_16(smem_u32(&in.g32[warp][lane]), static_cast<const float*>(f.g) + th * D + 4 * lane);
+    } else {
+      cp_async_8(smem_u32(&in.raw[m][warp][lane]), static_cast<const __nv_bfloat16*>(rows[m]) + th * D + 4 * lane);
+    }
   }
   if (lane < kSlabRows / 8) {
     cp_async_16(smem_u32(&in.v[warp][8 * lane]), static_cast<const __nv_bfloat16*>(f.v) + th * D + row0 + 8 * lane);
   }
-  cp_async_16(smem_u32(&in.bias[warp][lane]), f.dt_bias + int64_t{h} * D + 4 * lane);
-  if (lane == 0) {
-    cp_async_4(smem_u32(&in.A_log[warp]), f.A_log + h);
+  if (!f.gate_given) {
+    cp_async_16(smem_u32(&in.bias[warp][lane]), f.dt_bias + int64_t{h} * D + 4 * lane);
+    if (lane == 0) {
+      cp_async_4(smem_u32(&in.A_log[warp]), f.A_log + h);
+    }
   }
   cp_async_commit();
   beta = load_bf16(f.beta, th);
 }
 
 // One token's activations (warp-wide; lane l's channels 4 l..4 l + 3) into
-// row tt of the tile, from its raw q, k, g (bf16 pairs), the lane's value
-// channel v, beta's logit, A_log and the lane's four dt_bias.
+// row tt of the tile, from its raw q, k (bf16 pairs) and g, the lane's value
+// channel v, beta's logit, and A_log and the lane's four dt_bias (unread for a
+// precomputed gate, whose g is the log decay).
 template <bool kFp32>
-__device__ __forceinline__ void token_activations(const FwdParams& p, uint2 qv, uint2 kv, uint2 gv, float v,
+__device__ __forceinline__ void token_activations(const FwdParams& p, uint2 qv, uint2 kv, float4 gv, float v,
                                                   float beta, float A_log, float4 bias, int tt, int lane,
                                                   DecodeTile& s) {
   const float q[4] = {lo_half(qv.x), hi_half(qv.x), lo_half(qv.y), hi_half(qv.y)};
   const float k[4] = {lo_half(kv.x), hi_half(kv.x), lo_half(kv.y), hi_half(kv.y)};
-  const float x[4] = {lo_half(gv.x) + bias.x, hi_half(gv.x) + bias.y, lo_half(gv.y) + bias.z, hi_half(gv.y) + bias.w};
+  const float x[4] = {gv.x + bias.x, gv.y + bias.y, gv.z + bias.z, gv.w + bias.w};
   const float sq = warp_sum((q[0] * q[0] + q[1] * q[1]) + (q[2] * q[2] + q[3] * q[3]));
   const float sk = warp_sum((k[0] * k[0] + k[1] * k[1]) + (k[2] * k[2] + k[3] * k[3]));
   const float qn = rsqrtf(sq + static_cast<float>(kNormEps)) * p.scale, kn = rsqrtf(sk + static_cast<float>(kNormEps));
@@ -234,8 +247,9 @@ __device__ __forceinline__ void token_activations(const FwdParams& p, uint2 qv, 
 #pragma unroll
   for (int e = 0; e < 4; ++e) {
     // The gates in fp32: bounded lower_bound * sigmoid(A x); softplus -A softplus(x).
-    const float lam =
-        p.softplus ? -A * (fmaxf(x[e], 0.f) + log1pf(expf(-fabsf(x[e])))) : p.lower_bound / (1.f + expf(-A * x[e]));
+    const float lam = p.gate_given ? x[e]
+                      : p.softplus ? -A * (fmaxf(x[e], 0.f) + log1pf(expf(-fabsf(x[e]))))
+                                   : p.lower_bound / (1.f + expf(-A * x[e]));
     al[e] = expf(lam);
   }
   const int at = 4 * tile_quad<kFp32>(lane);
@@ -257,8 +271,14 @@ __device__ __forceinline__ void later_token_activations(const FwdParams& p, int6
   auto row = [&](const void* x) {
     return *reinterpret_cast<const uint2*>(static_cast<const __nv_bfloat16*>(x) + th * D + 4 * lane);
   };
-  token_activations<kFp32>(p, row(p.q), row(p.k), row(p.g), load_bf16(p.v, th * D + row0 + lane), load_bf16(p.beta, th),
-                    p.A_log[h], *reinterpret_cast<const float4*>(p.dt_bias + int64_t{h} * D + 4 * lane), tt, lane, s);
+  const float4 gate =
+      p.g_fp32 ? *reinterpret_cast<const float4*>(static_cast<const float*>(p.g) + th * D + 4 * lane) : bf16x4(row(p.g));
+  const bool given = p.gate_given;
+  token_activations<kFp32>(
+      p, row(p.q), row(p.k), gate, load_bf16(p.v, th * D + row0 + lane), load_bf16(p.beta, th),
+      given ? 0.f : p.A_log[h],
+      given ? make_float4(0.f, 0.f, 0.f, 0.f) : *reinterpret_cast<const float4*>(p.dt_bias + int64_t{h} * D + 4 * lane),
+      tt, lane, s);
 }
 
 // The sums over a row's 16 lanes of the thread's four rows x[0..3], in four
@@ -402,8 +422,11 @@ __global__ void __launch_bounds__(kDecodeThreads, kDecodeBlocksPerSm) pool_decod
   if (warp < len) {
     cp_async_wait<0>();
     __syncwarp();  // the wait covers this thread's copies; v and A_log came by other lanes'
-    token_activations<kFp32>(f, in.raw[0][warp][lane], in.raw[1][warp][lane], in.raw[2][warp][lane],
-                      __bfloat162float(in.v[warp][lane]), beta, in.A_log[warp], in.bias[warp][lane], warp, lane, s);
+    const bool given = f.gate_given;
+    token_activations<kFp32>(f, in.raw[0][warp][lane], in.raw[1][warp][lane],
+                             f.g_fp32 ? in.g32[warp][lane] : bf16x4(in.raw[2][warp][lane]),
+                             __bfloat162float(in.v[warp][lane]), beta, given ? 0.f : in.A_log[warp],
+                             given ? make_float4(0.f, 0.f, 0.f, 0.f) : in.bias[warp][lane], warp, lane, s);
   }
   for (int first = 0; first < len; first += kTileTokens) {
     if (first != 0) {

@@ -65,6 +65,9 @@ void fwd_pool(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g
   // the decode kernel's vector loads want 16-byte aligned rows.
   auto read_safely = [&](const Tensor& t) {
     Tensor c = staged16(t);
+    if (!c.defined()) {
+      return c;  // a precomputed gate's A_log and dt_bias
+    }
     for (const Tensor* written : {&state_pool, &out_c}) {
       if (c.storage().is_alias_of(written->storage()) &&
           at::get_overlap_status(c, *written) != at::MemOverlapStatus::No) {
@@ -95,8 +98,7 @@ void fwd_pool(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g
   pp.fwd.N = N;
   pp.fwd.H = H;
   pp.fwd.scale = static_cast<float>(resolved_scale(p));
-  pp.fwd.softplus = p.gate == Gate::kSoftplus;
-  pp.fwd.lower_bound = static_cast<float>(p.lower_bound);
+  set_gate(pp.fwd, p, g);
 
   if (pool_by_decode(tokens, N, accepted.defined())) {
     const Tensor qc = read_safely(q), kc = read_safely(k), vc = read_safely(v), gc = read_safely(g);
@@ -106,8 +108,8 @@ void fwd_pool(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g
     pp.fwd.v = vc.data_ptr();
     pp.fwd.g = gc.data_ptr();
     pp.fwd.beta = bc.data_ptr();
-    pp.fwd.A_log = ac.data_ptr<float>();
-    pp.fwd.dt_bias = dc.data_ptr<float>();
+    pp.fwd.A_log = float_data_or_null(ac);
+    pp.fwd.dt_bias = float_data_or_null(dc);
     launch_pool_decode(pp, stream);
   } else {
     Tensor states = at::empty({N, H, kHeadDim, kHeadDim}, state_pool.options().dtype(p.state_dtype));

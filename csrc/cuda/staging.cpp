@@ -20,9 +20,6 @@ using at::Tensor;
 using std::optional;
 
 void check_cuda_limits(const char* op, const Problem& p, const Tensor& A_log, const Tensor& dt_bias) {
-  TORCH_CHECK(!p.precomputed_gate,
-              op, ": on CUDA, A_log and dt_bias must be tensors (a precomputed gate, A_log=None and dt_bias=None, "
-              "runs on the CPU)");
   TORCH_CHECK(
       p.input_dtype == at::kBFloat16,
       op, ": on CUDA, q, k, v, g and beta must have dtype bfloat16, got ", dtype_name(p.input_dtype));
@@ -38,14 +35,18 @@ void check_cuda_limits(const char* op, const Problem& p, const Tensor& A_log, co
       concrete(p.H) == concrete(p.H_qk),
       op, ": on CUDA, v must have as many heads as q (grouped value heads run on the CPU), got HV = ",
       int_str(concrete(p.H)), " value heads for H = ", int_str(concrete(p.H_qk)), " query/key heads");
-  TORCH_CHECK(A_log.scalar_type() == at::kFloat, op, ": on CUDA, A_log must have dtype float32, got ",
-              dtype_name(A_log.scalar_type()));
-  TORCH_CHECK(dt_bias.scalar_type() == at::kFloat, op, ": on CUDA, dt_bias must have dtype float32, got ",
-              dtype_name(dt_bias.scalar_type()));
+  if (!p.precomputed_gate) {
+    TORCH_CHECK(A_log.scalar_type() == at::kFloat, op, ": on CUDA, A_log must have dtype float32, got ",
+                dtype_name(A_log.scalar_type()));
+    TORCH_CHECK(dt_bias.scalar_type() == at::kFloat, op, ": on CUDA, dt_bias must have dtype float32, got ",
+                dtype_name(dt_bias.scalar_type()));
+  }
   // The bounded gate's kernels factor exp(G_i - G_j) = exp(G_i) exp(-G_j),
-  // finite while 16 tokens decay by at most e^80 (params.h).
+  // finite while 16 tokens decay by at most e^80 (params.h). A precomputed
+  // gate promised to a lower bound below -5 takes the softplus gate's kernels
+  // (set_gate), which take any decay.
   TORCH_CHECK(
-      p.gate == Gate::kSoftplus || p.lower_bound >= -5.0,
+      p.gate == Gate::kSoftplus || p.lower_bound >= -5.0 || p.precomputed_gate,
       op, ": on CUDA, lower_bound must be in [-5, 0) or None (the softplus gate), got ", float_str(p.lower_bound));
   TORCH_CHECK(
       p.state_dtype == at::kBFloat16 || p.state_dtype == at::kFloat,
@@ -81,8 +82,20 @@ Problem check_all(const char* op, const Tensor& q, const Tensor& k, const Tensor
       read_and_check_cu_seqlens(op, *cu_seqlens, concrete(p.T));
     }
     check_A_log_values(op, A_log, /*in_double=*/false);
+    check_precomputed_gate_values(op, p, g);
   }
   return p;
+}
+
+void set_gate(FwdParams& fp, const Problem& p, const Tensor& g) {
+  fp.gate_given = p.precomputed_gate;
+  fp.g_fp32 = g.scalar_type() == at::kFloat;
+  fp.softplus = p.gate == Gate::kSoftplus || (p.precomputed_gate && p.lower_bound < -5.0);
+  fp.lower_bound = static_cast<float>(p.lower_bound);
+}
+
+const float* float_data_or_null(const Tensor& t) {
+  return t.defined() ? t.data_ptr<float>() : nullptr;
 }
 
 Boundaries sequence_boundaries(const char* op, const Problem& p, const Tensor& q, const optional<Tensor>& cu_seqlens,
@@ -121,8 +134,8 @@ Tensor sweep_grad_out(const Tensor& grad_out) {
 
 CallInputs call_inputs(const Problem& p, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g,
                        const Tensor& beta, const Tensor& A_log, const Tensor& dt_bias, const Boundaries& bounds) {
-  CallInputs in{q.contiguous(),    k.contiguous(),     staged16(v),          g.contiguous(),
-                beta.contiguous(), A_log.contiguous(), dt_bias.contiguous(), FwdParams{}};
+  CallInputs in{q.contiguous(),    k.contiguous(), staged16(v),          g.contiguous(),
+                beta.contiguous(), staged16(A_log), staged16(dt_bias), FwdParams{}};
   FwdParams& fp = in.params;
   fp.H = concrete(p.H);
   fp.N = concrete(p.N);
@@ -132,8 +145,8 @@ CallInputs call_inputs(const Problem& p, const Tensor& q, const Tensor& k, const
   fp.v = in.v.data_ptr();
   fp.g = in.g.data_ptr();
   fp.beta = in.beta.data_ptr();
-  fp.A_log = in.A_log.data_ptr<float>();
-  fp.dt_bias = in.dt_bias.data_ptr<float>();
+  fp.A_log = float_data_or_null(in.A_log);
+  fp.dt_bias = float_data_or_null(in.dt_bias);
   fp.seq_offsets = bounds.offsets.defined() ? bounds.offsets.data_ptr<int64_t>() : nullptr;
   fp.chunk_offsets = fp.seq_offsets != nullptr ? fp.seq_offsets + (fp.N + 1) : nullptr;
   fp.seq_order = fp.seq_offsets != nullptr ? fp.seq_offsets + 2 * (fp.N + 1) : nullptr;
@@ -142,8 +155,7 @@ CallInputs call_inputs(const Problem& p, const Tensor& q, const Tensor& k, const
   fp.slot_begin = 0;
   fp.slot_end = bounds.num_slots;
   fp.scale = static_cast<float>(resolved_scale(p));
-  fp.softplus = p.gate == Gate::kSoftplus;
-  fp.lower_bound = static_cast<float>(p.lower_bound);
+  set_gate(fp, p, in.g);
   // Here, where the forward and the backward's recomputing passes both take
   // them: the backward's states are then the forward's.
   fp.state_fp32 = p.state_dtype == at::kFloat;

@@ -16,7 +16,8 @@ namespace kda::cuda {
 
 // The shared argument checks (checks.cpp), then what the CUDA kernels support
 // (bf16 inputs, K = V = 128, lower_bound in [-5, 0) or None, ...), then under
-// TORCH_KDA_CHECK=1 the contents of cu_seqlens and A_log (a device sync).
+// TORCH_KDA_CHECK=1 the contents of cu_seqlens, A_log and a precomputed gate's g
+// (a device sync).
 Problem check_all(const char* op, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                   const at::Tensor& g, const at::Tensor& beta, const at::Tensor& A_log, const at::Tensor& dt_bias,
                   std::optional<double> scale, std::optional<double> lower_bound,
@@ -47,6 +48,13 @@ at::Tensor staged16(const at::Tensor& t);
 // grad_out as the backward sweep reads it: bf16 or fp32 as given (other dtypes
 // in fp32), contiguous and 16-byte aligned.
 at::Tensor sweep_grad_out(const at::Tensor& grad_out);
+
+// The gate's fields of fp (params.h): which formula, if any, and which
+// factoring the kernels take for p's gate, and g's dtype.
+void set_gate(FwdParams& fp, const Problem& p, const at::Tensor& g);
+
+// t's fp32 data, or null where t is undefined (A_log and dt_bias of a precomputed gate).
+const float* float_data_or_null(const at::Tensor& t);
 
 // A call's inputs made contiguous (copies only where the caller's tensors are
 // not; v also 16-byte aligned, as K2 copies it in 16-byte pieces) and the

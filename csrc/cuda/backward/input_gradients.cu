@@ -308,7 +308,7 @@ __device__ __forceinline__ void softplus_column_sums(const FwdParams& p, int d, 
 // ddt_bias and dA_log) or to those of lambda and sigmoid(beta) (the private
 // test op). dq, dk of every row wait in sDq, sDk and their products with qn,
 // kn in sT0, sT1 (the tiles' last use).
-template <bool kChain, bool kSoftplus>
+template <bool kChain, bool kSoftplus, bool kGiven>
 __device__ __forceinline__ void activation_gradients(const PrepareBwdParams& bp, const ChunkPlace& c, int d,
                                                      const float (&dG)[C], const float (&lam2)[C],
                                                      const float (&qn)[C], const float (&kn)[C],
@@ -325,38 +325,57 @@ __device__ __forceinline__ void activation_gradients(const PrepareBwdParams& bp,
     // with dx = dlambda lower_bound s (1 - s), dg = A dx, ddt_bias sums A dx
     // over the tokens and dA_log sums dx x. Softplus: lambda = -A softplus(x),
     // x = g + dt_bias: dg = dlambda (-A) sigmoid(x), ddt_bias sums dg and
-    // dA_log sums dlambda lambda.
-    const float A = expf(p.A_log[c.h]);
-    const float bias = p.dt_bias[c.h * D + d];
+    // dA_log sums dlambda lambda. A precomputed gate: dg = dlambda.
     float tail = 0.f, ddt = 0.f, dA = 0.f;
     const ChunkColumn dg(bp.grads.dg, c, H, d);
+    if constexpr (kGiven) {
+      float* const dg32 = p.g_fp32 ? static_cast<float*>(bp.grads.dg) + (c.bos * H + c.h) * D + d : nullptr;
 #pragma unroll
-    for (int i = C - 1; i >= 0; --i) {
-      tail += dG[i];
-      if (i < c.len) {
-        if constexpr (kSoftplus) {
-          // Every term of dlambda_i holds the token's own decay as a factor,
-          // so a decay that underflows to zero (lambda < -87) has dlambda_i = 0
-          // exactly; the suffix sum leaves there only the rounding of terms
-          // that cancel, which dA_log's lambda_i (up to -1e30) would amplify.
-          const float dlam = lam2[i] < -126.f ? 0.f : tail;
-          const float x = sG[i][d] + bias;
-          const float dx = -A * dlam * fast_rcp(1.f + fast_exp2(-kLog2e * x));
-          dg.store(i, dx);
-          ddt += dx;
-          dA += dlam * lam2[i] * kLn2;
-        } else {
-          const float x = A * (sG[i][d] + bias);
-          const float s = fast_rcp(1.f + fast_exp2(-kLog2e * x));
-          const float darg = tail * p.lower_bound * s * (1.f - s);
-          dg.store(i, darg * A);
-          ddt += darg * A;
-          dA += darg * x;
+      for (int i = C - 1; i >= 0; --i) {
+        tail += dG[i];
+        if (i < c.len) {
+          // As below: a decay that underflows leaves dlambda only rounding.
+          const float dlam = kSoftplus && lam2[i] < -126.f ? 0.f : tail;
+          if (dg32 != nullptr) {
+            dg32[i * H * D] = dlam;
+          } else {
+            dg.store(i, dlam);
+          }
+        }
+      }
+    } else {
+      const float A = expf(p.A_log[c.h]);
+      const float bias = p.dt_bias[c.h * D + d];
+#pragma unroll
+      for (int i = C - 1; i >= 0; --i) {
+        tail += dG[i];
+        if (i < c.len) {
+          if constexpr (kSoftplus) {
+            // Every term of dlambda_i holds the token's own decay as a factor,
+            // so a decay that underflows to zero (lambda < -87) has dlambda_i = 0
+            // exactly; the suffix sum leaves there only the rounding of terms
+            // that cancel, which dA_log's lambda_i (up to -1e30) would amplify.
+            const float dlam = lam2[i] < -126.f ? 0.f : tail;
+            const float x = sG[i][d] + bias;
+            const float dx = -A * dlam * fast_rcp(1.f + fast_exp2(-kLog2e * x));
+            dg.store(i, dx);
+            ddt += dx;
+            dA += dlam * lam2[i] * kLn2;
+          } else {
+            const float x = A * (sG[i][d] + bias);
+            const float s = fast_rcp(1.f + fast_exp2(-kLog2e * x));
+            const float darg = tail * p.lower_bound * s * (1.f - s);
+            dg.store(i, darg * A);
+            ddt += darg * A;
+            dA += darg * x;
+          }
         }
       }
     }
     const int64_t part = (c.slot - p.slot_begin) * H + c.h;
-    bp.grads.ddt_bias_part[part * D + d] = ddt;
+    if constexpr (!kGiven) {
+      bp.grads.ddt_bias_part[part * D + d] = ddt;
+    }
     dA = warp_sum(dA);
     if (d % 32 == 0) {
       sDA_part[d / 32] = dA;
@@ -364,7 +383,7 @@ __device__ __forceinline__ void activation_gradients(const PrepareBwdParams& bp,
     __syncthreads();
     reduce_rows32<kPad>(
         sT0, sT1, [](float4 x) { return x.x + x.y + x.z + x.w; }, [](float s) { return s; }, sDot);
-    if (d == 0) {
+    if (d == 0 && !kGiven) {
       float a = 0.f;
 #pragma unroll
       for (int w = 0; w < kThreads / 32; ++w) {
@@ -462,9 +481,10 @@ __device__ __forceinline__ void copy_record_gradients(const float* src, Smem& sm
 // `chain`); otherwise leave the activation gradients (the private test op).
 // kSoftplus: the softplus gate (FwdParams::softplus), whose pairs' decays are
 // products of the tokens' decays (level_factors) instead of exp(G_i) exp(-G_j).
-template <bool kChain, bool kSoftplus>
+// kGiven: a precomputed gate (FwdParams::gate_given), dg = dlambda.
+template <bool kChain, bool kSoftplus, bool kGiven>
 __global__ void __launch_bounds__(kThreads, 3) prepare_backward_kernel(const PrepareBwdParams bp) {
-  static_assert(kChain || !kSoftplus, "the private test op serves the bounded gate only");
+  static_assert(kChain || (!kSoftplus && !kGiven), "the private test op serves the bounded gate only");
   const FwdParams& p = bp.fwd;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   Smem& sm = *reinterpret_cast<Smem*>(smem_raw);
@@ -477,7 +497,7 @@ __global__ void __launch_bounds__(kThreads, 3) prepare_backward_kernel(const Pre
   const int d = threadIdx.x;
   float G2[C], lam2[C], v[C];
   // The record gradients are read from the products on; the inputs first.
-  load_chunk_inputs<kPad, kSoftplus>(
+  load_chunk_inputs<kPad, kSoftplus, kGiven>(
       p, c, sm.T0, sm.T1, sm.Beta, sm.InvNorm, G2, lam2, v, kChain ? sm.G : nullptr,
       [&] { copy_record_gradients(bp.d_record + ((c.slot - p.slot_begin) * H + c.h) * kDRecFloats, sm, d); });
 
@@ -655,8 +675,8 @@ __global__ void __launch_bounds__(kThreads, 3) prepare_backward_kernel(const Pre
     }
     dG[C - 1] += gl * dgl;
   }
-  activation_gradients<kChain, kSoftplus>(bp, c, d, dG, lam2, qn, kn, sm.T0, sm.T1, sm.Dot, sm.DA_part, sm.RW,
-                                          sm.RU, sm.G, sm.InvNorm, sm.Db, sm.Beta);
+  activation_gradients<kChain, kSoftplus, kGiven>(bp, c, d, dG, lam2, qn, kn, sm.T0, sm.T1, sm.Dot, sm.DA_part,
+                                                  sm.RW, sm.RU, sm.G, sm.InvNorm, sm.Db, sm.Beta);
 }
 
 }  // namespace
@@ -673,10 +693,13 @@ void launch_prepare_backward(const PrepareBwdParams& bp, cudaStream_t stream) {
               " heads (q's dimension 2) put a chunk's rows further apart than the kernel's 32-bit steps reach; ",
               "at most ", std::to_string(INT32_MAX / (C * D)));
   constexpr int kSmem = sizeof(Smem);
-  TORCH_CHECK(bp.chain || !bp.fwd.softplus, "kda: the activation gradients alone serve the bounded gate only");
-  auto* kernel = bp.fwd.softplus ? prepare_backward_kernel<true, true>
-                 : bp.chain      ? prepare_backward_kernel<true, false>
-                                 : prepare_backward_kernel<false, false>;
+  TORCH_CHECK(bp.chain || !(bp.fwd.softplus || bp.fwd.gate_given),
+              "kda: the activation gradients alone serve the bounded gate only");
+  auto* kernel = bp.fwd.gate_given ? (bp.fwd.softplus ? prepare_backward_kernel<true, true, true>
+                                                      : prepare_backward_kernel<true, false, true>)
+                 : bp.fwd.softplus ? prepare_backward_kernel<true, true, false>
+                 : bp.chain        ? prepare_backward_kernel<true, false, false>
+                                   : prepare_backward_kernel<false, false, false>;
   C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem));
   // Three blocks an SM need the largest carveout.
   C10_CUDA_CHECK(

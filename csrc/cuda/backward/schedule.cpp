@@ -108,9 +108,12 @@ void run_backward(const BackwardCall& call, const at::Tensor& like, const Backwa
     pp.d_record = d_record.data_ptr<float>();
     pp.chain = true;
     pp.grads = call.grads;
-    // It indexes the parts from the window's first slot; they are kept by absolute slot.
-    pp.grads.ddt_bias_part += p.slot_begin * H * D;
-    pp.grads.dA_log_part += p.slot_begin * H;
+    // It indexes the parts from the window's first slot; they are kept by
+    // absolute slot (none for a precomputed gate).
+    if (!p.gate_given) {
+      pp.grads.ddt_bias_part += p.slot_begin * H * D;
+      pp.grads.dA_log_part += p.slot_begin * H;
+    }
     launch_prepare_backward(pp, stream);
   }
 }

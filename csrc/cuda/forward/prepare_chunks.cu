@@ -175,7 +175,7 @@ struct K1Block {
 
 // The chunk's q, g and k rows (bf16) into their planes, 16-byte pieces, zeros
 // past the sequence's end; all of them in flight before anything waits on one.
-template <class B>
+template <bool kGiven, class B>
 __device__ __forceinline__ void load_chunk_rows(const B& b, const FwdParams& p, const ChunkPlace& c) {
   using S = typename B::S;
   const auto* q = static_cast<const unsigned char*>(p.q);
@@ -189,7 +189,8 @@ __device__ __forceinline__ void load_chunk_rows(const B& b, const FwdParams& p, 
     const int64_t src = (((c.bos + (valid ? i : 0)) * p.H + c.h) * D + 8 * j) * 2;
     const uint32_t dst = b.st_base + piece_offset(i, j);
     cp_async_16_or_zero(dst + S::kQs, q + src, valid);
-    cp_async_16_or_zero(dst + S::kW, gg + src, valid);
+    // An fp32 g (a precomputed gate's) is read by step_gate from global memory.
+    cp_async_16_or_zero(dst + S::kW, gg + src, valid && !(kGiven && p.g_fp32));
     cp_async_16_or_zero(dst + S::kKd, k + src, valid);
   }
   cp_async_commit();
@@ -256,9 +257,11 @@ struct StepGate {
 
 // The gate in base 2 (chunk_inputs.cuh): bounded, lam log2(e) = lb2 / (1 +
 // 2^(a2 g + b2)), b2 = a2 dt_bias; softplus, softplus_lam2(g + b2, A), b2 =
-// dt_bias. G = L lam on the tensor cores (l_frag: L's A fragment); gl (the
-// record's exp(G_last)) leaves for shared memory here.
-template <bool kSoftplus, class B>
+// dt_bias; precomputed, g log2(e) (an fp32 g straight from global memory, in
+// the fragments' layout: four tokens of eight channels a load, whole sectors).
+// G = L lam on the tensor cores (l_frag: L's A fragment); gl (the record's
+// exp(G_last)) leaves for shared memory here.
+template <bool kSoftplus, bool kGiven, class B>
 __device__ __forceinline__ void step_gate(const B& b, const FwdParams& p, const ChunkPlace& c, int s, float A,
                                           float a2, float lb2, const float (&b2)[B::kWarpSteps][2],
                                           const uint32_t (&l_frag)[4], StepGate& x) {
@@ -272,14 +275,26 @@ __device__ __forceinline__ void step_gate(const B& b, const FwdParams& p, const 
 #pragma unroll
   for (int m = 0; m < 4; ++m) {
     const int tok = 2 * b.t + 8 * (m & 1);
-    const float bias = kSoftplus ? p.dt_bias[c.h * D + 16 * (b.s0 + s) + 8 * (m >> 1) + b.g] : b2[s][m >> 1];
     float lam0, lam1;
-    if constexpr (kSoftplus) {
-      lam0 = softplus_lam2(lo_half(gt[m]) + bias, A);
-      lam1 = softplus_lam2(hi_half(gt[m]) + bias, A);
+    if constexpr (kGiven) {
+      float g0 = lo_half(gt[m]), g1 = hi_half(gt[m]);  // tokens tok, tok + 1
+      if (p.g_fp32) {
+        const float* gp =
+            static_cast<const float*>(p.g) + ((c.bos + tok) * p.H + c.h) * D + 16 * (b.s0 + s) + 8 * (m >> 1) + b.g;
+        g0 = tok < c.len ? gp[0] : 0.f;
+        g1 = tok + 1 < c.len ? gp[p.H * D] : 0.f;
+      }
+      lam0 = g0 * kLog2e;
+      lam1 = g1 * kLog2e;
     } else {
-      lam0 = bounded_lam2(lo_half(gt[m]), a2, bias, lb2);
-      lam1 = bounded_lam2(hi_half(gt[m]), a2, bias, lb2);
+      const float bias = kSoftplus ? p.dt_bias[c.h * D + 16 * (b.s0 + s) + 8 * (m >> 1) + b.g] : b2[s][m >> 1];
+      if constexpr (kSoftplus) {
+        lam0 = softplus_lam2(lo_half(gt[m]) + bias, A);
+        lam1 = softplus_lam2(hi_half(gt[m]) + bias, A);
+      } else {
+        lam0 = bounded_lam2(lo_half(gt[m]), a2, bias, lb2);
+        lam1 = bounded_lam2(hi_half(gt[m]), a2, bias, lb2);
+      }
     }
     lam0 = tok < c.len ? lam0 : 0.f;
     lam1 = tok + 1 < c.len ? lam1 : 0.f;
@@ -761,7 +776,8 @@ __device__ __forceinline__ void store_record(const B& b, const FwdParams& p, con
 // warp 0 solves M, and each warp copies out its own halves.
 // kSoftplus: the softplus gate (FwdParams::softplus), whose 16 x 16 products
 // are formed level by level (Range) instead of from exp(G) and exp(-G).
-template <bool kForBackward, bool kBf16, bool kSoftplus>
+// kGiven: a precomputed gate (FwdParams::gate_given), g the log decay itself.
+template <bool kForBackward, bool kBf16, bool kSoftplus, bool kGiven>
 __global__ void __launch_bounds__(32 * kWarps, (kMinBlocksPerSm<kWKdLoPlanes<kForBackward, kBf16>, kSoftplus>))
     prepare_kernel(const FwdParams p) {
   using B = K1Block<kForBackward, kBf16, kSoftplus>;
@@ -773,7 +789,7 @@ __global__ void __launch_bounds__(32 * kWarps, (kMinBlocksPerSm<kWKdLoPlanes<kFo
     return;
   }
   const B b(st);
-  load_chunk_rows(b, p, c);
+  load_chunk_rows<kGiven>(b, p, c);
 
   // Beta's sigmoid (lane i < 16: token i; zero past the sequence), and the rows
   // g and g + 8 of this lane.
@@ -785,7 +801,8 @@ __global__ void __launch_bounds__(32 * kWarps, (kMinBlocksPerSm<kWKdLoPlanes<kFo
 
   // The gate's constants (step_gate); this lane's channels of k-step s in the
   // transposed fragments are 16 s + g and 16 s + 8 + g.
-  const float A = expf(p.A_log[c.h]);
+  // A precomputed gate has no A_log or dt_bias.
+  const float A = kGiven ? 1.f : expf(p.A_log[c.h]);
   const float a2 = -A * kLog2e;
   const float lb2 = p.lower_bound * kLog2e;
   float b2[kWarpSteps][2];
@@ -793,7 +810,7 @@ __global__ void __launch_bounds__(32 * kWarps, (kMinBlocksPerSm<kWKdLoPlanes<kFo
   for (int s = 0; s < kWarpSteps; ++s) {
 #pragma unroll
     for (int hb = 0; hb < 2; ++hb) {
-      const float bias = p.dt_bias[c.h * D + 16 * (b.s0 + s) + 8 * hb + b.g];
+      const float bias = kGiven ? 0.f : p.dt_bias[c.h * D + 16 * (b.s0 + s) + 8 * hb + b.g];
       b2[s][hb] = kSoftplus ? bias : a2 * bias;
     }
   }
@@ -824,7 +841,7 @@ __global__ void __launch_bounds__(32 * kWarps, (kMinBlocksPerSm<kWKdLoPlanes<kFo
   }
   auto step = [&](const int s) {
     StepGate x;
-    step_gate<kSoftplus>(b, p, c, s, A, a2, lb2, b2, l_frag, x);
+    step_gate<kSoftplus, kGiven>(b, p, c, s, A, a2, lb2, b2, l_frag, x);
     StepTiles y;
     if constexpr (kSoftplus) {
       bool fast[2];
@@ -871,12 +888,12 @@ __global__ void __launch_bounds__(32 * kWarps, (kMinBlocksPerSm<kWKdLoPlanes<kFo
 }
 
 // The instance for the record's planes and the products' precision.
-template <bool kSoftplus>
+template <bool kSoftplus, bool kGiven>
 auto prepare_kernel_for(const FwdParams& p) {
-  return p.lo_for_backward ? (p.bf16_products ? prepare_kernel<true, true, kSoftplus>
-                                              : prepare_kernel<true, false, kSoftplus>)
-                           : (p.bf16_products ? prepare_kernel<false, true, kSoftplus>
-                                              : prepare_kernel<false, false, kSoftplus>);
+  return p.lo_for_backward ? (p.bf16_products ? prepare_kernel<true, true, kSoftplus, kGiven>
+                                              : prepare_kernel<true, false, kSoftplus, kGiven>)
+                           : (p.bf16_products ? prepare_kernel<false, true, kSoftplus, kGiven>
+                                              : prepare_kernel<false, false, kSoftplus, kGiven>);
 }
 
 }  // namespace
@@ -889,7 +906,8 @@ void launch_prepare(const FwdParams& p, cudaStream_t stream) {
   const int64_t blocks = slots * p.H;
   TORCH_CHECK(blocks <= INT32_MAX, "kda.fwd: ", std::to_string(slots), " chunks x ", std::to_string(p.H),
               " heads is more blocks than one launch takes");
-  auto* kernel = p.softplus ? prepare_kernel_for<true>(p) : prepare_kernel_for<false>(p);
+  auto* kernel = p.gate_given ? (p.softplus ? prepare_kernel_for<true, true>(p) : prepare_kernel_for<false, true>(p))
+                              : (p.softplus ? prepare_kernel_for<true, false>(p) : prepare_kernel_for<false, false>(p));
   kernel<<<static_cast<unsigned int>(blocks), 32 * kWarps, 0, stream>>>(p);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
