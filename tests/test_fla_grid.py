@@ -305,7 +305,8 @@ def cuda_refusal(row, dtype):
     here) or precomputed (g fp32); every row's gate is the softplus one or
     unbounded (lower_bound None) and its state fp32, both served."""
     if dtype != BF16:
-        return r"on CUDA, q, k, v, g and beta must have dtype bfloat16, got " + str(dtype).removeprefix("torch.")
+        return (r"on CUDA, q, k, v, g and beta must have dtype bfloat16 \(a precomputed gate's g also float32\), got "
+                + str(dtype).removeprefix("torch."))
     if row.D != 128:
         return rf"on CUDA, the key head size K must be 128, got K = {row.D}"
     return None

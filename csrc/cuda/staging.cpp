@@ -22,7 +22,8 @@ using std::optional;
 void check_cuda_limits(const char* op, const Problem& p, const Tensor& A_log, const Tensor& dt_bias) {
   TORCH_CHECK(
       p.input_dtype == at::kBFloat16,
-      op, ": on CUDA, q, k, v, g and beta must have dtype bfloat16, got ", dtype_name(p.input_dtype));
+      op, ": on CUDA, q, k, v, g and beta must have dtype bfloat16 (a precomputed gate's g also float32), got ",
+      dtype_name(p.input_dtype));
   TORCH_CHECK(
       concrete(p.K) == kHeadDim,
       op, ": on CUDA, the key head size K must be ", int_str(kHeadDim), ", got K = ", int_str(concrete(p.K)),
