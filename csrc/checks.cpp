@@ -255,6 +255,10 @@ Problem check_forward_args(
   p.V = v.sym_size(3);
   TORCH_CHECK(p.K > 0, op, ": q must have a positive head size K (dim 3), got shape ", shape_str(q));
   TORCH_CHECK(p.V > 0, op, ": v must have a positive head size V (dim 3), got shape ", shape_str(v));
+  TORCH_CHECK(p.K <= kMaxHeadSize, op, ": q must have a head size K (dim 3) of at most ", int_str(kMaxHeadSize),
+              ", got shape ", shape_str(q));
+  TORCH_CHECK(p.V <= kMaxHeadSize, op, ": v must have a head size V (dim 3) of at most ", int_str(kMaxHeadSize),
+              ", got shape ", shape_str(v));
   TORCH_CHECK(p.H_qk > 0, op, ": q must have at least one head (dim 2), got shape ", shape_str(q));
 
   TORCH_CHECK(

@@ -7,6 +7,9 @@ namespace kda {
 // Epsilon inside the L2 norm of q and k: x / sqrt(sum(x^2) + kNormEps) (as the model defines it).
 constexpr double kNormEps = 1e-6;
 
+// The largest key or value head size the op takes, on every device.
+constexpr int kMaxHeadSize = 256;
+
 // The CUDA kernels' sizes, which also shape what every backend allocates for
 // them (checkpoints.h) and where segments may start (segments.h).
 constexpr int kHeadDim = 128;  // K = V = 128: the only head size the CUDA kernels serve

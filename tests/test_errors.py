@@ -265,6 +265,13 @@ class TestShape(ErrorTestCase):
     def test_v_zero_head_size(self):
         self.assertRejects(self.fwd(v=randn(B, T, H, 0), initial_state=None), "v", """kda.fwd: v must have a positive head size V (dim 3), got shape [2, 5, 3, 0]""")
 
+    def test_q_head_size_past_256(self):
+        d = dict(q=randn(B, T, H, 257), k=randn(B, T, H, 257), g=randn(B, T, H, 257), dt_bias=randn(H, 257))
+        self.assertRejects(self.fwd(**d, initial_state=None), "q", """kda.fwd: q must have a head size K (dim 3) of at most 256, got shape [2, 5, 3, 257]""")
+
+    def test_v_head_size_past_256(self):
+        self.assertRejects(self.fwd(v=randn(B, T, H, 300), initial_state=None), "v", """kda.fwd: v must have a head size V (dim 3) of at most 256, got shape [2, 5, 3, 300]""")
+
     def test_zero_heads(self):
         d = dict(
             q=randn(B, T, 0, K), k=randn(B, T, 0, K), v=randn(B, T, 0, V), g=randn(B, T, 0, K),
