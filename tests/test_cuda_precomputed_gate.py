@@ -13,7 +13,8 @@ import torch
 
 import torch_kda
 from conftest import nan_filled_empty, positional, rel, run_reference
-from cuda_helpers import CUDA_MARKS, DEV, cuda_inputs
+from cuda_helpers import CUDA_MARKS, DEV, cuda_inputs, launched_kernels
+from torch_kda.testing import forced
 
 pytestmark = CUDA_MARKS
 
@@ -67,23 +68,22 @@ def test_forward_matches_the_reference(shape, g_dtype, lower_bound, state_dtype)
 def reference_grads(g, grad_out, grad_final, lower_bound):
     g64 = {n: (t.cpu().double() if t is not None and t.is_floating_point() else (t.cpu() if t is not None else None))
            for n, t in g.items()}
-    return torch.ops.kda.bwd(grad_out.cpu().double(), grad_final.cpu().double(), *positional(g64),
-                             lower_bound=lower_bound, initial_state=g64["initial_state"],
-                             cu_seqlens=g64["cu_seqlens"])
+    got = torch.ops.kda.bwd(grad_out.cpu().double(), grad_final.cpu().double(), *positional(g64),
+                            lower_bound=lower_bound, initial_state=g64["initial_state"], cu_seqlens=g64["cu_seqlens"])
+    return dict(zip(BWD_NAMES, got))
 
 
 GRAD_TOL = dict(dq=5e-3, dk=5e-3, dv=5e-3, dg=5e-3, dbeta=5e-3, dinitial_state=1e-4)
+BWD_NAMES = ("dq", "dk", "dv", "dg", "dbeta", "dA_log", "ddt_bias", "dinitial_state")
 
 
 def check_grads(got, want):
-    for name, x, w in zip(("dq", "dk", "dv", "dg", "dbeta", "dA_log", "ddt_bias", "dinitial_state"), got, want):
-        if name in ("dA_log", "ddt_bias"):
-            assert x.numel() == 0 and w.numel() == 0, name  # a precomputed gate has neither
-            continue
-        e = rel(x.cpu(), w)
+    """got and want: gradient name -> tensor, for the names in GRAD_TOL."""
+    for name, tol in GRAD_TOL.items():
+        e = rel(got[name].cpu(), want[name])
         print(f" {name} {e:.1e}", end="")
-        assert torch.isfinite(x).all(), name
-        assert e <= GRAD_TOL[name], f"{name}: rel {e:.2e}"
+        assert torch.isfinite(got[name]).all(), name
+        assert e <= tol, f"{name}: rel {e:.2e}"
 
 
 @BOUNDS
@@ -98,7 +98,9 @@ def test_backward_matches_the_cpu_kernels(shape, g_dtype, lower_bound):
     with nan_filled_empty():  # every gradient element a kernel leaves unwritten shows as NaN
         got = torch.ops.kda.bwd(grad_out, grad_final, *positional(g), lower_bound=lower_bound,
                                 initial_state=g["initial_state"], cu_seqlens=g["cu_seqlens"])
-    assert got[3].dtype == g_dtype and got[3].shape == g["g"].shape
+    got = dict(zip(BWD_NAMES, got))
+    assert got["dg"].dtype == g_dtype and got["dg"].shape == g["g"].shape
+    assert got["dA_log"].numel() == 0 and got["ddt_bias"].numel() == 0  # a precomputed gate has neither
     check_grads(got, reference_grads(g, grad_out, grad_final, lower_bound))
 
 
@@ -114,9 +116,7 @@ def test_autograd_step_matches_the_cpu_kernels(g_dtype, lower_bound):
     grad_out = torch.randn_like(out)
     grad_final = torch.randn_like(final)
     torch.autograd.backward([out, final], [grad_out, grad_final])
-    want = reference_grads(g, grad_out, grad_final, lower_bound)
-    got = [leaves[n].grad for n in names[:5]] + [torch.empty(0), torch.empty(0), leaves["initial_state"].grad]
-    check_grads(got, [w if w.numel() else torch.empty(0) for w in want])
+    check_grads({"d" + n: leaves[n].grad for n in names}, reference_grads(g, grad_out, grad_final, lower_bound))
 
 
 @pytest.mark.parametrize("lower_bound", [-5.0, None], ids=["bounded", "any"])
@@ -139,19 +139,51 @@ def test_pool_decode_matches_the_cpu_kernel(g_dtype, pool_dtype, lower_bound):
         tol = 1e-2 if pool_dtype == BF16 else 5e-3
         assert rel(out.cpu(), want) <= tol, tokens
         assert rel(pool.cpu(), cpu_pool) <= (1e-2 if pool_dtype == BF16 else 1e-5), tokens
+    # Varlen, a request of 6 tokens (past the first tile of 4) among short ones: still the decode kernel.
+    _, g = cuda_inputs(seqlens=[6, 1, 2], H=H)
+    g = given_gate(g, lower_bound, g_dtype)
+    idx = torch.randperm(4 * N, device=DEV)[:3]
+    cpu_pool = pool.cpu().double()
+    out, names = launched_kernels(
+        lambda: torch_kda.kda_pool(*positional(g), pool, idx, lower_bound=lower_bound, cu_seqlens=g["cu_seqlens"]))
+    assert any("pool_decode_kernel" in n for n in names) and not any("prepare_kernel" in n for n in names)
+    g64 = {n: (t.cpu().double() if t is not None and t.is_floating_point() else t) for n, t in g.items()}
+    want = torch_kda.kda_pool(*positional(g64), cpu_pool, idx.cpu(), lower_bound=lower_bound,
+                              cu_seqlens=g64["cu_seqlens"].cpu())
+    assert rel(out.cpu(), want) <= (1e-2 if pool_dtype == BF16 else 5e-3)
+    assert rel(pool.cpu(), cpu_pool) <= (1e-2 if pool_dtype == BF16 else 1e-5)
 
 
 @pytest.mark.parametrize("lower_bound", [-5.0, None], ids=["bounded", "any"])
-def test_fwd_inplace_decode_shapes(lower_bound):
-    """kda::fwd_ with one token a sequence (the decode kernel), against the chunked forward."""
+@G_DTYPES
+def test_fwd_inplace_decode_shapes(g_dtype, lower_bound):
+    """kda::fwd_ with one token a sequence (the decode kernel), against the float64 reference."""
     _, g = cuda_inputs(state_dtype=F32, B=6, T=1, H=2)
-    g = given_gate(g, lower_bound, F32)
+    g = given_gate(g, lower_bound, g_dtype)
     out = torch.full_like(g["v"], float("nan"))
     final = torch.full_like(g["initial_state"], float("nan"))
     torch_kda.fwd(*positional(g)[:5], None, out, None, None, lower_bound, initial_state=g["initial_state"],
                   final_state=final)
     ref_out, ref_final = run_reference(g, lower_bound=lower_bound)
     assert rel(out, ref_out) <= 5e-3 and rel(final, ref_final) <= 1e-5
+
+
+@pytest.mark.parametrize("force", [dict(window_slots=3), dict(segments=4)], ids=["windows", "segments"])
+def test_windows_and_segments(force):
+    """The forward in windows or segments, and the backward in windows, against float64."""
+    _, g = cuda_inputs(state_dtype=F32, B=1, T=700, H=2)
+    g = given_gate(g, None, F32)
+    with forced(**force):
+        out, final = run(g, None)
+    ref_out, ref_final = run_reference(g, lower_bound=None)
+    assert rel(out, ref_out) <= 5e-3 and rel(final, ref_final) <= 1e-4
+    if "window_slots" in force:
+        grad_out = torch.randn(g["v"].shape, device=DEV).to(BF16)
+        grad_final = torch.randn(g["initial_state"].shape, device=DEV)
+        with forced(**force):
+            got = torch.ops.kda.bwd(grad_out, grad_final, *positional(g), lower_bound=None,
+                                    initial_state=g["initial_state"])
+        check_grads(dict(zip(BWD_NAMES, got)), reference_grads(g, grad_out, grad_final, None))
 
 
 @pytest.mark.parametrize("lower_bound", [-5.0, None], ids=["bounded", "any"])

@@ -52,7 +52,7 @@ def kda(
     Shapes: q, k [B, T, H, K]; v [B, T, HV, V]; g [B, T, HV, K]; beta [B, T, HV]
     (logits); A_log [HV] and dt_bias [HV, K], or both None (a precomputed gate:
     g is the log decay itself, <= 0, and lower_bound, if given, promises g >=
-    lower_bound; g may then be float32; CPU only); initial_state [N, HV, V, K] (V-first);
+    lower_bound; g may then be float32); initial_state [N, HV, V, K] (V-first);
     cu_seqlens [N + 1] packs N sequences along T when B == 1. HV is H, or a
     multiple of it (grouped value heads, CPU only: value head j reads query/key
     head j // (HV / H)).

@@ -139,7 +139,7 @@ __device__ __forceinline__ void forward_substitute(const float (*sA)[kPitch], Rh
 // fast_exp2(+-G2), one instruction), with kSoftplus each token's own lam2 =
 // lambda log2(e) too, sigmoid(beta) (sBeta), and the inverse
 // norms of q's and k's rows (sInvNorm[0], [1]); sQ and sK keep the raw rows,
-// and sG, where given, the raw g (K1's backward reads it again in the gate's
+// and sG, where not null, the raw g (K1's backward reads it again in the gate's
 // chain rule, which a precomputed gate does not need; each thread writes and
 // reads only its own column). Rows past the
 // sequence's end are zeros with lambda = 0 and beta = 0, so that G_last is the

@@ -101,7 +101,7 @@ void forward_into(const char* op, const Problem& p, const Tensor& q, const Tenso
     for (Tensor* input : {&in.q, &in.k, &in.g, &in.beta, &in.A_log, &in.dt_bias}) {
       *input = staged16(*input);
       if (!input->defined()) {
-        continue;
+        continue;  // a precomputed gate's A_log and dt_bias
       }
       if (at::get_overlap_status(*input, out_c) != at::MemOverlapStatus::No ||
           (final_c.defined() && at::get_overlap_status(*input, final_c) != at::MemOverlapStatus::No)) {

@@ -13,9 +13,10 @@
 // key columns as 16-byte vectors (two fp32, one bf16), so that a warp's access
 // is two rows' 256-byte halves (fp32) or whole rows (bf16). A token's step reads
 // the tile's alpha, k^ and q^ from shared memory, 16 bytes at a time, and each
-// read serves the thread's four rows: with two rows a thread those reads bound
-// the step. A row's four sums meet by halving (each lane hands half of its
-// partial sums to its partner), four shuffles, and three more share them. Each
+// read serves the thread's four rows, so that the step waits on its arithmetic
+// rather than on the SM's shared-memory port. A row's four sums meet by halving
+// (each lane hands half of its partial sums to its partner), five shuffles, and
+// three more share them. Each
 // warp computes a whole token's activations (norms by warp sums), a tile of four
 // tokens at once, so that the tile's steps wait on one barrier. fp32 throughout;
 // the state is stored in the pool's dtype, rounded once.
@@ -114,7 +115,7 @@ struct LaneColumns {
   __device__ __forceinline__ static int column(int c, int j) { return kVec * (kRowLanes * j + c); }
 };
 
-// One state row's 16 columns of this lane from the pool (slot, head h, row).
+// One state row's kLaneCols columns of this lane from the pool (slot, head h, row).
 template <bool kFp32>
 __device__ __forceinline__ void load_row(const PoolParams& p, const void* states, int64_t slot, int64_t h, int row,
                                          int c, float (&x)[kLaneCols]) {
@@ -271,8 +272,8 @@ __device__ __forceinline__ void later_token_activations(const FwdParams& p, int6
   auto row = [&](const void* x) {
     return *reinterpret_cast<const uint2*>(static_cast<const __nv_bfloat16*>(x) + th * D + 4 * lane);
   };
-  const float4 gate =
-      p.g_fp32 ? *reinterpret_cast<const float4*>(static_cast<const float*>(p.g) + th * D + 4 * lane) : bf16x4(row(p.g));
+  const float4 gate = p.g_fp32 ? *reinterpret_cast<const float4*>(static_cast<const float*>(p.g) + th * D + 4 * lane)
+                                : bf16x4(row(p.g));
   const bool given = p.gate_given;
   token_activations<kFp32>(
       p, row(p.q), row(p.k), gate, load_bf16(p.v, th * D + row0 + lane), load_bf16(p.beta, th),
@@ -281,7 +282,7 @@ __device__ __forceinline__ void later_token_activations(const FwdParams& p, int6
       tt, lane, s);
 }
 
-// The sums over a row's 16 lanes of the thread's four rows x[0..3], in four
+// The sums over a row's 16 lanes of the thread's four rows x[0..3], in five
 // shuffles: lanes c and c ^ 8 swap two partial sums each, then c and c ^ 4 one,
 // so that lane c holds row own_row(c)'s sum over four lanes, which c ^ 2 and c ^ 1
 // complete. Every lane with that row holds the same bits.

@@ -694,7 +694,7 @@ void launch_prepare_backward(const PrepareBwdParams& bp, cudaStream_t stream) {
               "at most ", std::to_string(INT32_MAX / (C * D)));
   constexpr int kSmem = sizeof(Smem);
   TORCH_CHECK(bp.chain || !(bp.fwd.softplus || bp.fwd.gate_given),
-              "kda: the activation gradients alone serve the bounded gate only");
+              "kda: the activation gradients alone serve the bounded formula gate only");
   auto* kernel = bp.fwd.gate_given ? (bp.fwd.softplus ? prepare_backward_kernel<true, true, true>
                                                       : prepare_backward_kernel<true, false, true>)
                  : bp.fwd.softplus ? prepare_backward_kernel<true, true, false>
