@@ -6,27 +6,17 @@
 8192 tokens, 96 and 32 heads, K = V = 128, bf16 inputs, an fp32 initial state and the
 final state returned; medians of CUDA events (milliseconds), eager calls.
 """
+import os
+import sys
+
 import torch
 
-import torch_kda
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_fwd import time_ms  # noqa: E402
+
+import torch_kda  # noqa: E402
 
 D = 128
-
-
-def median_ms(fn, repeats=20):
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    times.sort()
-    return times[len(times) // 2]
 
 
 def main():
@@ -60,7 +50,7 @@ def main():
                                            output_final_state=True)
                 torch.autograd.backward([out, state], [torch.ones_like(out), torch.ones_like(state)])
 
-            print(f"T={T} H={H} {name:<18} forward {median_ms(forward):.3f} ms  step {median_ms(step, 10):.3f} ms")
+            print(f"T={T} H={H} {name:<18} forward {time_ms(forward, 20):.3f} ms  step {time_ms(step, 10):.3f} ms")
 
 
 if __name__ == "__main__":
