@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import torch_kda
-from conftest import nan_filled_empty, positional, rel, run_reference
+from conftest import capture_graph, nan_filled_empty, positional, rel, run_reference
 from cuda_helpers import CUDA_MARKS, DEV, cuda_inputs, launched_kernels
 from torch_kda.testing import forced
 
@@ -214,3 +214,60 @@ def test_values_checked_under_torch_kda_check(monkeypatch):
         run(bad, -5.0)
     out, _ = run(bad, None)  # no promise: any log decay
     assert torch.isfinite(out).all()
+
+
+@G_DTYPES
+def test_cuda_graph_replay_with_new_inputs(g_dtype):
+    """A captured varlen call (an empty sequence among them), replayed with new q, k, v, g, beta and
+    initial state copied in: bitwise the eager call on those inputs."""
+    _, g = cuda_inputs(state_dtype=F32, seqlens=[40, 0, 100, 17], H=2)
+    g = given_gate(g, None, g_dtype)
+    out = torch.empty_like(g["v"])
+    final = torch.empty_like(g["initial_state"])
+
+    def step():
+        torch_kda.fwd(*positional(g)[:5], None, out, None, None, None, initial_state=g["initial_state"],
+                      final_state=final, cu_seqlens=g["cu_seqlens"])
+
+    graph, _ = capture_graph(step)
+    _, g2 = cuda_inputs(state_dtype=F32, seqlens=[40, 0, 100, 17], H=2)
+    g2 = given_gate(g2, None, g_dtype)
+    for name in ("q", "k", "v", "g", "beta", "initial_state"):
+        g[name].copy_(g2[name])
+    out.fill_(float("nan"))
+    final.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    eager_out, eager_final = run(g2, None)
+    assert torch.equal(out, eager_out) and torch.equal(final, eager_final)
+
+
+@pytest.mark.parametrize("lower_bound", [-5.0, None], ids=["bounded", "any"])
+def test_compile_fullgraph_forward_and_backward(lower_bound):
+    _, g = cuda_inputs(state_dtype=F32, B=2, T=64, H=2)
+    g = given_gate(g, lower_bound, F32)
+
+    def step(q, k, v, gate, beta, h0):
+        o, s = torch_kda.kda(q, k, v, gate, beta, None, None, lower_bound=lower_bound, initial_state=h0,
+                             output_final_state=True)
+        return o.float().square().sum() + s.square().sum()
+
+    names = ("q", "k", "v", "g", "beta", "initial_state")
+    compiled = torch.compile(step, fullgraph=True)
+    grads = []
+    for fn in (compiled, step):
+        leaves = [g[n].detach().clone().requires_grad_(True) for n in names]
+        fn(*leaves).backward()
+        grads.append([t.grad for t in leaves])
+    for n, a, b in zip(names, *grads):
+        assert torch.equal(a, b), n
+
+
+def test_opcheck():
+    _, g = cuda_inputs(state_dtype=F32, seqlens=[10, 0, 33], H=2)
+    g = given_gate(g, None, F32)
+    kw = {"lower_bound": None, "initial_state": g["initial_state"], "cu_seqlens": g["cu_seqlens"]}
+    torch.library.opcheck(torch.ops.kda.fwd.default, positional(g), {**kw, "output_final_state": True})
+    grad_out = torch.randn(g["v"].shape, device=DEV).to(BF16)
+    grad_final = torch.randn(g["initial_state"].shape, device=DEV)
+    torch.library.opcheck(torch.ops.kda.bwd.default, (grad_out, grad_final, *positional(g)), kw)

@@ -12,6 +12,7 @@
 #include <c10/cuda/CUDAException.h>
 
 #include <string>
+#include <type_traits>
 
 #include "cuda/chunk_inputs.cuh"
 #include "cuda/device_utils.cuh"
@@ -171,18 +172,25 @@ __device__ __forceinline__ void store_bf16(void* base, int64_t index, float x) {
   static_cast<__nv_bfloat16*>(base)[index] = __float2bfloat16_rn(x);
 }
 
-// Thread d's column of a [T][H][D] bf16 gradient, from the chunk's first token:
-// token i lies i * stride elements on, a 32-bit step (launch_prepare_backward
-// checks that a chunk's 16 H D elements fit), so that each row's address costs
-// one multiply-add: a 64-bit index per row and output costs about a dozen
-// integer instructions, and integer work is a third of this kernel's issue.
+// Thread d's column of a [T][H][D] gradient (bf16, or fp32: a precomputed fp32
+// gate's dg), from the chunk's first token: token i lies i * stride elements on,
+// a 32-bit step (launch_prepare_backward checks that a chunk's 16 H D elements
+// fit), so that each row's address costs one multiply-add: a 64-bit index per
+// row and output costs about a dozen integer instructions, and integer work is a
+// third of this kernel's issue.
+template <typename T = __nv_bfloat16>
 struct ChunkColumn {
-  __nv_bfloat16* first;
+  T* first;
   int stride;
   __device__ __forceinline__ ChunkColumn(void* base, const ChunkPlace& c, int64_t H, int d)
-      : first(static_cast<__nv_bfloat16*>(base) + (c.bos * H + c.h) * kHeadDim + d),
-        stride(static_cast<int>(H) * kHeadDim) {}
-  __device__ __forceinline__ void store(int i, float x) const { first[i * stride] = __float2bfloat16_rn(x); }
+      : first(static_cast<T*>(base) + (c.bos * H + c.h) * kHeadDim + d), stride(static_cast<int>(H) * kHeadDim) {}
+  __device__ __forceinline__ void store(int i, float x) const {
+    if constexpr (std::is_same_v<T, float>) {
+      first[i * stride] = x;
+    } else {
+      first[i * stride] = __float2bfloat16_rn(x);
+    }
+  }
 };
 
 // exp(G_i - G_j) for the softplus gate, which admits no factor exp(-G_j)
@@ -327,17 +335,17 @@ __device__ __forceinline__ void activation_gradients(const PrepareBwdParams& bp,
     // x = g + dt_bias: dg = dlambda (-A) sigmoid(x), ddt_bias sums dg and
     // dA_log sums dlambda lambda. A precomputed gate: dg = dlambda.
     float tail = 0.f, ddt = 0.f, dA = 0.f;
-    const ChunkColumn dg(bp.grads.dg, c, H, d);
+    const ChunkColumn<> dg(bp.grads.dg, c, H, d);
     if constexpr (kGiven) {
-      float* const dg32 = p.g_fp32 ? static_cast<float*>(bp.grads.dg) + (c.bos * H + c.h) * D + d : nullptr;
+      const ChunkColumn<float> dg32(bp.grads.dg, c, H, d);
 #pragma unroll
       for (int i = C - 1; i >= 0; --i) {
         tail += dG[i];
         if (i < c.len) {
           // As below: a decay that underflows leaves dlambda only rounding.
           const float dlam = kSoftplus && lam2[i] < -126.f ? 0.f : tail;
-          if (dg32 != nullptr) {
-            dg32[i * H * D] = dlam;
+          if (p.g_fp32) {
+            dg32.store(i, dlam);
           } else {
             dg.store(i, dlam);
           }
@@ -375,10 +383,10 @@ __device__ __forceinline__ void activation_gradients(const PrepareBwdParams& bp,
     const int64_t part = (c.slot - p.slot_begin) * H + c.h;
     if constexpr (!kGiven) {
       bp.grads.ddt_bias_part[part * D + d] = ddt;
-    }
-    dA = warp_sum(dA);
-    if (d % 32 == 0) {
-      sDA_part[d / 32] = dA;
+      dA = warp_sum(dA);
+      if (d % 32 == 0) {
+        sDA_part[d / 32] = dA;
+      }
     }
     __syncthreads();
     reduce_rows32<kPad>(
@@ -393,7 +401,7 @@ __device__ __forceinline__ void activation_gradients(const PrepareBwdParams& bp,
     }
     __syncthreads();
     // The L2 norm's backward: dx = (dxn - xn (xn . dxn)) / ||x||.
-    const ChunkColumn dq(bp.grads.dq, c, H, d), dk(bp.grads.dk, c, H, d);
+    const ChunkColumn<> dq(bp.grads.dq, c, H, d), dk(bp.grads.dk, c, H, d);
 #pragma unroll
     for (int i = 0; i < C; ++i) {
       if (i < c.len) {
@@ -593,7 +601,7 @@ __global__ void __launch_bounds__(kThreads, 3) prepare_backward_kernel(const Pre
 
   // v's gradient now: dRu is not read past here (its tile takes dk^ below).
   if constexpr (kChain) {
-    const ChunkColumn dv(bp.grads.dv, c, H, d);
+    const ChunkColumn<> dv(bp.grads.dv, c, H, d);
 #pragma unroll
     for (int i = 0; i < C; ++i) {
       if (i < c.len) {
