@@ -306,11 +306,3 @@ def test_malformed_cu_seqlens_read_clamped_and_non_decreasing(bad, monkeypatch):
                       initial_state=g["initial_state"], final_state=final, cu_seqlens=cu)
         results.append((out.float().nan_to_num(7.0), final.nan_to_num(7.0)))
     assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])
-
-
-def test_grouped_value_heads_are_refused_naming_both_counts():
-    """Grouped value heads (more heads in v than in q) run on the CPU only: CUDA says so."""
-    _, g = cuda_inputs(B=1, T=16, H=2, HV=4)
-    with pytest.raises(RuntimeError, match=r"on CUDA, v must have as many heads as q \(grouped value heads run on "
-                                           r"the CPU\), got HV = 4 value heads for H = 2 query/key heads"):
-        run_cuda(g)

@@ -2,8 +2,8 @@
 dt_bias and the states with HV = G H heads, value head j reading query/key head
 j // G (fla's convention). Against the float64 reference with q and k repeated
 per value head, forward and every gradient, fixed length and varlen with empty
-and odd sequences, both gates; the in-place op and the state pool. CUDA serves
-HV = H only and says so (tests/test_cuda_forward.py)."""
+and odd sequences, both gates; the in-place op and the state pool. On CUDA:
+tests/test_cuda_grouped_heads.py."""
 import pytest
 import torch
 

@@ -6,10 +6,10 @@
 decode: kda_pool's decode kernel (fp32 and bf16 pools; one token, a varlen batch
 with a padding row and a request past a tile of tokens, speculative decoding, several
 waves of blocks), kda::fwd_ with decode shapes (with and without an initial
-state), and a precomputed fp32 gate's one token and speculative calls.
+state), grouped value heads, and a precomputed fp32 gate's one token and speculative calls.
 segments: a forward over forced segments (K1, three K2 passes, the scan).
-backward: forward + backward steps of both gates and of a precomputed gate (fp32
-and bf16 g) on varlen sequences (an empty one, odd lengths, a partial last chunk),
+backward: forward + backward steps of both gates, of grouped value heads and of a
+precomputed gate (fp32 and bf16 g) on varlen sequences (an empty one, odd lengths, a partial last chunk),
 and K1's backward alone (the private test op).
 Each result is checked finite; a sanitizer's report is the test.
 """
@@ -68,6 +68,12 @@ def decode():
                 torch_kda.fwd(q, k, v, g, beta, None, out, A_log, dt_bias, lower_bound, initial_state=init,
                               final_state=final, cu_seqlens=cu)
                 assert torch.isfinite(out).all() and torch.isfinite(final.float()).all()
+    # Grouped value heads (one query/key head for two value heads), one token a request
+    q, k, v, g, beta = inputs(3, H, gen)
+    out = torch_kda.kda_pool(q[:, :, :1].reshape(3, 1, 1, D), k[:, :, :1].reshape(3, 1, 1, D), v.view(3, 1, H, D),
+                             g.view(3, 1, H, D), beta.view(3, 1, H), A_log, dt_bias, big[:6],
+                             torch.tensor([4, -1, 1], device="cuda"))
+    assert torch.isfinite(out).all()
     # A precomputed gate, fp32: one token a request, then speculative
     for lower_bound in (-5.0, None):
         q, k, v, g, beta = inputs(3, H, gen)
@@ -114,6 +120,15 @@ def backward():
         (out.float().square().sum() + final.square().sum()).backward()
         for t in (q, k, v, g, beta, A_log, dt_bias, h0):
             assert torch.isfinite(t.grad).all()
+    # Grouped value heads: q and k with one head, v and the rest with two
+    q, k, v, g, beta = inputs(54, H, gen)
+    q1, k1 = (t[:, :, :1].contiguous().requires_grad_() for t in (q, k))
+    v, g, beta = (t.requires_grad_() for t in (v, g, beta))
+    out, final = torch_kda.kda(q1, k1, v, g, beta, A_log.detach(), dt_bias.detach(), lower_bound=None,
+                               initial_state=h0.detach(), output_final_state=True, cu_seqlens=cu)
+    (out.float().square().sum() + final.square().sum()).backward()
+    for t in (q1, k1, v, g, beta):
+        assert torch.isfinite(t.grad).all()
     # A precomputed gate (bounded, unbounded; fp32 and bf16 g)
     for lower_bound, g_dtype in ((-5.0, torch.float32), (None, torch.float32), (None, torch.bfloat16)):
         q, k, v, g, beta = inputs(54, H, gen)

@@ -54,7 +54,7 @@ def kda(
     g is the log decay itself, <= 0, and lower_bound, if given, promises g >=
     lower_bound; g may then be float32); initial_state [N, HV, V, K] (V-first);
     cu_seqlens [N + 1] packs N sequences along T when B == 1. HV is H, or a
-    multiple of it (grouped value heads, CPU only: value head j reads query/key
+    multiple of it (grouped value heads: value head j reads query/key
     head j // (HV / H)).
     lower_bound < 0 selects the bounded gate, None the softplus gate;
     scale defaults to K ** -0.5.

@@ -306,7 +306,7 @@ class KimiDeltaAttention(nn.Module):
         norm_eps: the gated RMSNorm's epsilon (the model's rms_norm_eps).
         num_v_heads: HV, the heads of v, the gate, beta, the state and the output; a
             multiple of H (grouped value heads: value head j reads query/key head
-            j // (HV / H); CPU only); None for H.
+            j // (HV / H)); None for H.
         output_gate_bias: give g_b_proj a bias, as layers saved before the checkpoint
             layout had (see convert_legacy_state_dict); Kimi-Linear's has none.
         device, dtype: of the parameters, except the fp32 ones above.

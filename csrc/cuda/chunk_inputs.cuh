@@ -160,8 +160,9 @@ __device__ __forceinline__ void load_chunk_inputs(const FwdParams& p, const Chun
   // (all but a sequence's last) loads without a predicate per token, which with
   // the 64-bit index per load cost ~1,000 instructions per thread.
   const int64_t first = (c.bos * H + c.h) * D + d, stride = H * D;
-  const __nv_bfloat16* q = static_cast<const __nv_bfloat16*>(p.q) + first;
-  const __nv_bfloat16* k = static_cast<const __nv_bfloat16*>(p.k) + first;
+  const int64_t first_qk = qk_row(p, c.bos, c.h) + d, stride_qk = H / p.group * D;  // grouped value heads
+  const __nv_bfloat16* q = static_cast<const __nv_bfloat16*>(p.q) + first_qk;
+  const __nv_bfloat16* k = static_cast<const __nv_bfloat16*>(p.k) + first_qk;
   const __nv_bfloat16* g = static_cast<const __nv_bfloat16*>(p.g) + first;
   const __nv_bfloat16* vv = static_cast<const __nv_bfloat16*>(p.v) + first;
   // A precomputed gate (kGiven) may come in fp32, read where the bf16 g is.
@@ -176,8 +177,8 @@ __device__ __forceinline__ void load_chunk_inputs(const FwdParams& p, const Chun
   if (c.len == C) {
 #pragma unroll
     for (int i = 0; i < C; ++i) {
-      sQ[i][d] = __bfloat162float(q[i * stride]);
-      sK[i][d] = __bfloat162float(k[i * stride]);
+      sQ[i][d] = __bfloat162float(q[i * stride_qk]);
+      sK[i][d] = __bfloat162float(k[i * stride_qk]);
       G2[i] = load_g(i);
       v[i] = __bfloat162float(vv[i * stride]);
     }
@@ -185,8 +186,8 @@ __device__ __forceinline__ void load_chunk_inputs(const FwdParams& p, const Chun
 #pragma unroll
     for (int i = 0; i < C; ++i) {
       const bool valid = i < c.len;
-      sQ[i][d] = valid ? __bfloat162float(q[i * stride]) : 0.f;
-      sK[i][d] = valid ? __bfloat162float(k[i * stride]) : 0.f;
+      sQ[i][d] = valid ? __bfloat162float(q[i * stride_qk]) : 0.f;
+      sK[i][d] = valid ? __bfloat162float(k[i * stride_qk]) : 0.f;
       G2[i] = valid ? load_g(i) : 0.f;
       v[i] = valid ? __bfloat162float(vv[i * stride]) : 0.f;
     }

@@ -9,6 +9,12 @@
 
 namespace kda::cuda {
 
+// Where value head h's row of q or k starts at token t (grouped value heads
+// read query/key head h / group; FwdParams::group).
+__device__ __forceinline__ int64_t qk_row(const FwdParams& p, int64_t t, int64_t h) {
+  return (t * (p.H / p.group) + h / p.group) * kHeadDim;
+}
+
 __device__ __forceinline__ float load_bf16(const void* base, int64_t index) {
   return __bfloat162float(static_cast<const __nv_bfloat16*>(base)[index]);
 }

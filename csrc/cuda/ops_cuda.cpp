@@ -237,6 +237,13 @@ BackwardTuple backward_by_kernels(const Problem& p, const Tensor& grad_out, cons
   Tensor gf = staged16(grad_final_state.has_value() ? grad_final_state->to(at::kFloat) : Tensor());
   Tensor d_initial = init.defined() ? at::empty({N, H, kHeadDim, kHeadDim}, f32) : Tensor();
   BackwardOutputs o = allocate_backward_outputs(p, q, k, v, g, beta, A_log, dt_bias, initial_state);
+  // Grouped value heads: K1's backward leaves each value head's part of dq and
+  // dk in fp32, summed over each group below (deterministic).
+  const int64_t group = in.params.group;
+  Tensor dq_parts = group > 1 ? at::empty(v.sizes(), f32) : Tensor();
+  Tensor dk_parts = group > 1 ? at::empty(v.sizes(), f32) : Tensor();
+  Tensor& dq_out = group > 1 ? dq_parts : o.dq;
+  Tensor& dk_out = group > 1 ? dk_parts : o.dk;
   // The gradients straight from K1's backward (bf16, dg fp32 for an fp32
   // precomputed gate; contiguous: allocated so). Zeros where no chunk covers a
   // token (only a malformed cu_seqlens leaves any): those tokens alone, as
@@ -244,7 +251,7 @@ BackwardTuple backward_by_kernels(const Problem& p, const Tensor& grad_out, cons
   if (cu_seqlens.has_value()) {
     ZeroRows rows;
     int r = 0;
-    for (Tensor* t : {&o.dq, &o.dk, &o.dv, &o.dg, &o.dbeta}) {
+    for (Tensor* t : {&dq_out, &dk_out, &o.dv, &o.dg, &o.dbeta}) {
       rows.base[r] = t->data_ptr();
       // In bf16 units: an fp32 dg (a precomputed fp32 gate's) is twice as wide.
       rows.width[r++] = t->numel() * t->element_size() / 2 / std::max<int64_t>(concrete(p.T), 1);
@@ -264,8 +271,8 @@ BackwardTuple backward_by_kernels(const Problem& p, const Tensor& grad_out, cons
   call.grad_out_fp32 = go.scalar_type() == at::kFloat;
   call.grad_final = gf.defined() ? gf.data_ptr<float>() : nullptr;
   call.d_initial = d_initial.defined() ? d_initial.data_ptr<float>() : nullptr;
-  call.grads.dq = o.dq.data_ptr();
-  call.grads.dk = o.dk.data_ptr();
+  call.grads.dq = dq_out.data_ptr();
+  call.grads.dk = dk_out.data_ptr();
   call.grads.dv = o.dv.data_ptr();
   call.grads.dg = o.dg.data_ptr();
   call.grads.dbeta = o.dbeta.data_ptr();
@@ -280,6 +287,11 @@ BackwardTuple backward_by_kernels(const Problem& p, const Tensor& grad_out, cons
   }
   if (init.defined()) {
     o.dinitial_state.copy_(d_initial);
+  }
+  if (group > 1) {
+    const int64_t B = concrete(p.B), T = concrete(p.T), Hq = concrete(p.H_qk);
+    o.dq.copy_(dq_parts.view({B, T, Hq, group, kHeadDim}).sum(3));
+    o.dk.copy_(dk_parts.view({B, T, Hq, group, kHeadDim}).sum(3));
   }
   return {o.dq, o.dk, o.dv, o.dg, o.dbeta, o.dA_log, o.ddt_bias, o.dinitial_state};
 }

@@ -58,11 +58,15 @@ static_assert(kWsChunkBytes % 16 == 0, "records stay 16-byte aligned");
 static_assert(kWsChunkBytes == kRecordBytes, "the layout fills the record that every backend allocates");
 
 struct FwdParams {
-  int64_t H = 0;  // heads
+  int64_t H = 0;  // heads (value heads: v, g, beta, the gate's parameters, the states, out)
   int64_t N = 0;  // sequences
+  // Grouped value heads: q and k have H / group heads, and value head h reads
+  // query/key head h / group (1: as many as v).
+  int64_t group = 1;
   int num_sms = 1;  // of the device: the recurrence sizes its blocks to fill them
 
-  // Inputs, contiguous. q, k, v, g: bf16 [tokens, H, 128]; beta: bf16 [tokens, H].
+  // Inputs, contiguous. q, k: bf16 [tokens, H / group, 128]; v, g: bf16 [tokens, H, 128];
+  // beta: bf16 [tokens, H].
   // K2 of the forward reads a null v as zeros (the segmented forward's pass 2).
   const void* q = nullptr;
   const void* k = nullptr;
@@ -171,6 +175,8 @@ struct PrepareBwdParams {
   float* dbeta = nullptr;
   // Or, with `chain`, the op's own gradients through the activations
   // (the chain rule in the same kernel): bf16 dq, dk, dv, dg [tokens, H, 128]
+  // (with grouped value heads dq and dk fp32, each value head's part, which
+  // the host sums over the group)
   // (dg fp32 with fwd.g_fp32) and dbeta [tokens, H], written for the chunks'
   // real tokens, and per chunk slot the parts of ddt_bias [slots, H, 128] and
   // dA_log [slots, H] (fp32; none for a precomputed gate), which the host then

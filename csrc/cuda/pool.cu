@@ -206,14 +206,15 @@ __device__ __forceinline__ void cp_async_4(uint32_t smem_dst, const void* gmem_s
 // row0; beta's logit into `beta`.
 __device__ __forceinline__ void fetch_token(const FwdParams& f, int64_t t, int h, int row0, int warp, int lane,
                                             TileInputs& in, float& beta) {
-  const int64_t th = t * f.H + h;
+  const int64_t th = t * f.H + h, qk = qk_row(f, t, h);
   const void* rows[3] = {f.q, f.k, f.g};
+  const int64_t at[3] = {qk, qk, th * D};
 #pragma unroll
   for (int m = 0; m < 3; ++m) {
     if (m == 2 && f.g_fp32) {
       cp_async_16(smem_u32(&in.g32[warp][lane]), static_cast<const float*>(f.g) + th * D + 4 * lane);
     } else {
-      cp_async_8(smem_u32(&in.raw[m][warp][lane]), static_cast<const __nv_bfloat16*>(rows[m]) + th * D + 4 * lane);
+      cp_async_8(smem_u32(&in.raw[m][warp][lane]), static_cast<const __nv_bfloat16*>(rows[m]) + at[m] + 4 * lane);
     }
   }
   if (lane < kSlabRows / 8) {
@@ -268,15 +269,15 @@ __device__ __forceinline__ void token_activations(const FwdParams& p, uint2 qv, 
 template <bool kFp32>
 __device__ __forceinline__ void later_token_activations(const FwdParams& p, int64_t t, int h, int row0, int tt,
                                                         int lane, DecodeTile& s) {
-  const int64_t th = t * p.H + h;
-  auto row = [&](const void* x) {
-    return *reinterpret_cast<const uint2*>(static_cast<const __nv_bfloat16*>(x) + th * D + 4 * lane);
+  const int64_t th = t * p.H + h, qk = qk_row(p, t, h);
+  auto row = [&](const void* x, int64_t at) {
+    return *reinterpret_cast<const uint2*>(static_cast<const __nv_bfloat16*>(x) + at + 4 * lane);
   };
   const float4 gate = p.g_fp32 ? *reinterpret_cast<const float4*>(static_cast<const float*>(p.g) + th * D + 4 * lane)
-                                : bf16x4(row(p.g));
+                                : bf16x4(row(p.g, th * D));
   const bool given = p.gate_given;
   token_activations<kFp32>(
-      p, row(p.q), row(p.k), gate, load_bf16(p.v, th * D + row0 + lane), load_bf16(p.beta, th),
+      p, row(p.q, qk), row(p.k, qk), gate, load_bf16(p.v, th * D + row0 + lane), load_bf16(p.beta, th),
       given ? 0.f : p.A_log[h],
       given ? make_float4(0.f, 0.f, 0.f, 0.f) : *reinterpret_cast<const float4*>(p.dt_bias + int64_t{h} * D + 4 * lane),
       tt, lane, s);

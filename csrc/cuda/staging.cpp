@@ -32,10 +32,6 @@ void check_cuda_limits(const char* op, const Problem& p, const Tensor& A_log, co
       concrete(p.V) == kHeadDim,
       op, ": on CUDA, the value head size V must be ", int_str(kHeadDim), ", got V = ", int_str(concrete(p.V)),
       " (other sizes run on the CPU)");
-  TORCH_CHECK(
-      concrete(p.H) == concrete(p.H_qk),
-      op, ": on CUDA, v must have as many heads as q (grouped value heads run on the CPU), got HV = ",
-      int_str(concrete(p.H)), " value heads for H = ", int_str(concrete(p.H_qk)), " query/key heads");
   if (!p.precomputed_gate) {
     TORCH_CHECK(A_log.scalar_type() == at::kFloat, op, ": on CUDA, A_log must have dtype float32, got ",
                 dtype_name(A_log.scalar_type()));
@@ -140,6 +136,7 @@ CallInputs call_inputs(const Problem& p, const Tensor& q, const Tensor& k, const
   FwdParams& fp = in.params;
   fp.H = concrete(p.H);
   fp.N = concrete(p.N);
+  fp.group = concrete(p.H) / std::max<int64_t>(concrete(p.H_qk), 1);
   C10_CUDA_CHECK(cudaDeviceGetAttribute(&fp.num_sms, cudaDevAttrMultiProcessorCount, q.device().index()));
   fp.q = in.q.data_ptr();
   fp.k = in.k.data_ptr();

@@ -400,13 +400,22 @@ __device__ __forceinline__ void activation_gradients(const PrepareBwdParams& bp,
       bp.grads.dA_log_part[part] = a;
     }
     __syncthreads();
-    // The L2 norm's backward: dx = (dxn - xn (xn . dxn)) / ||x||.
+    // The L2 norm's backward: dx = (dxn - xn (xn . dxn)) / ||x||. With grouped
+    // value heads, this value head's part in fp32 (the host sums the group's).
     const ChunkColumn<> dq(bp.grads.dq, c, H, d), dk(bp.grads.dk, c, H, d);
+    const ChunkColumn<float> dq32(bp.grads.dq, c, H, d), dk32(bp.grads.dk, c, H, d);
 #pragma unroll
     for (int i = 0; i < C; ++i) {
       if (i < c.len) {
-        dq.store(i, (sDq[i][d] - qn[i] * sDot[0][i]) * sInvNorm[0][i]);
-        dk.store(i, (sDk[i][d] - kn[i] * sDot[1][i]) * sInvNorm[1][i]);
+        const float dqi = (sDq[i][d] - qn[i] * sDot[0][i]) * sInvNorm[0][i];
+        const float dki = (sDk[i][d] - kn[i] * sDot[1][i]) * sInvNorm[1][i];
+        if (p.group > 1) {
+          dq32.store(i, dqi);
+          dk32.store(i, dki);
+        } else {
+          dq.store(i, dqi);
+          dk.store(i, dki);
+        }
       }
     }
     if (d < c.len) {

@@ -186,12 +186,13 @@ __device__ __forceinline__ void load_chunk_rows(const B& b, const FwdParams& p, 
   for (int n = 0; n < C * kPieces / 32; ++n) {
     const int i = (n * 32 + b.lane) / kPieces, j = 2 * b.s0 + b.lane % kPieces;
     const bool valid = i < c.len;
-    const int64_t src = (((c.bos + (valid ? i : 0)) * p.H + c.h) * D + 8 * j) * 2;
+    const int64_t t = c.bos + (valid ? i : 0);
+    const int64_t src = ((t * p.H + c.h) * D + 8 * j) * 2, src_qk = (qk_row(p, t, c.h) + 8 * j) * 2;
     const uint32_t dst = b.st_base + piece_offset(i, j);
-    cp_async_16_or_zero(dst + S::kQs, q + src, valid);
+    cp_async_16_or_zero(dst + S::kQs, q + src_qk, valid);
     // An fp32 g (a precomputed gate's) is read by step_gate from global memory.
     cp_async_16_or_zero(dst + S::kW, gg + src, valid && !(kGiven && p.g_fp32));
-    cp_async_16_or_zero(dst + S::kKd, k + src, valid);
+    cp_async_16_or_zero(dst + S::kKd, k + src_qk, valid);
   }
   cp_async_commit();
 }
