@@ -12,6 +12,7 @@
 #include <algorithm>
 #include <string>
 #include <utility>
+#include <vector>
 
 #include "checkpoints.h"
 #include "cuda/backward/schedule.h"
@@ -19,6 +20,7 @@
 #include "cuda/forward_call.h"
 #include "cuda/heuristics.h"
 #include "cuda/launch.h"
+#include "cuda/padded_heads.h"
 #include "cuda/staging.h"
 #include "kda.h"
 
@@ -146,6 +148,37 @@ void forward_into(const char* op, const Problem& p, const Tensor& q, const Tenso
 
 namespace {
 
+// forward_into for any head size the CUDA ops take: sizes without kernels of
+// their own run padded (padded_heads.h) into padded outputs, whose leading
+// blocks are then copied out. chunk_states and records keep the padded
+// sizes, which are the sizes kda.bwd checks them against.
+void forward_served(const char* op, const Problem& p, const Tensor& q, const Tensor& k, const Tensor& v,
+                    const Tensor& g, const Tensor& beta, const Tensor& A_log, const Tensor& dt_bias,
+                    const optional<Tensor>& initial_state, const optional<Tensor>& cu_seqlens, const Tensor& out,
+                    const optional<Tensor>& final_state, const Tensor& chunk_states = Tensor(),
+                    const Tensor& records = Tensor(), bool decode_short_requests = false) {
+  if (!pads_heads(p)) {
+    forward_into(op, p, q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, out, final_state, chunk_states,
+                 records, decode_short_requests);
+    return;
+  }
+  const PaddedInputs x = padded_inputs(p, q, k, v, g, dt_bias, initial_state);
+  const int64_t K = concrete(p.K), V = concrete(p.V), Kp = concrete(x.p.K), Vp = concrete(x.p.V);
+  std::vector<int64_t> out_sizes = out.sizes().vec();
+  out_sizes.back() = Vp;
+  const Tensor out_p = at::empty(out_sizes, out.options());
+  optional<Tensor> final_p;
+  if (final_state.has_value()) {
+    final_p = at::empty({concrete(p.N), concrete(p.H), Vp, Kp}, final_state->options().dtype(p.state_dtype));
+  }
+  forward_into(op, x.p, x.q, x.k, x.v, x.g, beta, A_log, x.dt_bias, x.initial_state, cu_seqlens, out_p, final_p,
+               chunk_states, records, decode_short_requests);
+  out.copy_(out_p.narrow(-1, 0, V));
+  if (final_state.has_value()) {
+    final_state->copy_(final_p->narrow(-2, 0, V).narrow(-1, 0, K));
+  }
+}
+
 std::tuple<Tensor, Tensor> fwd(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g, const Tensor& beta,
                                const optional<Tensor>& A_log_, const optional<Tensor>& dt_bias_, optional<double> scale,
                                optional<double> lower_bound, const optional<Tensor>& initial_state,
@@ -154,7 +187,7 @@ std::tuple<Tensor, Tensor> fwd(const Tensor& q, const Tensor& k, const Tensor& v
   Problem p = check_all("kda.fwd", q, k, v, g, beta, A_log, dt_bias, scale, lower_bound, initial_state, cu_seqlens);
   c10::cuda::CUDAGuard guard(q.device());
   ForwardOutputs o = allocate_forward_outputs(p, q, output_final_state);
-  forward_into("kda.fwd", p, q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, o.out,
+  forward_served("kda.fwd", p, q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, o.out,
                output_final_state ? optional<Tensor>(o.final_state) : std::nullopt);
   return {o.out, o.final_state};
 }
@@ -186,8 +219,8 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> fwd_checkpointed(const Tensor& q, con
       }
     }
   }
-  forward_into(op, p, q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, o.out,
-               output_final_state ? optional<Tensor>(o.final_state) : std::nullopt, checkpoints, records);
+  forward_served(op, p, q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, o.out,
+                 output_final_state ? optional<Tensor>(o.final_state) : std::nullopt, checkpoints, records);
   return {o.out, o.final_state, checkpoints, records};
 }
 
@@ -203,8 +236,8 @@ void fwd_inplace(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor
   c10::cuda::CUDAGuard guard(q.device());
   // Serving code written for flash_kda calls this with one token or a few a
   // sequence: those take the decode kernel (heuristics.h, pool_by_decode).
-  forward_into("kda.fwd_", p, q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, out, final_state, Tensor(),
-               Tensor(), true);
+  forward_served("kda.fwd_", p, q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, out, final_state,
+                 Tensor(), Tensor(), true);
 }
 
 // kda.bwd with the backward kernels (backward/schedule.h: K1 for the records
@@ -307,8 +340,24 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> bwd(
   check_backward_grads("kda.bwd", p, q, grad_out, grad_final_state);
   check_saved("kda.bwd", p, cu_seqlens.has_value(), q, checkpoints, records);
   c10::cuda::CUDAGuard guard(q.device());
-  return backward_by_kernels(p, grad_out, grad_final_state, q, k, v, g, beta, A_log, dt_bias, initial_state,
-                             cu_seqlens, checkpoints.value_or(Tensor()), records.value_or(Tensor()));
+  if (!pads_heads(p)) {
+    return backward_by_kernels(p, grad_out, grad_final_state, q, k, v, g, beta, A_log, dt_bias, initial_state,
+                               cu_seqlens, checkpoints.value_or(Tensor()), records.value_or(Tensor()));
+  }
+  // Sizes without kernels of their own (padded_heads.h): the padded problem's
+  // gradients, of which the real channels' are the leading blocks.
+  const PaddedInputs x = padded_inputs(p, q, k, v, g, dt_bias, initial_state);
+  const int64_t K = concrete(p.K), V = concrete(p.V), Kp = concrete(x.p.K), Vp = concrete(x.p.V);
+  // (An empty grad_final_state stands for None.)
+  const optional<Tensor> gf = grad_final_state.has_value() && grad_final_state->dim() == 4
+                                  ? optional<Tensor>(padded_to(*grad_final_state, {Vp, Kp}))
+                                  : grad_final_state;
+  auto [dq, dk, dv, dg, dbeta, dA_log, ddt_bias, dinit] =
+      backward_by_kernels(x.p, padded_to(grad_out, {Vp}), gf, x.q, x.k, x.v, x.g, beta, A_log, x.dt_bias,
+                          x.initial_state, cu_seqlens, checkpoints.value_or(Tensor()), records.value_or(Tensor()));
+  return {leading_block(dq, {K}), leading_block(dk, {K}), leading_block(dv, {V}), leading_block(dg, {K}), dbeta,
+          dA_log, ddt_bias.defined() && ddt_bias.dim() == 2 ? leading_block(ddt_bias, {K}) : ddt_bias,
+          dinit.numel() > 0 ? leading_block(dinit, {V, K}) : dinit};
 }
 
 }  // namespace

@@ -24,14 +24,15 @@ void check_cuda_limits(const char* op, const Problem& p, const Tensor& A_log, co
       p.input_dtype == at::kBFloat16,
       op, ": on CUDA, q, k, v, g and beta must have dtype bfloat16 (a precomputed gate's g also float32), got ",
       dtype_name(p.input_dtype));
+  // Sizes below kHeadDim run zero-padded (padded_heads.h).
   TORCH_CHECK(
-      concrete(p.K) == kHeadDim,
-      op, ": on CUDA, the key head size K must be ", int_str(kHeadDim), ", got K = ", int_str(concrete(p.K)),
-      " (other sizes run on the CPU)");
+      concrete(p.K) <= kHeadDim,
+      op, ": on CUDA, the key head size K must be at most ", int_str(kHeadDim), ", got K = ", int_str(concrete(p.K)),
+      " (larger sizes run on the CPU)");
   TORCH_CHECK(
-      concrete(p.V) == kHeadDim,
-      op, ": on CUDA, the value head size V must be ", int_str(kHeadDim), ", got V = ", int_str(concrete(p.V)),
-      " (other sizes run on the CPU)");
+      concrete(p.V) <= kHeadDim,
+      op, ": on CUDA, the value head size V must be at most ", int_str(kHeadDim), ", got V = ",
+      int_str(concrete(p.V)), " (larger sizes run on the CPU)");
   if (!p.precomputed_gate) {
     TORCH_CHECK(A_log.scalar_type() == at::kFloat, op, ": on CUDA, A_log must have dtype float32, got ",
                 dtype_name(A_log.scalar_type()));

@@ -1,0 +1,137 @@
+"""fla's other KDA configurations against fla's chunk_kda in the same run: head sizes
+64 and 128 (256 where torch_kda's CUDA path takes it) at 1 x 8192 and 8 x 1024 tokens
+with 32 heads, and grouped value heads (HV = 2 H) at 8192 tokens, 96 value heads:
+
+    python3 benchmarks/bench_configs.py [--no-fla] [--fla-backward]
+
+Bounded gate (lower_bound = -5), bf16 inputs, an fp32 initial state and the final
+state returned; medians of CUDA events (ms), eager calls. Forward: torch_kda.kda
+without gradients; step: forward + backward of every input. fla's first backward at
+each new shape autotunes for minutes, so its step runs only with --fla-backward.
+"""
+import argparse
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_fwd import fla_gate_args, skipped, time_ms  # noqa: E402
+
+import torch_kda  # noqa: E402
+
+LOWER_BOUND = -5.0
+# (label, sequences, tokens each, query/key heads H, value heads HV, K = V)
+CONFIGS = [
+    ("1x8192 H32 D64", 1, 8192, 32, 32, 64),
+    ("8x1024 H32 D64", 8, 1024, 32, 32, 64),
+    ("1x8192 H32 D128", 1, 8192, 32, 32, 128),
+    ("8x1024 H32 D128", 8, 1024, 32, 32, 128),
+    ("1x8192 H32 D256", 1, 8192, 32, 32, 256),
+    ("1x8192 H48 HV96 D128", 1, 8192, 48, 96, 128),
+    ("1x8192 H96 D128", 1, 8192, 96, 96, 128),
+]
+
+
+def inputs(N, T, H, HV, D):
+    gen = torch.Generator(device="cuda").manual_seed(0)
+
+    def randn(*shape):
+        return torch.randn(*shape, device="cuda", generator=gen)
+
+    c = {"q": randn(1, N * T, H, D).bfloat16(), "k": randn(1, N * T, H, D).bfloat16(),
+         "v": randn(1, N * T, HV, D).bfloat16(), "g": randn(1, N * T, HV, D).bfloat16(),
+         "beta": randn(1, N * T, HV).bfloat16(), "A_log": torch.rand(HV, device="cuda"),
+         "dt_bias": torch.rand(HV, D, device="cuda"), "h0": randn(N, HV, D, D)}
+    c["cu"] = torch.arange(0, N * T + 1, T, device="cuda") if N > 1 else None
+    return c
+
+
+def torch_kda_fns(c):
+    def call(x):
+        return torch_kda.kda(x["q"], x["k"], x["v"], x["g"], x["beta"], x["A_log"], x["dt_bias"],
+                             lower_bound=LOWER_BOUND, initial_state=x["h0"], output_final_state=True,
+                             cu_seqlens=c["cu"])
+
+    def forward():
+        with torch.no_grad():
+            call(c)
+
+    leaves = {n: t.detach().clone().requires_grad_() if n != "cu" and t is not None else t for n, t in c.items()}
+
+    def step():
+        out, final = call(leaves)
+        torch.autograd.backward([out, final], [torch.ones_like(out), torch.ones_like(final)])
+
+    return forward, step
+
+
+def fla_fns(c):
+    from fla.ops.kda import chunk_kda
+
+    def call(x):
+        return chunk_kda(x["q"], x["k"], x["v"], x["g"], x["beta"], initial_state=x["h0"], output_final_state=True,
+                         use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True,
+                         state_v_first=True, A_log=x["A_log"], dt_bias=x["dt_bias"], cu_seqlens=c["cu"],
+                         **fla_gate_args(LOWER_BOUND))
+
+    flat = dict(c, dt_bias=c["dt_bias"].flatten())
+
+    def forward():
+        with torch.no_grad():
+            call(flat)
+
+    leaves = {n: t.detach().clone().requires_grad_() if n != "cu" and t is not None else t for n, t in flat.items()}
+
+    def step():
+        out, final = call(leaves)
+        torch.autograd.backward([out, final], [torch.ones_like(out), torch.ones_like(final)])
+
+    return forward, step
+
+
+def timed(fn, repeats, label):
+    """Median ms, or None where the library refused the configuration."""
+    try:
+        fn()
+        torch.cuda.synchronize()
+    except (RuntimeError, ValueError, NotImplementedError, AssertionError) as exc:
+        if not skipped(exc, label):
+            raise
+        return None
+    return time_ms(fn, repeats)
+
+
+def fmt(x):
+    return f"{x:8.3f}" if x is not None else "       -"
+
+
+def ratio(a, b):
+    return f"{b / a:6.2f}x" if a is not None and b is not None else "      -"
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--no-fla", action="store_true")
+    ap.add_argument("--fla-backward", action="store_true", help="also fla's step (autotunes at each new shape)")
+    ap.add_argument("--repeats", type=int, default=10)
+    args = ap.parse_args()
+    print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}")
+    print(f"{'config':<22} {'fwd ms':>8} {'fla fwd':>8} {'speedup':>7} {'step ms':>8} {'fla step':>8} {'speedup':>7}")
+    for label, N, T, H, HV, D in CONFIGS:
+        c = inputs(N, T, H, HV, D)
+        fwd, step = torch_kda_fns(c)
+        ours = timed(fwd, 2 * args.repeats, f"torch_kda {label}"), timed(step, args.repeats, f"torch_kda {label}")
+        theirs = None, None
+        if not args.no_fla:
+            ffwd, fstep = fla_fns(c)
+            theirs = (timed(ffwd, 2 * args.repeats, f"fla {label}"),
+                      timed(fstep, args.repeats, f"fla {label}") if args.fla_backward else None)
+        print(f"{label:<22} {fmt(ours[0])} {fmt(theirs[0])} {ratio(ours[0], theirs[0])} "
+              f"{fmt(ours[1])} {fmt(theirs[1])} {ratio(ours[1], theirs[1])}", flush=True)
+        del c
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,69 @@
+#include "cuda/padded_heads.h"
+
+#include <ATen/ops/constant_pad_nd.h>
+
+#include <vector>
+
+#include "cuda/params.h"
+
+namespace kda::cuda {
+
+int64_t served_head_size(int64_t size) {
+  TORCH_INTERNAL_ASSERT(size > 0 && size <= kHeadDim, "no kernels serve a head size of ", size);
+  return kHeadDim;
+}
+
+bool pads_heads(const Problem& p) {
+  return concrete(p.K) != served_head_size(concrete(p.K)) || concrete(p.V) != served_head_size(concrete(p.V));
+}
+
+at::Tensor padded_to(const at::Tensor& t, std::initializer_list<int64_t> sizes) {
+  // constant_pad_nd takes (before, after) pairs from the last dimension back.
+  std::vector<int64_t> pad;
+  bool any = false;
+  int64_t dim = t.dim() - static_cast<int64_t>(sizes.size());
+  for (int64_t size : sizes) {
+    any = any || t.size(dim) != size;
+    ++dim;
+  }
+  if (!any) {
+    return t;
+  }
+  dim = t.dim() - 1;
+  for (auto it = std::rbegin(sizes); it != std::rend(sizes); ++it, --dim) {
+    pad.push_back(0);
+    pad.push_back(*it - t.size(dim));
+  }
+  return at::constant_pad_nd(t, pad, 0);
+}
+
+at::Tensor leading_block(const at::Tensor& t, std::initializer_list<int64_t> sizes) {
+  at::Tensor b = t;
+  int64_t dim = t.dim() - static_cast<int64_t>(sizes.size());
+  for (int64_t size : sizes) {
+    b = b.narrow(dim++, 0, size);
+  }
+  return b.contiguous();
+}
+
+PaddedInputs padded_inputs(const Problem& p, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                           const at::Tensor& g, const at::Tensor& dt_bias,
+                           const std::optional<at::Tensor>& initial_state) {
+  const int64_t K = served_head_size(concrete(p.K)), V = served_head_size(concrete(p.V));
+  PaddedInputs x;
+  x.p = p;
+  x.p.K = K;
+  x.p.V = V;
+  x.p.scale = resolved_scale(p);  // the default 1 / sqrt(K) of the caller's K
+  x.q = padded_to(q, {K});
+  x.k = padded_to(k, {K});
+  x.v = padded_to(v, {V});
+  x.g = padded_to(g, {K});
+  x.dt_bias = dt_bias.defined() ? padded_to(dt_bias, {K}) : dt_bias;
+  if (initial_state.has_value()) {
+    x.initial_state = padded_to(*initial_state, {V, K});
+  }
+  return x;
+}
+
+}  // namespace kda::cuda

@@ -1,0 +1,149 @@
+"""Head sizes below 128 on the CUDA kernels, which serve them zero-padded to 128
+(csrc/cuda/padded_heads.h): K and V each from 1 to 128, K != V allowed. The
+forward against the float64 reference (fixed length and varlen with empty and
+odd sequences, both gates, both state dtypes, hard cases), the gradients against
+the float64 CPU kernels, kda::fwd_ into poisoned buffers on both its paths,
+grouped value heads and a precomputed gate, torch.compile and opcheck; larger
+sizes and the state pool raise.
+"""
+import pytest
+import torch
+
+import torch_kda
+from conftest import nan_like, positional, rel, run_reference
+from cuda_helpers import CUDA_MARKS, DEV, cuda_and_reference_grads, check_grads, cuda_inputs, hard_case, run_cuda
+
+pytestmark = CUDA_MARKS
+
+BF16, F32 = torch.bfloat16, torch.float32
+GATES = pytest.mark.parametrize("lower_bound", [-5.0, None], ids=["bounded", "softplus"])
+# fla's grid has 60, 64 and 100; 1 and 17 are the extremes of the padding.
+SIZES = pytest.mark.parametrize("K,V", [(64, 64), (60, 60), (100, 100), (32, 96), (128, 64), (64, 128), (1, 17)],
+                                ids=lambda x: str(x))
+
+
+def out_tol(state_dtype):
+    return 5e-3 if state_dtype == F32 else 1e-2
+
+
+@GATES
+@SIZES
+@pytest.mark.parametrize("state_dtype", [F32, BF16], ids=["fp32_state", "bf16_state"])
+@pytest.mark.parametrize("shape", [dict(B=2, T=70, H=3), dict(seqlens=[33, 0, 1, 64, 5], H=2)],
+                         ids=["fixed", "varlen"])
+def test_forward_matches_the_reference(K, V, lower_bound, state_dtype, shape):
+    _, g = cuda_inputs(state_dtype=state_dtype, K=K, V=V, **shape)
+    out, final = run_cuda(g, lower_bound=lower_bound)  # the default scale, 1 / sqrt(K)
+    ref_out, ref_final = run_reference(g, lower_bound=lower_bound)
+    assert out.shape == g["v"].shape and final.shape == g["initial_state"].shape
+    assert out.dtype == BF16 and final.dtype == state_dtype
+    e_out, e_final = rel(out, ref_out), rel(final, ref_final)
+    print(f"\nout {e_out:.2e}, final {e_final:.2e}", end="")
+    assert e_out <= out_tol(state_dtype)
+    assert e_final <= (1e-4 if state_dtype == F32 else 1e-2)
+
+
+@pytest.mark.parametrize("case", ["weak_decay", "small_beta"])
+def test_hard_cases(case):
+    d, g = cuda_inputs(K=64, V=64, B=1, T=300, H=2)
+    hard_case(case, d, g)
+    out, final = run_cuda(g)
+    ref_out, ref_final = run_reference(g, lower_bound=-5.0)
+    assert rel(out, ref_out) <= 5e-3 and rel(final, ref_final) <= 1e-4
+
+
+@GATES
+@pytest.mark.parametrize("K,V", [(64, 64), (100, 60)], ids=lambda x: str(x))
+@pytest.mark.parametrize("shape", [dict(B=2, T=45, H=2), dict(seqlens=[17, 0, 40, 1], H=2)], ids=["fixed", "varlen"])
+def test_backward_matches_the_cpu_kernels(K, V, lower_bound, shape):
+    """kda.bwd against float64, and the autograd step (the forward's kept padded states) against kda.bwd."""
+    d, g = cuda_inputs(state_dtype=F32, K=K, V=V, **shape)
+    grad_out = torch.randn(g["v"].shape, device=DEV).to(BF16)
+    grad_final = torch.randn(g["initial_state"].shape, device=DEV)
+    kw = dict(lower_bound=lower_bound, initial_state=g["initial_state"], cu_seqlens=g["cu_seqlens"])
+    got = torch.ops.kda.bwd(grad_out, grad_final, *positional(g), **kw)
+    g64 = {n: (t.cpu().double() if t is not None and t.is_floating_point() else (t.cpu() if t is not None else None))
+           for n, t in g.items()}
+    want = torch.ops.kda.bwd(grad_out.cpu().double(), grad_final.cpu().double(), *positional(g64),
+                             lower_bound=lower_bound, initial_state=g64["initial_state"], cu_seqlens=g64["cu_seqlens"])
+    check_grads("bwd", got, want)
+    names = ("q", "k", "v", "g", "beta", "A_log", "dt_bias", "initial_state")
+    leaves = {n: g[n].detach().clone().requires_grad_(True) for n in names}
+    out, final = run_cuda({**g, **leaves}, lower_bound=lower_bound)
+    torch.autograd.backward([out, final], [grad_out, grad_final])
+    check_grads("autograd", [leaves[n].grad for n in names], want)
+
+
+def test_backward_without_final_gradient():
+    d, g = cuda_inputs(state_dtype=F32, K=60, V=100, B=1, T=50, H=2)
+    got, ref = cuda_and_reference_grads(d, g, with_final=False)
+    check_grads("bwd", got, ref)
+
+
+@pytest.mark.parametrize("tokens", [1, 37], ids=["decode", "chunked"])
+@pytest.mark.parametrize("state_dtype", [F32, BF16], ids=["fp32_state", "bf16_state"])
+def test_inplace_forward_into_poisoned_buffers(tokens, state_dtype):
+    """kda::fwd_ writes every element of out and final_state; final_state may be the initial state itself."""
+    _, g = cuda_inputs(state_dtype=state_dtype, K=64, V=96, B=3, T=tokens, H=2)
+    ref_out, ref_final = run_reference(g, lower_bound=-5.0)
+    out = nan_like(g["v"])
+    state = g["initial_state"].clone()
+    torch_kda.fwd(g["q"], g["k"], g["v"], g["g"], g["beta"], 64**-0.5, out, g["A_log"], g["dt_bias"], -5.0,
+                  initial_state=state, final_state=state)
+    assert torch.isfinite(out).all() and torch.isfinite(state).all()
+    assert rel(out, ref_out) <= out_tol(state_dtype)
+    assert rel(state, ref_final) <= (1e-4 if state_dtype == F32 else 1e-2)
+
+
+def test_grouped_heads_and_a_precomputed_gate():
+    _, g = cuda_inputs(state_dtype=F32, K=64, V=64, B=2, T=40, H=2, HV=4)
+    out, final = run_cuda(g, lower_bound=None)
+    ref_out, ref_final = run_reference(g, lower_bound=None)
+    assert rel(out, ref_out) <= 5e-3 and rel(final, ref_final) <= 1e-4
+    for g_dtype in (BF16, F32):
+        given = {**g, "g": (-5.0 * torch.sigmoid(g["g"].float())).to(g_dtype), "A_log": None, "dt_bias": None}
+        out, final = run_cuda(given, lower_bound=-5.0)
+        ref_out, ref_final = run_reference(given, lower_bound=-5.0)
+        assert rel(out, ref_out) <= 5e-3 and rel(final, ref_final) <= 1e-4
+
+
+def test_compile_fullgraph_forward_and_backward():
+    _, g = cuda_inputs(state_dtype=F32, K=64, V=100, B=2, T=40, H=2)
+
+    def step(q, k, v, gate, beta, A_log, dt_bias, h0):
+        o, s = torch_kda.kda(q, k, v, gate, beta, A_log, dt_bias, lower_bound=-5.0, initial_state=h0,
+                             output_final_state=True)
+        return o.float().square().sum() + s.square().sum()
+
+    names = ("q", "k", "v", "g", "beta", "A_log", "dt_bias", "initial_state")
+    grads = []
+    for fn in (torch.compile(step, fullgraph=True), step):
+        leaves = [g[n].detach().clone().requires_grad_(True) for n in names]
+        fn(*leaves).backward()
+        grads.append([t.grad for t in leaves])
+    for n, a, b in zip(names, *grads):
+        assert a.shape == g[n].shape and torch.equal(a, b), n
+
+
+def test_opcheck():
+    _, g = cuda_inputs(state_dtype=F32, K=60, V=64, seqlens=[10, 0, 33], H=2)
+    kw = {"lower_bound": -5.0, "initial_state": g["initial_state"], "cu_seqlens": g["cu_seqlens"]}
+    torch.library.opcheck(torch.ops.kda.fwd.default, positional(g), {**kw, "output_final_state": True})
+    torch.library.opcheck(torch.ops.kda._fwd_checkpointed.default, positional(g), {**kw, "output_final_state": True})
+    grad_out = torch.randn(g["v"].shape, device=DEV).to(BF16)
+    grad_final = torch.randn(g["initial_state"].shape, device=DEV)
+    torch.library.opcheck(torch.ops.kda.bwd.default, (grad_out, grad_final, *positional(g)), kw)
+
+
+def test_larger_sizes_and_the_pool_raise():
+    _, g = cuda_inputs(K=256, V=128, B=1, T=4, H=1)
+    with pytest.raises(RuntimeError, match=r"on CUDA, the key head size K must be at most 128, got K = 256"):
+        run_cuda(g)
+    _, g = cuda_inputs(K=128, V=129, B=1, T=4, H=1)
+    with pytest.raises(RuntimeError, match=r"on CUDA, the value head size V must be at most 128, got V = 129"):
+        run_cuda(g)
+    _, d = cuda_inputs(K=64, V=64, B=2, T=1, H=1)
+    pool = torch.zeros(4, 1, 64, 64, device=DEV)
+    with pytest.raises(RuntimeError, match=r"kda.fwd_pool_: on CUDA, the state pool serves K = V = 128, got K = 64"):
+        torch_kda.kda_pool(*positional(d), pool, torch.tensor([0, 1], device=DEV), lower_bound=-5.0)
+    assert not pool.any()
