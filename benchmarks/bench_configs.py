@@ -16,7 +16,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_fwd import fla_gate_args, skipped, time_ms  # noqa: E402
+from bench_fwd import fla_gate_args, time_ms, usable  # noqa: E402
 
 import torch_kda  # noqa: E402
 
@@ -47,12 +47,9 @@ def inputs(N, T, H, HV, D):
     return c
 
 
-def torch_kda_fns(c):
-    def call(x):
-        return torch_kda.kda(x["q"], x["k"], x["v"], x["g"], x["beta"], x["A_log"], x["dt_bias"],
-                             lower_bound=LOWER_BOUND, initial_state=x["h0"], output_final_state=True,
-                             cu_seqlens=c["cu"])
-
+def forward_and_step(call, c):
+    """A forward without gradients and a forward + backward of every input, of call(x)
+    on the inputs c (a library's call on a dict of them)."""
     def forward():
         with torch.no_grad():
             call(c)
@@ -66,40 +63,26 @@ def torch_kda_fns(c):
     return forward, step
 
 
-def fla_fns(c):
+def torch_kda_call(x):
+    return torch_kda.kda(x["q"], x["k"], x["v"], x["g"], x["beta"], x["A_log"], x["dt_bias"],
+                         lower_bound=LOWER_BOUND, initial_state=x["h0"], output_final_state=True,
+                         cu_seqlens=x["cu"])
+
+
+def fla_call(x):
     from fla.ops.kda import chunk_kda
 
-    def call(x):
-        return chunk_kda(x["q"], x["k"], x["v"], x["g"], x["beta"], initial_state=x["h0"], output_final_state=True,
-                         use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True,
-                         state_v_first=True, A_log=x["A_log"], dt_bias=x["dt_bias"], cu_seqlens=c["cu"],
-                         **fla_gate_args(LOWER_BOUND))
-
-    flat = dict(c, dt_bias=c["dt_bias"].flatten())
-
-    def forward():
-        with torch.no_grad():
-            call(flat)
-
-    leaves = {n: t.detach().clone().requires_grad_() if n != "cu" and t is not None else t for n, t in flat.items()}
-
-    def step():
-        out, final = call(leaves)
-        torch.autograd.backward([out, final], [torch.ones_like(out), torch.ones_like(final)])
-
-    return forward, step
+    # fla takes dt_bias flat ([HV * K]).
+    return chunk_kda(x["q"], x["k"], x["v"], x["g"], x["beta"], initial_state=x["h0"], output_final_state=True,
+                     use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True,
+                     state_v_first=True, A_log=x["A_log"], dt_bias=x["dt_bias"].flatten(), cu_seqlens=x["cu"],
+                     **fla_gate_args(LOWER_BOUND))
 
 
 def timed(fn, repeats, label):
     """Median ms, or None where the library refused the configuration."""
-    try:
-        fn()
-        torch.cuda.synchronize()
-    except (RuntimeError, ValueError, NotImplementedError, AssertionError) as exc:
-        if not skipped(exc, label):
-            raise
-        return None
-    return time_ms(fn, repeats)
+    fn = usable(fn, label)
+    return time_ms(fn, repeats) if fn is not None else None
 
 
 def fmt(x):
@@ -120,11 +103,11 @@ def main():
     print(f"{'config':<22} {'fwd ms':>8} {'fla fwd':>8} {'speedup':>7} {'step ms':>8} {'fla step':>8} {'speedup':>7}")
     for label, N, T, H, HV, D in CONFIGS:
         c = inputs(N, T, H, HV, D)
-        fwd, step = torch_kda_fns(c)
+        fwd, step = forward_and_step(torch_kda_call, c)
         ours = timed(fwd, 2 * args.repeats, f"torch_kda {label}"), timed(step, args.repeats, f"torch_kda {label}")
         theirs = None, None
         if not args.no_fla:
-            ffwd, fstep = fla_fns(c)
+            ffwd, fstep = forward_and_step(fla_call, c)
             theirs = (timed(ffwd, 2 * args.repeats, f"fla {label}"),
                       timed(fstep, args.repeats, f"fla {label}") if args.fla_backward else None)
         print(f"{label:<22} {fmt(ours[0])} {fmt(theirs[0])} {ratio(ours[0], theirs[0])} "
