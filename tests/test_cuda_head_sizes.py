@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import torch_kda
-from conftest import nan_like, positional, rel, run_reference
+from conftest import capture_graph, nan_like, positional, rel, run_reference
 from cuda_helpers import CUDA_MARKS, DEV, cuda_and_reference_grads, check_grads, cuda_inputs, hard_case, run_cuda
 
 pytestmark = CUDA_MARKS
@@ -107,8 +107,37 @@ def test_grouped_heads_and_a_precomputed_gate():
         assert rel(out, ref_out) <= 5e-3 and rel(final, ref_final) <= 1e-4
 
 
+@pytest.mark.parametrize("seqlens", [[1, 0, 1, 1], [40, 0, 100, 17]], ids=["decode", "chunked"])
+def test_cuda_graph_replay_with_new_inputs(seqlens):
+    """kda::fwd_ at K = 64, V = 100 with grouped value heads (the padding's copies
+    inside the graph), a varlen batch with an empty sequence, captured and replayed
+    with new inputs copied in: bitwise the eager call on those inputs."""
+    def inputs():
+        return cuda_inputs(state_dtype=F32, K=64, V=100, seqlens=seqlens, H=2, HV=4)[1]
+
+    def call(x, out, final):
+        torch_kda.fwd(*positional(x)[:5], None, out, x["A_log"], x["dt_bias"], -5.0,
+                      initial_state=x["initial_state"], final_state=final, cu_seqlens=x["cu_seqlens"])
+
+    g = inputs()
+    out, final = torch.empty_like(g["v"]), torch.empty_like(g["initial_state"])
+    graph, _ = capture_graph(lambda: call(g, out, final))
+    g2 = inputs()
+    for name in ("q", "k", "v", "g", "beta", "A_log", "dt_bias", "initial_state"):
+        g[name].copy_(g2[name])
+    out.fill_(float("nan"))
+    final.fill_(float("nan"))
+    graph.replay()
+    eager_out, eager_final = nan_like(out), nan_like(final)
+    call(g2, eager_out, eager_final)
+    torch.cuda.synchronize()
+    assert torch.isfinite(out).all() and torch.isfinite(final).all()
+    assert torch.equal(out, eager_out) and torch.equal(final, eager_final)
+
+
 def test_compile_fullgraph_forward_and_backward():
-    _, g = cuda_inputs(state_dtype=F32, K=64, V=100, B=2, T=40, H=2)
+    """K = 64, V = 100 with grouped value heads (HV = 2 H)."""
+    _, g = cuda_inputs(state_dtype=F32, K=64, V=100, B=2, T=40, H=2, HV=4)
 
     def step(q, k, v, gate, beta, A_log, dt_bias, h0):
         o, s = torch_kda.kda(q, k, v, gate, beta, A_log, dt_bias, lower_bound=-5.0, initial_state=h0,
@@ -137,13 +166,15 @@ def test_opcheck():
 
 def test_larger_sizes_and_the_pool_raise():
     _, g = cuda_inputs(K=256, V=128, B=1, T=4, H=1)
-    with pytest.raises(RuntimeError, match=r"on CUDA, the key head size K must be at most 128, got K = 256"):
+    with pytest.raises(RuntimeError,
+                       match=r"on CUDA, q and k must have a head size K \(dim 3\) of at most 128, got K = 256"):
         run_cuda(g)
     _, g = cuda_inputs(K=128, V=129, B=1, T=4, H=1)
-    with pytest.raises(RuntimeError, match=r"on CUDA, the value head size V must be at most 128, got V = 129"):
+    with pytest.raises(RuntimeError, match=r"on CUDA, v must have a head size V \(dim 3\) of at most 128, got V = 129"):
         run_cuda(g)
     _, d = cuda_inputs(K=64, V=64, B=2, T=1, H=1)
     pool = torch.zeros(4, 1, 64, 64, device=DEV)
-    with pytest.raises(RuntimeError, match=r"kda.fwd_pool_: on CUDA, the state pool serves K = V = 128, got K = 64"):
+    with pytest.raises(RuntimeError,
+                       match=r"kda.fwd_pool_: on CUDA, state_pool must have head sizes V = K = 128, got K = 64"):
         torch_kda.kda_pool(*positional(d), pool, torch.tensor([0, 1], device=DEV), lower_bound=-5.0)
     assert not pool.any()

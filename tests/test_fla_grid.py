@@ -309,7 +309,7 @@ def cuda_refusal(row, dtype):
         return (r"on CUDA, q, k, v, g and beta must have dtype bfloat16 \(a precomputed gate's g also float32\), got "
                 + str(dtype).removeprefix("torch."))
     if row.D > 128:
-        return rf"on CUDA, the key head size K must be at most 128, got K = {row.D}"
+        return rf"on CUDA, q and k must have a head size K \(dim 3\) of at most 128, got K = {row.D}"
     return None
 
 

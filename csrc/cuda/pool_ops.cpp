@@ -48,8 +48,8 @@ void fwd_pool(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g
   check_pool_args(op, p, q, cu_seqlens.has_value(), state_pool, state_indices, num_accepted_tokens, out);
   // The pool's slots are read and written in place, at the caller's sizes:
   // padding them (padded_heads.h) would copy the pool.
-  TORCH_CHECK(!pads_heads(p), op, ": on CUDA, the state pool serves K = V = ", int_str(kHeadDim), ", got K = ",
-              int_str(concrete(p.K)), ", V = ", int_str(concrete(p.V)),
+  TORCH_CHECK(!pads_heads(p), op, ": on CUDA, state_pool must have head sizes V = K = ", int_str(kHeadDim),
+              ", got K = ", int_str(concrete(p.K)), ", V = ", int_str(concrete(p.V)),
               " (kda.fwd_ with the requests' states takes smaller sizes; the CPU takes any)");
   TORCH_CHECK(p.state_dtype == at::kBFloat16 || p.state_dtype == at::kFloat,
               op, ": on CUDA, state_pool must have dtype bfloat16 or float32, got ", dtype_name(p.state_dtype));

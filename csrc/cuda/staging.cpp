@@ -27,11 +27,11 @@ void check_cuda_limits(const char* op, const Problem& p, const Tensor& A_log, co
   // Sizes below kHeadDim run zero-padded (padded_heads.h).
   TORCH_CHECK(
       concrete(p.K) <= kHeadDim,
-      op, ": on CUDA, the key head size K must be at most ", int_str(kHeadDim), ", got K = ", int_str(concrete(p.K)),
-      " (larger sizes run on the CPU)");
+      op, ": on CUDA, q and k must have a head size K (dim 3) of at most ", int_str(kHeadDim), ", got K = ",
+      int_str(concrete(p.K)), " (larger sizes run on the CPU)");
   TORCH_CHECK(
       concrete(p.V) <= kHeadDim,
-      op, ": on CUDA, the value head size V must be at most ", int_str(kHeadDim), ", got V = ",
+      op, ": on CUDA, v must have a head size V (dim 3) of at most ", int_str(kHeadDim), ", got V = ",
       int_str(concrete(p.V)), " (larger sizes run on the CPU)");
   if (!p.precomputed_gate) {
     TORCH_CHECK(A_log.scalar_type() == at::kFloat, op, ": on CUDA, A_log must have dtype float32, got ",
