@@ -13,7 +13,7 @@ constexpr int kMaxHeadSize = 256;
 
 // The CUDA kernels' sizes, which also shape what every backend allocates for
 // them (checkpoints.h) and where segments may start (segments.h).
-constexpr int kHeadDim = 128;  // K = V = 128: the only head size the CUDA kernels serve
+constexpr int kHeadDim = 128;  // the CUDA kernels' head size (smaller ones run zero-padded to it)
 constexpr int kChunk = 16;     // tokens per chunk
 
 // The bytes of one record, K1's output per (chunk slot, head). Its layout is

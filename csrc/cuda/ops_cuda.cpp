@@ -30,6 +30,13 @@ namespace {
 using at::Tensor;
 using std::optional;
 
+// Whether t shares memory with out or final (where defined); an undefined t (a
+// precomputed gate's A_log and dt_bias) shares none.
+bool overlaps_outputs(const Tensor& t, const Tensor& out, const Tensor& final) {
+  return t.defined() && (at::get_overlap_status(t, out) != at::MemOverlapStatus::No ||
+                         (final.defined() && at::get_overlap_status(t, final) != at::MemOverlapStatus::No));
+}
+
 // The forward in windows of chunk slots (or one pass), as plan says.
 // Windows (forward/schedule.h) write outputs before they read every input:
 // only when no output shares memory with an input.
@@ -37,11 +44,7 @@ void run_windows(const FwdParams& params, const Tensor& q, ForwardPlan plan, flo
                  const CallInputs& in, const Tensor& out_c, const Tensor& final_c) {
   if (plan.window < params.num_slots) {
     for (const Tensor* input : {&in.q, &in.k, &in.v, &in.g, &in.beta, &in.A_log, &in.dt_bias}) {
-      if (!input->defined()) {
-        continue;  // a precomputed gate's A_log and dt_bias
-      }
-      if (at::get_overlap_status(*input, out_c) != at::MemOverlapStatus::No ||
-          (final_c.defined() && at::get_overlap_status(*input, final_c) != at::MemOverlapStatus::No)) {
+      if (overlaps_outputs(*input, out_c, final_c)) {
         plan.window = params.num_slots;
         break;
       }
@@ -88,8 +91,7 @@ void forward_into(const char* op, const Problem& p, const Tensor& q, const Tenso
   // K2 reads v while it writes out and, at its end, the final state (the
   // record leaves v to it: params.h), so a v that shares memory with either is
   // read from a copy.
-  if (at::get_overlap_status(in.v, out_c) != at::MemOverlapStatus::No ||
-      (final_c.defined() && at::get_overlap_status(in.v, final_c) != at::MemOverlapStatus::No)) {
+  if (overlaps_outputs(in.v, out_c, final_c)) {
     in.v = in.v.clone();
     params.v = in.v.data_ptr();
   }
@@ -102,11 +104,7 @@ void forward_into(const char* op, const Problem& p, const Tensor& q, const Tenso
     // in vectors of up to 16 bytes.
     for (Tensor* input : {&in.q, &in.k, &in.g, &in.beta, &in.A_log, &in.dt_bias}) {
       *input = staged16(*input);
-      if (!input->defined()) {
-        continue;  // a precomputed gate's A_log and dt_bias
-      }
-      if (at::get_overlap_status(*input, out_c) != at::MemOverlapStatus::No ||
-          (final_c.defined() && at::get_overlap_status(*input, final_c) != at::MemOverlapStatus::No)) {
+      if (overlaps_outputs(*input, out_c, final_c)) {
         *input = input->clone();
       }
     }
@@ -356,7 +354,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> bwd(
       backward_by_kernels(x.p, padded_to(grad_out, {Vp}), gf, x.q, x.k, x.v, x.g, beta, A_log, x.dt_bias,
                           x.initial_state, cu_seqlens, checkpoints.value_or(Tensor()), records.value_or(Tensor()));
   return {leading_block(dq, {K}), leading_block(dk, {K}), leading_block(dv, {V}), leading_block(dg, {K}), dbeta,
-          dA_log, ddt_bias.defined() && ddt_bias.dim() == 2 ? leading_block(ddt_bias, {K}) : ddt_bias,
+          dA_log, ddt_bias.dim() == 2 ? leading_block(ddt_bias, {K}) : ddt_bias,  // [0] for a precomputed gate
           dinit.numel() > 0 ? leading_block(dinit, {V, K}) : dinit};
 }
 

@@ -103,7 +103,7 @@ void fwd_pool(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g
   pp.fwd.T = cu_seqlens.has_value() ? tokens : concrete(p.T);
   pp.fwd.N = N;
   pp.fwd.H = H;
-  pp.fwd.group = H / std::max<int64_t>(concrete(p.H_qk), 1);
+  pp.fwd.group = value_head_group(p);
   pp.fwd.scale = static_cast<float>(resolved_scale(p));
   set_gate(pp.fwd, p, g);
 

@@ -85,6 +85,10 @@ Problem check_all(const char* op, const Tensor& q, const Tensor& k, const Tensor
   return p;
 }
 
+int64_t value_head_group(const Problem& p) {
+  return concrete(p.H) / std::max<int64_t>(concrete(p.H_qk), 1);
+}
+
 void set_gate(FwdParams& fp, const Problem& p, const Tensor& g) {
   fp.gate_given = p.precomputed_gate;
   fp.g_fp32 = g.scalar_type() == at::kFloat;
@@ -137,7 +141,7 @@ CallInputs call_inputs(const Problem& p, const Tensor& q, const Tensor& k, const
   FwdParams& fp = in.params;
   fp.H = concrete(p.H);
   fp.N = concrete(p.N);
-  fp.group = concrete(p.H) / std::max<int64_t>(concrete(p.H_qk), 1);
+  fp.group = value_head_group(p);
   C10_CUDA_CHECK(cudaDeviceGetAttribute(&fp.num_sms, cudaDevAttrMultiProcessorCount, q.device().index()));
   fp.q = in.q.data_ptr();
   fp.k = in.k.data_ptr();

@@ -15,7 +15,7 @@
 namespace kda::cuda {
 
 // The shared argument checks (checks.cpp), then what the CUDA kernels support
-// (bf16 inputs, K = V = 128, lower_bound in [-5, 0) or None, ...), then under
+// (bf16 inputs, K and V at most 128, lower_bound in [-5, 0) or None, ...), then under
 // TORCH_KDA_CHECK=1 the contents of cu_seqlens, A_log and a precomputed gate's g
 // (a device sync).
 Problem check_all(const char* op, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
@@ -48,6 +48,9 @@ at::Tensor staged16(const at::Tensor& t);
 // grad_out as the backward sweep reads it: bf16 or fp32 as given (other dtypes
 // in fp32), contiguous and 16-byte aligned.
 at::Tensor sweep_grad_out(const at::Tensor& grad_out);
+
+// Value heads per query/key head (FwdParams::group).
+int64_t value_head_group(const Problem& p);
 
 // The gate's fields of fp (params.h): which formula, if any, and which
 // factoring the kernels take for p's gate, and g's dtype.
