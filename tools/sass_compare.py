@@ -3,8 +3,8 @@
     python3 tools/sass_compare.py REV [FILE.cu ...] [--renamed NEW=OLD ...]
 
 Compiles each .cu file (default: every csrc/cuda/**/*.cu) in both trees for sm_90a,
-with setup.py's flags, and prints per kernel instance: the registers and spills on
-both sides, and whether the SASS is identical, or has the same multiset of
+with setup.py's flags, and prints per kernel instance: the registers, spills and
+instruction count on both sides, and whether the SASS is identical, or has the same multiset of
 floating-point instructions (the same arithmetic in another order of issue: integer
 address code and scheduling differ), or differs in its arithmetic. A refactor that
 must keep results bitwise should end with no "differs" line; the GPU suite still
@@ -121,7 +121,8 @@ def main():
                     verdict = ("identical" if lines == o_lines
                                else "same float" if float_ops(lines) == float_ops(o_lines) else "DIFFERS")
                     differs += verdict == "DIFFERS"
-                    print(f"  {verdict:<10} {name}  regs {o_regs} -> {regs}, spilled {o_spill} -> {spill} B")
+                    print(f"  {verdict:<10} {name}  regs {o_regs} -> {regs}, spilled {o_spill} -> {spill} B, "
+                          f"{len(o_lines)} -> {len(lines)} instructions")
                 for name in sorted(set(old) - set(new)):
                     print(f"  gone       {name}")
             print(f"{differs} kernel(s) with different arithmetic")

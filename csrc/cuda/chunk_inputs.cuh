@@ -160,7 +160,8 @@ __device__ __forceinline__ void load_chunk_inputs(const FwdParams& p, const Chun
   // (all but a sequence's last) loads without a predicate per token, which with
   // the 64-bit index per load cost ~1,000 instructions per thread.
   const int64_t first = (c.bos * H + c.h) * D + d, stride = H * D;
-  const int64_t first_qk = qk_row(p, c.bos, c.h) + d, stride_qk = H / p.group * D;  // grouped value heads
+  const QkPlace qkp = qk_place(p, static_cast<int>(c.h));
+  const int64_t first_qk = qk_row(qkp, c.bos) + d, stride_qk = qkp.heads * D;
   const __nv_bfloat16* q = static_cast<const __nv_bfloat16*>(p.q) + first_qk;
   const __nv_bfloat16* k = static_cast<const __nv_bfloat16*>(p.k) + first_qk;
   const __nv_bfloat16* g = static_cast<const __nv_bfloat16*>(p.g) + first;

@@ -9,10 +9,28 @@
 
 namespace kda::cuda {
 
-// Where value head h's row of q or k starts at token t (grouped value heads
-// read query/key head h / group; FwdParams::group).
-__device__ __forceinline__ int64_t qk_row(const FwdParams& p, int64_t t, int64_t h) {
-  return (t * (p.H / p.group) + h / p.group) * kHeadDim;
+// Where a value head's q and k rows are (grouped value heads, FwdParams::group):
+// value head h reads query/key head h / group, of H / group. A kernel takes
+// its place once, not per token, and with no division where group is 1: a
+// division is a subroutine of tens of instructions, and the decode kernel's
+// time is a chain of latencies a block (docs/performance-notes.md, "Serving
+// from a state pool").
+struct QkPlace {
+  int64_t heads;  // H / group
+  int head;       // h / group
+};
+
+__device__ __forceinline__ QkPlace qk_place(const FwdParams& p, int h) {
+  if (p.group == 1) {
+    return {p.H, h};
+  }
+  const int group = static_cast<int>(p.group);
+  return {static_cast<int>(p.H) / group, h / group};
+}
+
+// Where the head's q or k row starts at token t.
+__device__ __forceinline__ int64_t qk_row(const QkPlace& x, int64_t t) {
+  return (t * x.heads + x.head) * kHeadDim;
 }
 
 __device__ __forceinline__ float load_bf16(const void* base, int64_t index) {

@@ -204,9 +204,9 @@ __device__ __forceinline__ void cp_async_4(uint32_t smem_dst, const void* gmem_s
 
 // This warp's token t of the first tile, head h, the slab's value rows from
 // row0; beta's logit into `beta`.
-__device__ __forceinline__ void fetch_token(const FwdParams& f, int64_t t, int h, int row0, int warp, int lane,
-                                            TileInputs& in, float& beta) {
-  const int64_t th = t * f.H + h, qk = qk_row(f, t, h);
+__device__ __forceinline__ void fetch_token(const FwdParams& f, int64_t t, int h, const QkPlace& qkp, int row0, int warp,
+                                            int lane, TileInputs& in, float& beta) {
+  const int64_t th = t * f.H + h, qk = qk_row(qkp, t);
   const void* rows[3] = {f.q, f.k, f.g};
   const int64_t at[3] = {qk, qk, th * D};
 #pragma unroll
@@ -267,9 +267,9 @@ __device__ __forceinline__ void token_activations(const FwdParams& p, uint2 qv, 
 // A later tile's token for this warp, read where it is used (requests past one
 // tile are rare in decode; only the first tile is fetched ahead).
 template <bool kFp32>
-__device__ __forceinline__ void later_token_activations(const FwdParams& p, int64_t t, int h, int row0, int tt,
-                                                        int lane, DecodeTile& s) {
-  const int64_t th = t * p.H + h, qk = qk_row(p, t, h);
+__device__ __forceinline__ void later_token_activations(const FwdParams& p, int64_t t, int h, const QkPlace& qkp,
+                                                        int row0, int tt, int lane, DecodeTile& s) {
+  const int64_t th = t * p.H + h, qk = qk_row(qkp, t);
   auto row = [&](const void* x, int64_t at) {
     return *reinterpret_cast<const uint2*>(static_cast<const __nv_bfloat16*>(x) + at + 4 * lane);
   };
@@ -397,11 +397,12 @@ __global__ void __launch_bounds__(kDecodeThreads, kDecodeBlocksPerSm) pool_decod
   const int slab = blockIdx.x % kSlabs;
   const int64_t pair = blockIdx.x / kSlabs, n = pair / f.H;
   const int h = static_cast<int>(pair % f.H);
+  const QkPlace qkp = qk_place(f, h);
   const Request r = request_of(p, n);
   const int len = static_cast<int>(r.eos - r.bos);
   float beta = 0.f;
   if (warp < len) {
-    fetch_token(f, r.bos + warp, h, slab * kSlabRows, warp, lane, in, beta);
+    fetch_token(f, r.bos + warp, h, qkp, slab * kSlabRows, warp, lane, in, beta);
   }
   if (r.slot < 0) {
     cp_async_wait<0>();  // no copy may still be landing once the block has exited
@@ -434,7 +435,7 @@ __global__ void __launch_bounds__(kDecodeThreads, kDecodeBlocksPerSm) pool_decod
     if (first != 0) {
       __syncthreads();  // every read of the previous tile is done
       if (first + warp < len) {
-        later_token_activations<kFp32>(f, r.bos + first + warp, h, slab * kSlabRows, warp, lane, s);
+        later_token_activations<kFp32>(f, r.bos + first + warp, h, qkp, slab * kSlabRows, warp, lane, s);
       }
     }
     __syncthreads();

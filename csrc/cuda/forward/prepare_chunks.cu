@@ -182,12 +182,13 @@ __device__ __forceinline__ void load_chunk_rows(const B& b, const FwdParams& p, 
   const auto* gg = static_cast<const unsigned char*>(p.g);
   const auto* k = static_cast<const unsigned char*>(p.k);
   constexpr int kPieces = 16 / kWarps;  // 16-byte pieces of a row per warp
+  const QkPlace qkp = qk_place(p, static_cast<int>(c.h));
 #pragma unroll
   for (int n = 0; n < C * kPieces / 32; ++n) {
     const int i = (n * 32 + b.lane) / kPieces, j = 2 * b.s0 + b.lane % kPieces;
     const bool valid = i < c.len;
     const int64_t t = c.bos + (valid ? i : 0);
-    const int64_t src = ((t * p.H + c.h) * D + 8 * j) * 2, src_qk = (qk_row(p, t, c.h) + 8 * j) * 2;
+    const int64_t src = ((t * p.H + c.h) * D + 8 * j) * 2, src_qk = (qk_row(qkp, t) + 8 * j) * 2;
     const uint32_t dst = b.st_base + piece_offset(i, j);
     cp_async_16_or_zero(dst + S::kQs, q + src_qk, valid);
     // An fp32 g (a precomputed gate's) is read by step_gate from global memory.
