@@ -3,8 +3,8 @@
 forward against the float64 reference (fixed length and varlen with empty and
 odd sequences, both gates, both state dtypes, hard cases), the gradients against
 the float64 CPU kernels, kda::fwd_ into poisoned buffers on both its paths,
-grouped value heads and a precomputed gate, torch.compile and opcheck; larger
-sizes and the state pool raise.
+grouped value heads and a precomputed gate, torch.compile and opcheck; the state
+pool at its own sizes; larger sizes raise.
 """
 import pytest
 import torch
@@ -38,7 +38,7 @@ def test_forward_matches_the_reference(K, V, lower_bound, state_dtype, shape):
     assert out.shape == g["v"].shape and final.shape == g["initial_state"].shape
     assert out.dtype == BF16 and final.dtype == state_dtype
     e_out, e_final = rel(out, ref_out), rel(final, ref_final)
-    print(f"\nout {e_out:.2e}, final {e_final:.2e}", end="")
+    print(f"out {e_out:.2e}, final {e_final:.2e}")
     assert e_out <= out_tol(state_dtype)
     assert e_final <= (1e-4 if state_dtype == F32 else 1e-2)
 
@@ -164,7 +164,7 @@ def test_opcheck():
     torch.library.opcheck(torch.ops.kda.bwd.default, (grad_out, grad_final, *positional(g)), kw)
 
 
-def test_larger_sizes_and_the_pool_raise():
+def test_larger_sizes_raise():
     _, g = cuda_inputs(K=256, V=128, B=1, T=4, H=1)
     with pytest.raises(RuntimeError,
                        match=r"on CUDA, q and k must have a head size K \(dim 3\) of at most 128, got K = 256"):
@@ -172,9 +172,47 @@ def test_larger_sizes_and_the_pool_raise():
     _, g = cuda_inputs(K=128, V=129, B=1, T=4, H=1)
     with pytest.raises(RuntimeError, match=r"on CUDA, v must have a head size V \(dim 3\) of at most 128, got V = 129"):
         run_cuda(g)
-    _, d = cuda_inputs(K=64, V=64, B=2, T=1, H=1)
-    pool = torch.zeros(4, 1, 64, 64, device=DEV)
-    with pytest.raises(RuntimeError,
-                       match=r"kda.fwd_pool_: on CUDA, state_pool must have head sizes V = K = 128, got K = 64"):
-        torch_kda.kda_pool(*positional(d), pool, torch.tensor([0, 1], device=DEV), lower_bound=-5.0)
-    assert not pool.any()
+
+
+def pool_against_the_cpu(d, pool, indices, named, accepted=None, lower_bound=-5.0):
+    """kda_pool on the GPU against the float64 CPU kernel from the same values; the
+    pool's slots that no index names stay bitwise as they were (NaN in the poisoned
+    ones that no request reads)."""
+    cpu_pool = pool.cpu().double()
+    d64 = {n: (t.cpu().double() if t is not None and t.is_floating_point() else (t.cpu() if t is not None else None))
+           for n, t in d.items()}
+    kw = dict(lower_bound=lower_bound, cu_seqlens=d["cu_seqlens"])
+    before = pool.clone()
+    out = torch_kda.kda_pool(*positional(d), pool, indices, num_accepted_tokens=accepted, **kw)
+    kw["cu_seqlens"] = d64["cu_seqlens"]
+    want = torch_kda.kda_pool(*positional(d64), cpu_pool, indices.cpu(),
+                              num_accepted_tokens=accepted.cpu() if accepted is not None else None, **kw)
+    assert out.shape == d["v"].shape and torch.isfinite(out).all()
+    e_out = rel(out.cpu(), want)
+    e_pool = rel(pool[named].cpu(), cpu_pool[named])
+    print(f"pool {pool.dtype}: out {e_out:.2e}, states {e_pool:.2e}")
+    assert e_out <= 5e-3 and e_pool <= (1e-4 if pool.dtype == F32 else 5e-3)
+    untouched = [s for s in range(pool.shape[0]) if s not in named]
+    assert torch.equal(pool[untouched].isnan(), before[untouched].isnan())
+    assert torch.equal(pool[untouched].nan_to_num(), before[untouched].nan_to_num())
+    return out
+
+
+@pytest.mark.parametrize("pool_dtype", [F32, BF16], ids=["fp32_pool", "bf16_pool"])
+@pytest.mark.parametrize("K,V", [(64, 64), (60, 100), (17, 5)], ids=lambda x: str(x))
+def test_pool_decode_speculative_and_prefill(K, V, pool_dtype):
+    """A pool of K x V states read and written in place: decode (one token, a padding
+    row), speculative decoding (the state after every token), and a varlen prefill
+    (the chunked forward between the pool's copies)."""
+    slots, H = 12, 2
+    pool = torch.randn(slots, H, V, K, device=DEV).to(pool_dtype)
+    pool[11] = float("nan")  # named by no request: must be neither read nor written
+    _, d = cuda_inputs(K=K, V=V, B=4, T=1, H=H)
+    out = pool_against_the_cpu(d, pool, torch.tensor([3, -1, 7, 0], device=DEV), [3, 7, 0])
+    assert not out[1].any()
+    _, d = cuda_inputs(K=K, V=V, B=3, T=3, H=H)
+    indices = torch.tensor([[1, 2, 4], [5, 6, 8], [9, 10, -1]], device=DEV)
+    pool_against_the_cpu(d, pool, indices, [1, 2, 4, 5, 6, 8, 9, 10],
+                         accepted=torch.tensor([1, 3, 2], device=DEV, dtype=torch.int32), lower_bound=None)
+    _, d = cuda_inputs(K=K, V=V, seqlens=[40, 0, 70], H=H)
+    pool_against_the_cpu(d, pool, torch.tensor([5, 2, 9], device=DEV), [5, 2, 9])

@@ -1,9 +1,9 @@
 """The built extension's machine code, read without a GPU: the decode kernel
 (csrc/cuda/pool.cu) is bound by the state's bytes, and a state store that the
 compiler splits into narrower stores costs it a large share of the copy
-bandwidth. Fails unless every pool_decode_kernel instance stores the state in
-16-byte stores (STG.E.128) and no wider store than its outputs' 2-byte ones is
-split. Needs a CUDA build and cuobjdump (the CUDA toolkit's, or the one Triton
+bandwidth. Fails unless every pool_decode_kernel instance for 128-wide heads
+stores the state in 16-byte stores (STG.E.128) and no wider store than its
+outputs' 2-byte ones is split. Needs a CUDA build and cuobjdump (the CUDA toolkit's, or the one Triton
 ships), not a GPU."""
 import glob
 import os
@@ -57,8 +57,14 @@ def store_widths(lines):
 
 def test_decode_kernels_store_the_state_in_16_byte_stores():
     kernels = kernel_sass("pool_decode_kernel")
-    assert len(kernels) == 4, f"expected the four decode instances (pool dtype x speculative), got {list(kernels)}"
-    for name, lines in kernels.items():
+    # Template arguments: fp32 pool, speculative, narrow (a pool of head sizes below
+    # 128, read and written element by element: rows need not be 16-byte aligned).
+    narrow = {name: re.search(r"pool_decode_kernelILb[01]ELb[01]ELb([01])E", name) for name in kernels}
+    assert all(narrow.values()), f"unexpected decode kernel names: {list(kernels)}"
+    full = {name: lines for name, lines in kernels.items() if narrow[name].group(1) == "0"}
+    assert len(kernels) == 8 and len(full) == 4, (
+        f"expected eight decode instances (pool dtype x speculative x narrow), got {list(kernels)}")
+    for name, lines in full.items():
         stores = store_widths(lines)
         assert "STG.E.128" in stores, name
         split = sorted({s for s in stores if s not in ("STG.E.128", "STG.E.U16")})

@@ -6,7 +6,8 @@
 decode: kda_pool's decode kernel (fp32 and bf16 pools; one token, a varlen batch
 with a padding row and a request past a tile of tokens, speculative decoding, several
 waves of blocks), kda::fwd_ with decode shapes (with and without an initial
-state), grouped value heads, and a precomputed fp32 gate's one token and speculative calls.
+state), grouped value heads, a precomputed fp32 gate's one token and speculative calls,
+and a pool of head sizes below 128.
 segments: a forward over forced segments (K1, three K2 passes, the scan).
 backward: forward + backward steps of both gates, of grouped value heads and of a
 precomputed gate (fp32 and bf16 g) on varlen sequences (an empty one, odd lengths, a partial last chunk),
@@ -88,6 +89,20 @@ def decode():
                                  torch.tensor([[0, 1, 2, 3], [5, -1, 4, -1]], device="cuda"), lower_bound=lower_bound,
                                  num_accepted_tokens=torch.tensor([3, 1], device="cuda"))
         assert torch.isfinite(out).all() and torch.isfinite(pool).all()
+    # Head sizes below 128 (K = 60, V = 17; pools read element by element): one
+    # token, speculative, and a prefill through the copies (both pool dtypes)
+    K, V = 60, 17
+    for pool_dtype in (torch.float32, torch.bfloat16):
+        pool = torch.randn(7, H, V, K, device="cuda", generator=gen).to(pool_dtype)
+        q, k, v, g, beta = inputs(40, H, gen)
+        q, k, g, v = q[..., :K], k[..., :K], g[..., :K], v[..., :V]
+        dt = dt_bias[:, :K].contiguous()
+        for T, extra in ((1, {}), (4, {"num_accepted_tokens": torch.tensor([2, 1], device="cuda")}), (20, {})):
+            idx = (torch.tensor([[0, 1, 2, 3], [4, -1, 5, 6]], device="cuda") if extra
+                   else torch.tensor([3, -1], device="cuda"))
+            x = [t[:, :2 * T].reshape(2, T, *t.shape[2:]) for t in (q, k, v, g, beta)]
+            out = torch_kda.kda_pool(*x, A_log, dt, pool, idx, lower_bound=-5.0, **extra)
+            assert torch.isfinite(out).all() and torch.isfinite(pool.float()).all()
     torch.cuda.synchronize()
 
 

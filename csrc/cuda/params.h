@@ -233,6 +233,10 @@ struct PoolParams {
   FwdParams fwd;
   void* pool = nullptr;        // [slots, H, V, K], each slot contiguous; null: no state is stored
   int64_t pool_stride = 0;     // elements from one slot to the next
+  // The pool's head sizes (V x K a head's state): below kHeadDim the decode
+  // kernel's tile is zero-padded (padded_heads.h) and the copies move V x K.
+  int64_t K = kHeadDim;
+  int64_t V = kHeadDim;
   int64_t slots = 0;
   bool pool_fp32 = true;       // else bf16
   // Request n's slot: indices[n * index_cols + col] (int64 or int32), or n itself where null.

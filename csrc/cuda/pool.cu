@@ -116,10 +116,28 @@ struct LaneColumns {
 };
 
 // One state row's kLaneCols columns of this lane from the pool (slot, head h, row).
-template <bool kFp32>
+// kNarrow: the pool's head sizes p.V x p.K are below the tile's D x D, whose
+// padding rows and columns are zeros (inert: padded_heads.h); element by
+// element, as a row of the pool need not start on a 16-byte boundary.
+template <bool kFp32, bool kNarrow>
 __device__ __forceinline__ void load_row(const PoolParams& p, const void* states, int64_t slot, int64_t h, int row,
                                          int c, float (&x)[kLaneCols]) {
   using L = LaneColumns<kFp32>;
+  if constexpr (kNarrow) {
+    const int64_t base = slot * p.pool_stride + (h * p.V + row) * p.K;
+#pragma unroll
+    for (int j = 0; j < L::kVecs; ++j) {
+#pragma unroll
+      for (int e = 0; e < L::kVec; ++e) {
+        const int col = L::column(c, j) + e;
+        const bool in = row < p.V && col < p.K;
+        x[L::kVec * j + e] = !in ? 0.f
+                             : kFp32 ? static_cast<const float*>(states)[base + col]
+                                     : __bfloat162float(static_cast<const __nv_bfloat16*>(states)[base + col]);
+      }
+    }
+    return;
+  }
   const int64_t base = slot * p.pool_stride + (h * D + row) * D;
 #pragma unroll
   for (int j = 0; j < L::kVecs; ++j) {
@@ -139,10 +157,31 @@ __device__ __forceinline__ void load_row(const PoolParams& p, const void* states
   }
 }
 
-template <bool kFp32>
+template <bool kFp32, bool kNarrow>
 __device__ __forceinline__ void store_row(const PoolParams& p, int64_t slot, int64_t h, int row, int c,
                                           const float (&x)[kLaneCols]) {
   using L = LaneColumns<kFp32>;
+  if constexpr (kNarrow) {
+    if (row >= p.V) {
+      return;
+    }
+    const int64_t base = slot * p.pool_stride + (h * p.V + row) * p.K;
+#pragma unroll
+    for (int j = 0; j < L::kVecs; ++j) {
+#pragma unroll
+      for (int e = 0; e < L::kVec; ++e) {
+        const int col = L::column(c, j) + e;
+        if (col < p.K) {
+          if constexpr (kFp32) {
+            static_cast<float*>(p.pool)[base + col] = x[L::kVec * j + e];
+          } else {
+            static_cast<__nv_bfloat16*>(p.pool)[base + col] = __float2bfloat16_rn(x[L::kVec * j + e]);
+          }
+        }
+      }
+    }
+    return;
+  }
   const int64_t base = slot * p.pool_stride + (h * D + row) * D;
 #pragma unroll
   for (int j = 0; j < L::kVecs; ++j) {
@@ -356,7 +395,7 @@ __device__ __forceinline__ float token_step(const DecodeTile& s, int tt, int gro
 
 // The tokens of one tile: outputs, and with kSpec the state after each token
 // into that token's slot.
-template <bool kFp32, bool kSpec>
+template <bool kFp32, bool kSpec, bool kNarrow>
 __device__ __forceinline__ void tile_tokens(const PoolParams& p, int64_t n, int h, const Request& r, int first,
                                             int tokens, const DecodeTile& s, int group, int c,
                                             const int (&rows)[kRowsPerThread], float (&x)[kRowsPerThread][kLaneCols]) {
@@ -375,7 +414,7 @@ __device__ __forceinline__ void tile_tokens(const PoolParams& p, int64_t n, int 
       if (slot >= 0 && slot < p.slots) {
 #pragma unroll
         for (int i = 0; i < kRowsPerThread; ++i) {
-          store_row<kFp32>(p, slot, h, rows[i], c, x[i]);
+          store_row<kFp32, kNarrow>(p, slot, h, rows[i], c, x[i]);
         }
       }
     }
@@ -388,7 +427,8 @@ __device__ __forceinline__ void tile_tokens(const PoolParams& p, int64_t n, int 
 // block's life is a chain of memory latencies (the request's bounds and slot,
 // then its state; the first tile's inputs, then the activations): the inputs
 // are fetched first, as they need no slot, so that the two chains overlap.
-template <bool kFp32, bool kSpec>
+// kNarrow: the pool's head sizes are below D (load_row).
+template <bool kFp32, bool kSpec, bool kNarrow>
 __global__ void __launch_bounds__(kDecodeThreads, kDecodeBlocksPerSm) pool_decode_kernel(const PoolParams p) {
   __shared__ __align__(16) DecodeTile s;
   __shared__ __align__(16) TileInputs in;
@@ -419,7 +459,7 @@ __global__ void __launch_bounds__(kDecodeThreads, kDecodeBlocksPerSm) pool_decod
   if (!p.zero_start) {
 #pragma unroll
     for (int i = 0; i < kRowsPerThread; ++i) {
-      load_row<kFp32>(p, p.start != nullptr ? p.start : p.pool, r.slot, h, rows[i], c, x[i]);
+      load_row<kFp32, kNarrow>(p, p.start != nullptr ? p.start : p.pool, r.slot, h, rows[i], c, x[i]);
     }
   }
   if (warp < len) {
@@ -440,42 +480,52 @@ __global__ void __launch_bounds__(kDecodeThreads, kDecodeBlocksPerSm) pool_decod
     }
     __syncthreads();
     const int tokens = len - first < kTileTokens ? len - first : kTileTokens;
-    tile_tokens<kFp32, kSpec>(p, n, h, r, first, tokens, s, group, c, rows, x);
+    tile_tokens<kFp32, kSpec, kNarrow>(p, n, h, r, first, tokens, s, group, c, rows, x);
   }
   if (!kSpec && p.pool != nullptr) {
 #pragma unroll
     for (int i = 0; i < kRowsPerThread; ++i) {
-      store_row<kFp32>(p, r.slot, h, rows[i], c, x[i]);
+      store_row<kFp32, kNarrow>(p, r.slot, h, rows[i], c, x[i]);
     }
   }
 }
 
-// One block per (request, head): the head's state between the pool and
-// p.states, 16 bytes a thread and step; zeros into p.states for a padding row
-// (kToPool: nothing for it).
+// One block per (request, head): the head's state, V x K in the pool's head
+// sizes, between the pool and p.states [N, H, V, K]; zeros into p.states for a
+// padding row (kToPool: nothing for it). 16 bytes a thread and step where
+// every head's state starts on a 16-byte boundary and is a whole number of
+// 16-byte pieces (always at 128 x 128: the host checks the slots' alignment
+// there), else 2 bytes.
 template <bool kToPool>
 __global__ void __launch_bounds__(kThreads) pool_copy_kernel(const PoolParams p) {
   const int64_t n = blockIdx.x / p.fwd.H, h = blockIdx.x % p.fwd.H;
   const Request r = request_of(p, n);
   const int64_t elem = p.pool_fp32 ? 4 : 2;
-  constexpr int64_t kElems = int64_t{D} * D;
-  auto* states = reinterpret_cast<uint4*>(static_cast<unsigned char*>(p.states) + (n * p.fwd.H + h) * kElems * elem);
-  const int64_t pieces = kElems * elem / 16;
-  if (r.slot < 0) {
-    if (!kToPool) {
-      for (int64_t i = threadIdx.x; i < pieces; i += kThreads) {
-        states[i] = make_uint4(0, 0, 0, 0);
+  const int64_t bytes = p.V * p.K * elem;
+  auto* states = static_cast<unsigned char*>(p.states) + (n * p.fwd.H + h) * bytes;
+  auto* pool = r.slot < 0 ? nullptr : static_cast<unsigned char*>(p.pool) + r.slot * p.pool_stride * elem + h * bytes;
+  auto copy = [&](auto unit) {
+    using U = decltype(unit);
+    auto* st = reinterpret_cast<U*>(states);
+    auto* po = reinterpret_cast<U*>(pool);
+    for (int64_t i = threadIdx.x; i < bytes / static_cast<int64_t>(sizeof(U)); i += kThreads) {
+      if (pool == nullptr) {
+        if (!kToPool) {
+          st[i] = U{};
+        }
+      } else if (kToPool) {
+        po[i] = st[i];
+      } else {
+        st[i] = po[i];
       }
     }
-    return;
-  }
-  auto* pool = reinterpret_cast<uint4*>(static_cast<unsigned char*>(p.pool) + (r.slot * p.pool_stride + h * kElems) * elem);
-  for (int64_t i = threadIdx.x; i < pieces; i += kThreads) {
-    if (kToPool) {
-      pool[i] = states[i];
-    } else {
-      states[i] = pool[i];
-    }
+  };
+  const bool vectors = bytes % 16 == 0 && p.pool_stride * elem % 16 == 0 &&
+                       reinterpret_cast<uintptr_t>(p.pool) % 16 == 0;
+  if (vectors) {
+    copy(uint4{});
+  } else {
+    copy(uint16_t{});
   }
 }
 
@@ -500,8 +550,15 @@ void launch_pool_decode(const PoolParams& p, cudaStream_t stream) {
   if (p.fwd.N == 0 || p.fwd.H == 0) {
     return;
   }
-  auto* kernel = p.pool_fp32 ? (p.accepted != nullptr ? pool_decode_kernel<true, true> : pool_decode_kernel<true, false>)
-                             : (p.accepted != nullptr ? pool_decode_kernel<false, true> : pool_decode_kernel<false, false>);
+  using Kernel = void (*)(PoolParams);
+  // [narrow][fp32 pool][speculative]
+  constexpr Kernel kernels[2][2][2] = {
+      {{pool_decode_kernel<false, false, false>, pool_decode_kernel<false, true, false>},
+       {pool_decode_kernel<true, false, false>, pool_decode_kernel<true, true, false>}},
+      {{pool_decode_kernel<false, false, true>, pool_decode_kernel<false, true, true>},
+       {pool_decode_kernel<true, false, true>, pool_decode_kernel<true, true, true>}}};
+  const bool narrow = p.K != D || p.V != D;
+  const Kernel kernel = kernels[narrow][p.pool_fp32][p.accepted != nullptr];
   kernel<<<grid_of(p, kSlabs), kDecodeThreads, 0, stream>>>(p);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }

@@ -5,6 +5,8 @@
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
 
+#include <vector>
+
 #include "cuda/forward_call.h"
 #include "cuda/heuristics.h"
 #include "cuda/launch.h"
@@ -46,15 +48,14 @@ void fwd_pool(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g
   const char* op = "kda.fwd_pool_";
   Problem p = check_all(op, q, k, v, g, beta, A_log, dt_bias, scale, lower_bound, std::nullopt, cu_seqlens);
   check_pool_args(op, p, q, cu_seqlens.has_value(), state_pool, state_indices, num_accepted_tokens, out);
-  // The pool's slots are read and written in place, at the caller's sizes:
-  // padding them (padded_heads.h) would copy the pool.
-  TORCH_CHECK(!pads_heads(p), op, ": on CUDA, state_pool must have head sizes V = K = ", int_str(kHeadDim),
-              ", got K = ", int_str(concrete(p.K)), ", V = ", int_str(concrete(p.V)),
-              " (kda.fwd_ with the requests' states takes smaller sizes; the CPU takes any)");
   TORCH_CHECK(p.state_dtype == at::kBFloat16 || p.state_dtype == at::kFloat,
               op, ": on CUDA, state_pool must have dtype bfloat16 or float32, got ", dtype_name(p.state_dtype));
+  // Head sizes below 128 (padded_heads.h): the kernels read zero-padded copies
+  // of the tokens' inputs and write a padded out, while the pool is read and
+  // written in place at its own sizes (PoolParams::K, V), element by element.
+  const bool narrow = pads_heads(p);
   const int64_t elem = state_pool.element_size();
-  TORCH_CHECK(aligned16(state_pool) && (state_pool.size(0) <= 1 || state_pool.stride(0) * elem % 16 == 0),
+  TORCH_CHECK(narrow || (aligned16(state_pool) && (state_pool.size(0) <= 1 || state_pool.stride(0) * elem % 16 == 0)),
               op, ": on CUDA, state_pool's slots must start on 16-byte boundaries (its data and its slot stride "
               "in bytes multiples of 16)");
   check_pool_disjoint(op, out, state_pool);
@@ -64,7 +65,12 @@ void fwd_pool(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g
   c10::cuda::CUDAGuard guard(q.device());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(q.device().index()).stream();
   const int64_t N = concrete(p.N), H = concrete(p.H), tokens = concrete(p.B) * concrete(p.T);
-  Tensor out_c = out.is_contiguous() && aligned16(out) ? out : at::empty_like(out, at::MemoryFormat::Contiguous);
+  const int64_t K = concrete(p.K), V = concrete(p.V);
+  std::vector<int64_t> padded_out = out.sizes().vec();
+  padded_out.back() = kHeadDim;
+  Tensor out_c = narrow ? at::empty(padded_out, out.options())
+                 : out.is_contiguous() && aligned16(out) ? out
+                                                         : at::empty_like(out, at::MemoryFormat::Contiguous);
   // What the kernels read while they write the pool and out comes from a copy
   // where it shares memory with either (the chunked path's forward makes its
   // own copies as kda::fwd_ does, and its copies of the pool run in order);
@@ -91,7 +97,9 @@ void fwd_pool(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g
   PoolParams pp;
   pp.fwd.out = out_c.data_ptr();
   pp.pool = state_pool.data_ptr();
-  pp.pool_stride = state_pool.size(0) <= 1 ? H * kHeadDim * kHeadDim : state_pool.stride(0);
+  pp.pool_stride = state_pool.size(0) <= 1 ? H * V * K : state_pool.stride(0);
+  pp.K = K;
+  pp.V = V;
   pp.slots = state_pool.size(0);
   pp.pool_fp32 = p.state_dtype == at::kFloat;
   pp.indices = indices.data_ptr();
@@ -108,8 +116,10 @@ void fwd_pool(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g
   set_gate(pp.fwd, p, g);
 
   if (pool_by_decode(tokens, N, accepted.defined())) {
-    const Tensor qc = read_safely(q), kc = read_safely(k), vc = read_safely(v), gc = read_safely(g);
-    const Tensor bc = read_safely(beta), ac = read_safely(A_log), dc = read_safely(dt_bias);
+    const PaddedInputs x = narrow ? padded_inputs(p, q, k, v, g, dt_bias, std::nullopt)
+                                  : PaddedInputs{p, q, k, v, g, dt_bias, std::nullopt};
+    const Tensor qc = read_safely(x.q), kc = read_safely(x.k), vc = read_safely(x.v), gc = read_safely(x.g);
+    const Tensor bc = read_safely(beta), ac = read_safely(A_log), dc = read_safely(x.dt_bias);
     pp.fwd.q = qc.data_ptr();
     pp.fwd.k = kc.data_ptr();
     pp.fwd.v = vc.data_ptr();
@@ -119,17 +129,24 @@ void fwd_pool(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g
     pp.fwd.dt_bias = float_data_or_null(dc);
     launch_pool_decode(pp, stream);
   } else {
-    Tensor states = at::empty({N, H, kHeadDim, kHeadDim}, state_pool.options().dtype(p.state_dtype));
+    Tensor states = at::empty({N, H, V, K}, state_pool.options().dtype(p.state_dtype));
     Tensor final_states = at::empty_like(states);
     pp.states = states.data_ptr();
     launch_pool_gather(pp, stream);
-    forward_into(op, p, q, k, v, g, beta, A_log, dt_bias, states, cu_seqlens, out_c, final_states);
+    if (!narrow) {
+      forward_into(op, p, q, k, v, g, beta, A_log, dt_bias, states, cu_seqlens, out_c, final_states);
+    } else {
+      const PaddedInputs x = padded_inputs(p, q, k, v, g, dt_bias, states);
+      const Tensor final_p = at::empty({N, H, kHeadDim, kHeadDim}, states.options());
+      forward_into(op, x.p, x.q, x.k, x.v, x.g, beta, A_log, x.dt_bias, x.initial_state, cu_seqlens, out_c, final_p);
+      final_states.copy_(final_p.narrow(-2, 0, V).narrow(-1, 0, K));
+    }
     pp.states = final_states.data_ptr();
     launch_pool_scatter(pp, stream);
     launch_pool_zero_padding(pp, stream);
   }
   if (!out_c.is_same(out)) {
-    out.copy_(out_c);
+    out.copy_(narrow ? out_c.narrow(-1, 0, V) : out_c);
   }
 }
 
