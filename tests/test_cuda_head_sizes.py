@@ -191,7 +191,7 @@ def pool_against_the_cpu(d, pool, indices, named, accepted=None, lower_bound=-5.
     e_out = rel(out.cpu(), want)
     e_pool = rel(pool[named].cpu(), cpu_pool[named])
     print(f"pool {pool.dtype}: out {e_out:.2e}, states {e_pool:.2e}")
-    assert e_out <= 5e-3 and e_pool <= (1e-4 if pool.dtype == F32 else 5e-3)
+    assert e_out <= out_tol(pool.dtype) and e_pool <= (1e-4 if pool.dtype == F32 else 5e-3)
     untouched = [s for s in range(pool.shape[0]) if s not in named]
     assert torch.equal(pool[untouched].isnan(), before[untouched].isnan())
     assert torch.equal(pool[untouched].nan_to_num(), before[untouched].nan_to_num())
@@ -199,13 +199,17 @@ def pool_against_the_cpu(d, pool, indices, named, accepted=None, lower_bound=-5.
 
 
 @pytest.mark.parametrize("pool_dtype", [F32, BF16], ids=["fp32_pool", "bf16_pool"])
-@pytest.mark.parametrize("K,V", [(64, 64), (60, 100), (17, 5)], ids=lambda x: str(x))
+@pytest.mark.parametrize("K,V", [(64, 64), (60, 100), (17, 5), (128, 48), (40, 128)], ids=lambda x: str(x))
 def test_pool_decode_speculative_and_prefill(K, V, pool_dtype):
     """A pool of K x V states read and written in place: decode (one token, a padding
     row), speculative decoding (the state after every token), and a varlen prefill
-    (the chunked forward between the pool's copies)."""
+    (the chunked forward between the pool's copies). The pool is a view of a larger
+    cache (a slot stride of two slots; at K = 17, V = 5 its rows and slots off
+    16-byte boundaries), whose other half stays as it was."""
     slots, H = 12, 2
-    pool = torch.randn(slots, H, V, K, device=DEV).to(pool_dtype)
+    cache = torch.randn(slots, 2, H, V, K, device=DEV).to(pool_dtype)
+    other = cache[:, 0].clone()
+    pool = cache[:, 1]
     pool[11] = float("nan")  # named by no request: must be neither read nor written
     _, d = cuda_inputs(K=K, V=V, B=4, T=1, H=H)
     out = pool_against_the_cpu(d, pool, torch.tensor([3, -1, 7, 0], device=DEV), [3, 7, 0])
@@ -216,3 +220,4 @@ def test_pool_decode_speculative_and_prefill(K, V, pool_dtype):
                          accepted=torch.tensor([1, 3, 2], device=DEV, dtype=torch.int32), lower_bound=None)
     _, d = cuda_inputs(K=K, V=V, seqlens=[40, 0, 70], H=H)
     pool_against_the_cpu(d, pool, torch.tensor([5, 2, 9], device=DEV), [5, 2, 9])
+    assert torch.equal(cache[:, 0], other)

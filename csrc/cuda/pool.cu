@@ -5,6 +5,7 @@
 // The decode is bound by the state's bytes: each (request, head) reads its
 // 128 x 128 state once and writes it once (after every token with
 // speculative decoding), while a token's arithmetic is 4 * 128 * 128 FMAs.
+// Smaller head sizes run in the same 128 x 128 tile, zero-padded (kNarrow).
 // With the V-first layout the state's rows (value channels) evolve
 // independently given the token's activations:
 //   s <- s * alpha;  w = s . k^;  u = beta (v - w);  s <- s + u k^;  o = s . (scale q^)
