@@ -221,3 +221,32 @@ def test_pool_decode_speculative_and_prefill(K, V, pool_dtype):
     _, d = cuda_inputs(K=K, V=V, seqlens=[40, 0, 70], H=H)
     pool_against_the_cpu(d, pool, torch.tensor([5, 2, 9], device=DEV), [5, 2, 9])
     assert torch.equal(cache[:, 0], other)
+
+
+@pytest.mark.parametrize("T", [1, 20], ids=["decode", "chunked"])
+def test_pool_graph_replay_with_new_inputs(T):
+    """kda_pool at K = 60, V = 100 captured in a CUDA graph (the inputs' padding
+    and, at T = 20, the copies around the chunked forward inside it), replayed
+    with new tokens and indices: bitwise an eager call from the same pool."""
+    slots, H = 8, 2
+
+    def tokens():
+        return cuda_inputs(K=60, V=100, B=3, T=T, H=H)[1]
+
+    pool = torch.randn(slots, H, 100, 60, device=DEV)
+    x, idx = tokens(), torch.tensor([0, -1, 5], device=DEV)
+    out = torch.empty_like(x["v"])
+    graph, _ = capture_graph(lambda: torch_kda.kda_pool(*positional(x), pool, idx, lower_bound=-5.0, out=out))
+    x2 = tokens()
+    for name in ("q", "k", "v", "g", "beta", "A_log", "dt_bias"):
+        x[name].copy_(x2[name])
+    idx.copy_(torch.tensor([6, 2, -1], device=DEV))
+    start = torch.randn_like(pool)
+    pool.copy_(start)
+    out.fill_(float("nan"))
+    graph.replay()
+    eager_pool = start.clone()
+    eager_out = torch_kda.kda_pool(*positional(x2), eager_pool, idx.clone(), lower_bound=-5.0)
+    torch.cuda.synchronize()
+    assert torch.isfinite(out).all()
+    assert torch.equal(out, eager_out) and torch.equal(pool, eager_pool)
