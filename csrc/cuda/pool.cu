@@ -116,6 +116,19 @@ struct LaneColumns {
   __device__ __forceinline__ static int column(int c, int j) { return kVec * (kRowLanes * j + c); }
 };
 
+// f(i, col) for each of the lane's columns: x[i] holds column col.
+template <bool kFp32, class F>
+__device__ __forceinline__ void each_lane_column(int c, F f) {
+  using L = LaneColumns<kFp32>;
+#pragma unroll
+  for (int j = 0; j < L::kVecs; ++j) {
+#pragma unroll
+    for (int e = 0; e < L::kVec; ++e) {
+      f(L::kVec * j + e, L::column(c, j) + e);
+    }
+  }
+}
+
 // One state row's kLaneCols columns of this lane from the pool (slot, head h, row).
 // kNarrow: the pool's head sizes p.V x p.K are below the tile's D x D, whose
 // padding rows and columns are zeros (inert: padded_heads.h); element by
@@ -126,17 +139,12 @@ __device__ __forceinline__ void load_row(const PoolParams& p, const void* states
   using L = LaneColumns<kFp32>;
   if constexpr (kNarrow) {
     const int64_t base = slot * p.pool_stride + (h * p.V + row) * p.K;
-#pragma unroll
-    for (int j = 0; j < L::kVecs; ++j) {
-#pragma unroll
-      for (int e = 0; e < L::kVec; ++e) {
-        const int col = L::column(c, j) + e;
-        const bool in = row < p.V && col < p.K;
-        x[L::kVec * j + e] = !in ? 0.f
-                             : kFp32 ? static_cast<const float*>(states)[base + col]
-                                     : __bfloat162float(static_cast<const __nv_bfloat16*>(states)[base + col]);
-      }
-    }
+    each_lane_column<kFp32>(c, [&](int i, int col) {
+      const bool in = row < p.V && col < p.K;
+      x[i] = !in      ? 0.f
+             : kFp32 ? static_cast<const float*>(states)[base + col]
+                     : __bfloat162float(static_cast<const __nv_bfloat16*>(states)[base + col]);
+    });
     return;
   }
   const int64_t base = slot * p.pool_stride + (h * D + row) * D;
@@ -167,20 +175,15 @@ __device__ __forceinline__ void store_row(const PoolParams& p, int64_t slot, int
       return;
     }
     const int64_t base = slot * p.pool_stride + (h * p.V + row) * p.K;
-#pragma unroll
-    for (int j = 0; j < L::kVecs; ++j) {
-#pragma unroll
-      for (int e = 0; e < L::kVec; ++e) {
-        const int col = L::column(c, j) + e;
-        if (col < p.K) {
-          if constexpr (kFp32) {
-            static_cast<float*>(p.pool)[base + col] = x[L::kVec * j + e];
-          } else {
-            static_cast<__nv_bfloat16*>(p.pool)[base + col] = __float2bfloat16_rn(x[L::kVec * j + e]);
-          }
+    each_lane_column<kFp32>(c, [&](int i, int col) {
+      if (col < p.K) {
+        if constexpr (kFp32) {
+          static_cast<float*>(p.pool)[base + col] = x[i];
+        } else {
+          static_cast<__nv_bfloat16*>(p.pool)[base + col] = __float2bfloat16_rn(x[i]);
         }
       }
-    }
+    });
     return;
   }
   const int64_t base = slot * p.pool_stride + (h * D + row) * D;
