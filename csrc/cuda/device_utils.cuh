@@ -12,9 +12,9 @@ namespace kda::cuda {
 // Where a value head's q and k rows are (grouped value heads, FwdParams::group):
 // value head h reads query/key head h / group, of H / group. A kernel takes
 // its place once, not per token, and with no division where group is 1: a
-// division is a subroutine of tens of instructions, and the decode kernel's
-// time is a chain of latencies a block (docs/performance-notes.md, "Serving
-// from a state pool").
+// division takes tens of instructions, and the decode kernel's time is a chain
+// of latencies a block (docs/performance-notes.md, "Head sizes below 128 and
+// grouped value heads").
 struct QkPlace {
   int64_t heads;  // H / group
   int head;       // h / group
