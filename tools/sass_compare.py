@@ -9,7 +9,8 @@ floating-point instructions (the same arithmetic in another order of issue: inte
 address code and scheduling differ), or differs in its arithmetic. A refactor that
 must keep results bitwise should end with no "differs" line; the GPU suite still
 decides. Kernels are matched by demangled name; --renamed maps a file's new path to
-its old one. Needs nvcc (CUDA_HOME) and cuobjdump (CUDA_HOME/bin, else Triton's copy).
+its old one, --kernel-renamed NEW=OLD a text in the new kernels' names to the old
+(e.g. 'prepare_kernel<128, =prepare_kernel<' where a template parameter was added). Needs nvcc (CUDA_HOME) and cuobjdump (CUDA_HOME/bin, else Triton's copy).
 """
 import argparse
 import collections
@@ -101,6 +102,8 @@ def main():
     ap.add_argument("rev")
     ap.add_argument("files", nargs="*")
     ap.add_argument("--renamed", action="append", default=[], help="NEW=OLD: the file's path at REV")
+    ap.add_argument("--kernel-renamed", action="append", default=[],
+                    help="NEW=OLD: a text in the new kernels' names and its form at REV")
     args = ap.parse_args()
     renamed = dict(r.split("=", 1) for r in args.renamed)
     files = args.files or sorted(os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, "csrc/cuda/**/*.cu"), recursive=True))
@@ -111,6 +114,9 @@ def main():
             differs = 0
             for path in files:
                 new = compile_kernels(ROOT, path, tmp)
+                for rule in args.kernel_renamed:
+                    text, old_text = rule.split("=", 1)
+                    new = {name.replace(text, old_text): v for name, v in new.items()}
                 old = compile_kernels(base, renamed.get(path, path), tmp)
                 print(f"== {path}: {len(old)} kernels at {args.rev}, {len(new)} now")
                 for name, (lines, regs, spill) in sorted(new.items()):

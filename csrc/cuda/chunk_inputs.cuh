@@ -161,7 +161,7 @@ __device__ __forceinline__ void load_chunk_inputs(const FwdParams& p, const Chun
   // the 64-bit index per load cost ~1,000 instructions per thread.
   const int64_t first = (c.bos * H + c.h) * D + d, stride = H * D;
   const QkPlace qkp = qk_place(p, static_cast<int>(c.h));
-  const int64_t first_qk = qk_row(qkp, c.bos) + d, stride_qk = qkp.heads * D;
+  const int64_t first_qk = qk_row<D>(qkp, c.bos) + d, stride_qk = qkp.heads * D;
   const __nv_bfloat16* q = static_cast<const __nv_bfloat16*>(p.q) + first_qk;
   const __nv_bfloat16* k = static_cast<const __nv_bfloat16*>(p.k) + first_qk;
   const __nv_bfloat16* g = static_cast<const __nv_bfloat16*>(p.g) + first;

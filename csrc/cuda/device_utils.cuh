@@ -28,9 +28,10 @@ __device__ __forceinline__ QkPlace qk_place(const FwdParams& p, int h) {
   return {static_cast<int>(p.H) / group, h / group};
 }
 
-// Where the head's q or k row starts at token t.
+// Where the head's q or k row (of D channels) starts at token t.
+template <int D>
 __device__ __forceinline__ int64_t qk_row(const QkPlace& x, int64_t t) {
-  return (t * x.heads + x.head) * kHeadDim;
+  return (t * x.heads + x.head) * D;
 }
 
 __device__ __forceinline__ float load_bf16(const void* base, int64_t index) {

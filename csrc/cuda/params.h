@@ -20,41 +20,59 @@ namespace kda::cuda {
 // to bf16 (in every record, so that the forward's bits do not depend on which
 // record it writes), and the forward's K1 leaves W's and Kd's lo planes
 // unwritten and K2 unread (the layout stays the same).
-// A [16][128] plane is stored as two [16][64] halves (columns 0-63, then
-// 64-127), and within a half 16-byte piece j of row i at piece j ^ (i % 8)
-// (record_index in device_utils.cuh): a verbatim copy into shared memory is then
-// in wgmma's 128-byte swizzle, and the 8 rows of one ldmatrix hit distinct banks.
+// A [16][D] plane (D the head size) is stored as D / 64 [16][64] blocks of
+// columns (0-63, then 64-127, ...; "halves" at 128), and within a block 16-byte
+// piece j of row i at piece j ^ (i % 8) (record_index in device_utils.cuh): a
+// verbatim copy into shared memory is then in wgmma's 128-byte swizzle, and the
+// 8 rows of one ldmatrix hit distinct banks.
 // Byte offsets, every plane 16-byte aligned for cp.async:
-//   Qs  [16][128] hi      scale * exp(G) * q^          (reads the chunk-start state)
-//   W   [16][128] hi, lo  (I + A_kk)^-1 diag(beta) (exp(G) * k^)
-//   Kd  [16][128] hi, lo  exp(G_last - G) * k^         (writes the next state)
+//   Qs  [16][D]   hi      scale * exp(G) * q^          (reads the chunk-start state)
+//   W   [16][D]   hi, lo  (I + A_kk)^-1 diag(beta) (exp(G) * k^)
+//   Kd  [16][D]   hi, lo  exp(G_last - G) * k^         (writes the next state)
 //   Aqk [16][16]  hi      scale * (q^_i . k^_j exp(G_i - G_j)), j <= i
 //   Qs, Aqk lo            written only for the backward (FwdParams::lo_for_backward)
-//   gl  [128]     fp32    exp(G_last)
+//   gl  [D]       fp32    exp(G_last)
 //   M   [16][16]  hi, lo  (I + A_kk)^-1 diag(beta)      (U0 = M v)
 // The recurrence and the backward's record gradients form U0 = M v themselves,
 // from the chunk's v (bf16, exact) and M's two planes: 1 KB of M where U0 takes
-// 8 KB, and K1 then neither reads v nor writes U0. 27,136 bytes a record
-// (kRecordBytes).
+// 8 KB, and K1 then neither reads v nor writes U0. 27,136 bytes a record at
+// D = 128 (kRecordBytes).
 // Qs and Aqk reach only the output, which is rounded to bf16: the forward's
 // recurrence multiplies by their hi planes alone (the state's products keep
 // bf16x3; S Qs^T also takes the state's hi part alone in most block shapes),
 // and copies the record's first kWsQsLo bytes verbatim. The backward's dS
 // recurrence carries dO^T Qs into the initial state's gradient, which stays
 // fp32-accurate with both planes.
-constexpr int kPlaneBytes = kChunk * kHeadDim * 2;  // one [16][128] bf16 plane
-constexpr int kAqkPlaneBytes = kChunk * kChunk * 2;
-constexpr int kWsQs = 0;
-constexpr int kWsW = kWsQs + kPlaneBytes;  // hi plane, then lo plane
-constexpr int kWsKd = kWsW + 2 * kPlaneBytes;
-constexpr int kWsAqk = kWsKd + 2 * kPlaneBytes;
-constexpr int kWsQsLo = kWsAqk + kAqkPlaneBytes;
-constexpr int kWsAqkLo = kWsQsLo + kPlaneBytes;
-constexpr int kWsGl = kWsAqkLo + kAqkPlaneBytes;
-constexpr int kWsM = kWsGl + kHeadDim * 4;  // hi plane, then lo plane, [i][j] row-major
-constexpr int kWsChunkBytes = kWsM + 2 * kAqkPlaneBytes;
+// The layout at head size D; kWs* below name the one of the size served.
+template <int D>
+struct RecordLayout {
+  static constexpr int kPlaneBytes = kChunk * D * 2;  // one [16][D] bf16 plane
+  static constexpr int kAqkPlaneBytes = kChunk * kChunk * 2;
+  static constexpr int kQs = 0;
+  static constexpr int kW = kQs + kPlaneBytes;  // hi plane, then lo plane
+  static constexpr int kKd = kW + 2 * kPlaneBytes;
+  static constexpr int kAqk = kKd + 2 * kPlaneBytes;
+  static constexpr int kQsLo = kAqk + kAqkPlaneBytes;
+  static constexpr int kAqkLo = kQsLo + kPlaneBytes;
+  static constexpr int kGl = kAqkLo + kAqkPlaneBytes;
+  static constexpr int kM = kGl + D * 4;  // hi plane, then lo plane, [i][j] row-major
+  static constexpr int kBytes = kM + 2 * kAqkPlaneBytes;
+  static_assert(D % 64 == 0, "planes of whole 64-column halves");
+  static_assert(kBytes % 16 == 0, "records stay 16-byte aligned");
+};
+using Record = RecordLayout<kHeadDim>;
+constexpr int kPlaneBytes = Record::kPlaneBytes;
+constexpr int kAqkPlaneBytes = Record::kAqkPlaneBytes;
+constexpr int kWsQs = Record::kQs;
+constexpr int kWsW = Record::kW;
+constexpr int kWsKd = Record::kKd;
+constexpr int kWsAqk = Record::kAqk;
+constexpr int kWsQsLo = Record::kQsLo;
+constexpr int kWsAqkLo = Record::kAqkLo;
+constexpr int kWsGl = Record::kGl;
+constexpr int kWsM = Record::kM;
+constexpr int kWsChunkBytes = Record::kBytes;
 constexpr int kWsChunkFloats = kWsChunkBytes / 4;  // the host allocates fp32 elements
-static_assert(kWsChunkBytes % 16 == 0, "records stay 16-byte aligned");
 static_assert(kWsChunkBytes == kRecordBytes, "the layout fills the record that every backend allocates");
 
 struct FwdParams {

@@ -249,7 +249,7 @@ __device__ __forceinline__ void cp_async_4(uint32_t smem_dst, const void* gmem_s
 // row0; beta's logit into `beta`.
 __device__ __forceinline__ void fetch_token(const FwdParams& f, int64_t t, int h, const QkPlace& qkp, int row0, int warp,
                                             int lane, TileInputs& in, float& beta) {
-  const int64_t th = t * f.H + h, qk = qk_row(qkp, t);
+  const int64_t th = t * f.H + h, qk = qk_row<D>(qkp, t);
   const void* rows[3] = {f.q, f.k, f.g};
   const int64_t at[3] = {qk, qk, th * D};
 #pragma unroll
@@ -312,7 +312,7 @@ __device__ __forceinline__ void token_activations(const FwdParams& p, uint2 qv, 
 template <bool kFp32>
 __device__ __forceinline__ void later_token_activations(const FwdParams& p, int64_t t, int h, const QkPlace& qkp,
                                                         int row0, int tt, int lane, DecodeTile& s) {
-  const int64_t th = t * p.H + h, qk = qk_row(qkp, t);
+  const int64_t th = t * p.H + h, qk = qk_row<D>(qkp, t);
   auto row = [&](const void* x, int64_t at) {
     return *reinterpret_cast<const uint2*>(static_cast<const __nv_bfloat16*>(x) + at + 4 * lane);
   };

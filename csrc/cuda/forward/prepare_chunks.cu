@@ -27,12 +27,10 @@ namespace kda::cuda {
 namespace {
 
 constexpr int C = kChunk;
-constexpr int D = kHeadDim;
-constexpr int kSteps = D / 16;
-constexpr int kWarps = 2;  // a warp per 64-column half of every plane
-static_assert(C == 16 && D == 128, "one m16 tile of tokens, eight k-steps of channels");
+constexpr int kWarps = 2;  // each a contiguous half of the channels (k-steps)
+static_assert(C == 16, "one m16 tile of tokens");
 constexpr int kAPitch = C + 4;  // sA's rows 16-byte aligned for forward_substitute's four-entry loads
-// Blocks an SM by shared memory, which the register cap then keeps resident:
+// At D = 128, blocks an SM by shared memory, which the register cap then keeps resident:
 // eleven with W's and Kd's lo planes staged (a cap of ~93 registers a
 // thread), fourteen without them (15.6 KB; a cap of 73, where the kernel takes
 // 72 and spills 4 bytes). The softplus gate's kernel keeps three more 16 x 16 partial products and the
@@ -52,19 +50,20 @@ constexpr bool kWKdLoPlanes = kForBackward || !kBf16;
 // waits in W's lo plane. Without kWKdLo (a forward with bf16 products) neither
 // lo plane is staged: Kd's hi plane follows W's, then Aqk. Without kForBackward
 // Qs's and Aqk's lo planes are left out too (gl and M follow Aqk).
-template <bool kForBackward, bool kWKdLo, bool kSoftplus>
+template <int D, bool kForBackward, bool kWKdLo, bool kSoftplus>
 struct Staging {
-  static constexpr int kQs = kWsQs, kW = kWsW;
-  static constexpr int kWLo = kWsW + kPlaneBytes, kKdLo = kWsKd + kPlaneBytes;  // kWKdLo only
-  static constexpr int kKd = kWKdLo ? kWsKd : kWsW + kPlaneBytes;
-  static constexpr int kAqk = kKd + (kWKdLo ? 2 : 1) * kPlaneBytes;
-  static_assert(!kWKdLo || kAqk == kWsAqk, "with the lo planes, the record's own layout");
-  static constexpr int kQsLo = kWsQsLo;  // kForBackward only, as kAqkLo
-  static constexpr int kAqkLo = kWsAqkLo;
-  static constexpr int kGl = kForBackward ? kWsGl : kAqk + kAqkPlaneBytes;
+  using R = RecordLayout<D>;
+  static constexpr int kQs = R::kQs, kW = R::kW;
+  static constexpr int kWLo = R::kW + R::kPlaneBytes, kKdLo = R::kKd + R::kPlaneBytes;  // kWKdLo only
+  static constexpr int kKd = kWKdLo ? R::kKd : R::kW + R::kPlaneBytes;
+  static constexpr int kAqk = kKd + (kWKdLo ? 2 : 1) * R::kPlaneBytes;
+  static_assert(!kWKdLo || kAqk == R::kAqk, "with the lo planes, the record's own layout");
+  static constexpr int kQsLo = R::kQsLo;  // kForBackward only, as kAqkLo
+  static constexpr int kAqkLo = R::kAqkLo;
+  static constexpr int kGl = kForBackward ? R::kGl : kAqk + R::kAqkPlaneBytes;
   static constexpr int kM = kGl + D * 4;
-  static constexpr int kBytes = kM + 2 * kAqkPlaneBytes;
-  static_assert(!kForBackward || kBytes == kWsChunkBytes, "the backward's record is staged whole");
+  static constexpr int kBytes = kM + 2 * R::kAqkPlaneBytes;
+  static_assert(!kForBackward || kBytes == R::kBytes, "the backward's record is staged whole");
   // sA (diag(beta) A_kk for the substitution) follows M, so that the two warps'
   // exchange of partial sums (kXch: 2 KB, before either is written) and of the
   // norms' (kXchNorm: 256 bytes, inside sA) need no space of their own.
@@ -138,16 +137,20 @@ __device__ __forceinline__ void range_fragment(Range range, int g, int t, uint32
   a[3] = pair(g + 8, 2 * t + 8);
 }
 
-// A K1 block's staging area and this lane's place in the mma fragments.
-// Warp w takes channels 64 w.. (k-steps 4 w..), which are the 64-column half w
-// of every plane.
-template <bool kForBackward, bool kBf16, bool kSoftplus>
+// A K1 block's staging area and this lane's place in the mma fragments, at
+// head size D. Warp w takes k-steps (16 channels each) kWarpSteps w..: at D =
+// 128 channels 64 w.., the 64-column block w of every plane (record_index).
+template <int D, bool kForBackward, bool kBf16, bool kSoftplus>
 struct K1Block {
+  static constexpr int kD = D;
   static constexpr bool kBackwardRecord = kForBackward, kBf16Products = kBf16;
   static constexpr bool kWKdLo = kWKdLoPlanes<kForBackward, kBf16>;
-  using S = Staging<kForBackward, kWKdLo, kSoftplus>;
-  static constexpr int kWarpSteps = kSteps / kWarps;
-  static constexpr int kHalfBytes = C * 64 * 2;  // a plane's 64-column half (record_index)
+  using R = RecordLayout<D>;
+  using S = Staging<D, kForBackward, kWKdLo, kSoftplus>;
+  static constexpr int kWarpSteps = D / 16 / kWarps;
+  static_assert(kWarpSteps % 4 == 0, "each warp's steps fill whole 64-column blocks");
+  static constexpr int kHalfBytes = C * 64 * 2;  // a plane's 64-column block
+  static constexpr int kWarpBytes = kWarpSteps / 4 * kHalfBytes;  // a warp's blocks of a plane
   unsigned char* st;
   uint32_t st_base;
   int lane, w, g, t;
@@ -163,7 +166,7 @@ struct K1Block {
   __device__ __forceinline__ explicit K1Block(unsigned char* smem) : st(smem) {
     st_base = smem_u32(st);
     lane = threadIdx.x % 32, w = threadIdx.x / 32, g = lane / 4, t = lane % 4;
-    half = w * kHalfBytes;
+    half = w * kWarpBytes;
     s0 = w * kWarpSteps;
   }
 
@@ -178,17 +181,18 @@ struct K1Block {
 template <bool kGiven, class B>
 __device__ __forceinline__ void load_chunk_rows(const B& b, const FwdParams& p, const ChunkPlace& c) {
   using S = typename B::S;
+  constexpr int D = B::kD;
   const auto* q = static_cast<const unsigned char*>(p.q);
   const auto* gg = static_cast<const unsigned char*>(p.g);
   const auto* k = static_cast<const unsigned char*>(p.k);
-  constexpr int kPieces = 16 / kWarps;  // 16-byte pieces of a row per warp
+  constexpr int kPieces = D / 8 / kWarps;  // 16-byte pieces of a row per warp
   const QkPlace qkp = qk_place(p, static_cast<int>(c.h));
 #pragma unroll
   for (int n = 0; n < C * kPieces / 32; ++n) {
     const int i = (n * 32 + b.lane) / kPieces, j = 2 * b.s0 + b.lane % kPieces;
     const bool valid = i < c.len;
     const int64_t t = c.bos + (valid ? i : 0);
-    const int64_t src = ((t * p.H + c.h) * D + 8 * j) * 2, src_qk = (qk_row(qkp, t) + 8 * j) * 2;
+    const int64_t src = ((t * p.H + c.h) * D + 8 * j) * 2, src_qk = (qk_row<D>(qkp, t) + 8 * j) * 2;
     const uint32_t dst = b.st_base + piece_offset(i, j);
     cp_async_16_or_zero(dst + S::kQs, q + src_qk, valid);
     // An fp32 g (a precomputed gate's) is read by step_gate from global memory.
@@ -268,6 +272,7 @@ __device__ __forceinline__ void step_gate(const B& b, const FwdParams& p, const 
                                           float a2, float lb2, const float (&b2)[B::kWarpSteps][2],
                                           const uint32_t (&l_frag)[4], StepGate& x) {
   using S = typename B::S;
+  constexpr int D = B::kD;
   // g, transposed: register m holds tokens 2t + 8 (m % 2) + {0, 1} of channel
   // 16 s + 8 (m / 2) + g, the B fragments of G = L lam for the two n-tiles.
   uint32_t gt[4];
@@ -731,37 +736,38 @@ __device__ __forceinline__ void form_w(const B& b) {
   }
 }
 
-// The record out, by the copy engine: this warp's half of each 16 x 128 plane
-// and of gl; warp 0's Aqk and M.
+// The record out, by the copy engine: this warp's blocks of each 16 x D plane
+// and its part of gl; warp 0's Aqk and M.
 template <class B>
 __device__ __forceinline__ void store_record(const B& b, const FwdParams& p, const ChunkPlace& c) {
   using S = typename B::S;
-  constexpr int kHalfBytes = B::kHalfBytes;
+  using R = typename B::R;
+  constexpr int kWarpBytes = B::kWarpBytes;
   fence_proxy_async_shared();
   __syncwarp();
   if (b.lane == 0) {
     unsigned char* ws =
-        reinterpret_cast<unsigned char*>(p.workspace) + ((c.slot - p.slot_begin) * p.H + c.h) * kWsChunkBytes;
+        reinterpret_cast<unsigned char*>(p.workspace) + ((c.slot - p.slot_begin) * p.H + c.h) * R::kBytes;
     auto out = [&](int ws_at, int st_at, int bytes) { bulk_store(ws + ws_at, b.st_base + st_at, bytes); };
     const int half = b.half;
-    out(kWsQs + half, S::kQs + half, kHalfBytes);
-    out(kWsW + half, S::kW + half, kHalfBytes);
-    out(kWsKd + half, S::kKd + half, kHalfBytes);
+    out(R::kQs + half, S::kQs + half, kWarpBytes);
+    out(R::kW + half, S::kW + half, kWarpBytes);
+    out(R::kKd + half, S::kKd + half, kWarpBytes);
     if constexpr (B::kWKdLo) {
-      out(kWsW + kPlaneBytes + half, S::kWLo + half, kHalfBytes);
-      out(kWsKd + kPlaneBytes + half, S::kKdLo + half, kHalfBytes);
+      out(R::kW + R::kPlaneBytes + half, S::kWLo + half, kWarpBytes);
+      out(R::kKd + R::kPlaneBytes + half, S::kKdLo + half, kWarpBytes);
     }
     if constexpr (B::kBackwardRecord) {
-      out(kWsQsLo + half, S::kQsLo + half, kHalfBytes);
+      out(R::kQsLo + half, S::kQsLo + half, kWarpBytes);
     }
-    constexpr int kGlHalf = D / 2 * 4;  // this warp's 64 fp32 entries of gl
-    out(kWsGl + b.w * kGlHalf, S::kGl + b.w * kGlHalf, kGlHalf);
+    constexpr int kGlPart = B::kD / kWarps * 4;  // this warp's fp32 entries of gl
+    out(R::kGl + b.w * kGlPart, S::kGl + b.w * kGlPart, kGlPart);
     if (b.w == 0) {
-      out(kWsAqk, S::kAqk, kAqkPlaneBytes);
+      out(R::kAqk, S::kAqk, R::kAqkPlaneBytes);
       if constexpr (B::kBackwardRecord) {
-        out(kWsAqkLo, S::kAqkLo, kAqkPlaneBytes);
+        out(R::kAqkLo, S::kAqkLo, R::kAqkPlaneBytes);
       }
-      out(kWsM, S::kM, 2 * kAqkPlaneBytes);
+      out(R::kM, S::kM, 2 * R::kAqkPlaneBytes);
     }
     bulk_commit_and_wait_read();
   }
@@ -779,10 +785,11 @@ __device__ __forceinline__ void store_record(const B& b, const FwdParams& p, con
 // kSoftplus: the softplus gate (FwdParams::softplus), whose 16 x 16 products
 // are formed level by level (Range) instead of from exp(G) and exp(-G).
 // kGiven: a precomputed gate (FwdParams::gate_given), g the log decay itself.
-template <bool kForBackward, bool kBf16, bool kSoftplus, bool kGiven>
+template <int D, bool kForBackward, bool kBf16, bool kSoftplus, bool kGiven>
 __global__ void __launch_bounds__(32 * kWarps, (kMinBlocksPerSm<kWKdLoPlanes<kForBackward, kBf16>, kSoftplus>))
     prepare_kernel(const FwdParams p) {
-  using B = K1Block<kForBackward, kBf16, kSoftplus>;
+  static_assert(D == 128, "kMinBlocksPerSm holds the blocks an SM measured at D = 128: a new size sets its own");
+  using B = K1Block<D, kForBackward, kBf16, kSoftplus>;
   constexpr int kWarpSteps = B::kWarpSteps;
   __shared__ __align__(128) unsigned char st[B::S::kAlloc];
 
@@ -890,12 +897,12 @@ __global__ void __launch_bounds__(32 * kWarps, (kMinBlocksPerSm<kWKdLoPlanes<kFo
 }
 
 // The instance for the record's planes and the products' precision.
-template <bool kSoftplus, bool kGiven>
+template <int D, bool kSoftplus, bool kGiven>
 auto prepare_kernel_for(const FwdParams& p) {
-  return p.lo_for_backward ? (p.bf16_products ? prepare_kernel<true, true, kSoftplus, kGiven>
-                                              : prepare_kernel<true, false, kSoftplus, kGiven>)
-                           : (p.bf16_products ? prepare_kernel<false, true, kSoftplus, kGiven>
-                                              : prepare_kernel<false, false, kSoftplus, kGiven>);
+  return p.lo_for_backward ? (p.bf16_products ? prepare_kernel<D, true, true, kSoftplus, kGiven>
+                                              : prepare_kernel<D, true, false, kSoftplus, kGiven>)
+                           : (p.bf16_products ? prepare_kernel<D, false, true, kSoftplus, kGiven>
+                                              : prepare_kernel<D, false, false, kSoftplus, kGiven>);
 }
 
 }  // namespace
@@ -908,8 +915,9 @@ void launch_prepare(const FwdParams& p, cudaStream_t stream) {
   const int64_t blocks = slots * p.H;
   TORCH_CHECK(blocks <= INT32_MAX, "kda.fwd: ", std::to_string(slots), " chunks x ", std::to_string(p.H),
               " heads is more blocks than one launch takes");
-  auto* kernel = p.gate_given ? (p.softplus ? prepare_kernel_for<true, true>(p) : prepare_kernel_for<false, true>(p))
-                              : (p.softplus ? prepare_kernel_for<true, false>(p) : prepare_kernel_for<false, false>(p));
+  constexpr int D = kHeadDim;
+  auto* kernel = p.gate_given ? (p.softplus ? prepare_kernel_for<D, true, true>(p) : prepare_kernel_for<D, false, true>(p))
+                              : (p.softplus ? prepare_kernel_for<D, true, false>(p) : prepare_kernel_for<D, false, false>(p));
   kernel<<<static_cast<unsigned int>(blocks), 32 * kWarps, 0, stream>>>(p);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
