@@ -1,6 +1,6 @@
 #include "cuda/padded_heads.h"
 
-#include <ATen/ops/constant_pad_nd.h>
+#include <ATen/ops/empty.h>
 
 #include <vector>
 
@@ -18,23 +18,31 @@ bool pads_heads(const Problem& p) {
 }
 
 at::Tensor padded_to(const at::Tensor& t, std::initializer_list<int64_t> sizes) {
-  // constant_pad_nd takes (before, after) pairs from the last dimension back.
-  std::vector<int64_t> pad;
+  const int64_t first = t.dim() - static_cast<int64_t>(sizes.size());
+  std::vector<int64_t> shape = t.sizes().vec();
   bool any = false;
-  int64_t dim = t.dim() - static_cast<int64_t>(sizes.size());
+  int64_t dim = first;
   for (int64_t size : sizes) {
-    any = any || t.size(dim) != size;
-    ++dim;
+    any = any || shape[dim] != size;
+    shape[dim++] = size;
   }
   if (!any) {
     return t;
   }
-  dim = t.dim() - 1;
-  for (auto it = std::rbegin(sizes); it != std::rend(sizes); ++it, --dim) {
-    pad.push_back(0);
-    pad.push_back(*it - t.size(dim));
+  // Every byte written once: the zero margins, then t into the leading block
+  // (constant_pad_nd fills the whole output first and then copies t over it,
+  // 1.5x the writes at half padding). The margin of each padded dimension
+  // spans the leading block of the ones before it.
+  at::Tensor out = at::empty(shape, t.options()), block = out;
+  for (dim = first; dim < t.dim(); ++dim) {
+    const int64_t kept = t.size(dim);
+    if (kept < shape[dim]) {
+      block.narrow(dim, kept, shape[dim] - kept).zero_();
+    }
+    block = block.narrow(dim, 0, kept);
   }
-  return at::constant_pad_nd(t, pad, 0);
+  block.copy_(t);
+  return out;
 }
 
 at::Tensor leading_block(const at::Tensor& t, std::initializer_list<int64_t> sizes) {
