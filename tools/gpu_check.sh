@@ -12,7 +12,7 @@ esac
 # The tests' float64 references run on the CPU: each pytest process takes its
 # share of the cores, where a thread per core each would oversubscribe them.
 cores=$(nproc)
-export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(( cores / procs > 0 ? cores / procs : 1 ))}
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(( procs > 1 && cores / procs > 0 ? cores / procs : procs > 1 ? 1 : cores ))}
 export TORCH_KDA_CUDA_ARCHS=${TORCH_KDA_CUDA_ARCHS:-90a} MAX_JOBS=${MAX_JOBS:-16} FLA_FLASH_KDA=0 PYTHONUNBUFFERED=1
 LOG=${GPU_CHECK_LOG:-${OUT:-/tmp}/gpu_check.log}
 source tools/triton_cache.sh  # fla's autotune results from earlier runs, if carried

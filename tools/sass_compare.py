@@ -1,6 +1,6 @@
 """Compare the kernels of the working tree with those of an earlier commit, without a GPU.
 
-    python3 tools/sass_compare.py REV [FILE.cu ...] [--renamed NEW=OLD ...]
+    python3 tools/sass_compare.py REV [FILE.cu ...] [--renamed NEW=OLD ...] [--kernel-renamed NEW=OLD ...]
 
 Compiles each .cu file (default: every csrc/cuda/**/*.cu) in both trees for sm_90a,
 with setup.py's flags, and prints per kernel instance: the registers, spills and
@@ -116,7 +116,9 @@ def main():
                 new = compile_kernels(ROOT, path, tmp)
                 for rule in args.kernel_renamed:
                     text, old_text = rule.split("=", 1)
-                    new = {name.replace(text, old_text): v for name, v in new.items()}
+                    renamed_new = {name.replace(text, old_text): v for name, v in new.items()}
+                    assert len(renamed_new) == len(new), f"--kernel-renamed {rule} maps two kernels to one name"
+                    new = renamed_new
                 old = compile_kernels(base, renamed.get(path, path), tmp)
                 print(f"== {path}: {len(old)} kernels at {args.rev}, {len(new)} now")
                 for name, (lines, regs, spill) in sorted(new.items()):

@@ -56,15 +56,15 @@ __device__ __forceinline__ int plane_index(int row, int col) {
   return row * kHeadDim + ((((col >> 3) ^ (row & 7))) << 3) + (col & 7);
 }
 
-// A record's [16][128] planes (params.h) in two halves of 64 columns, each
-// [16][64] with 128-byte rows whose 16-byte piece j sits at j ^ (row % 8): the
+// A record's [16][D] planes (params.h) in blocks of 64 columns, each [16][64]
+// with 128-byte rows whose 16-byte piece j sits at j ^ (row % 8): the
 // 128-byte swizzle of wgmma's shared-memory operands, which ldmatrix reads
 // without bank conflicts too. Position of element (row, col):
 __device__ __forceinline__ int record_index(int row, int col) {
   return (col >> 6) * (kChunk * 64) + row * 64 + ((((col >> 3) & 7) ^ (row & 7)) << 3) + (col & 7);
 }
 
-// Element offset of the 16-byte piece (row, piece) of a record plane (piece < 16).
+// Element offset of the 16-byte piece (row, piece) of a record plane (piece < D / 8).
 __device__ __forceinline__ int record_piece_index(int row, int piece) {
   return (piece >> 3) * (kChunk * 64) + row * 64 + (((piece & 7) ^ (row & 7)) << 3);
 }

@@ -23,6 +23,7 @@ at::Tensor padded_to(const at::Tensor& t, std::initializer_list<int64_t> sizes) 
   bool any = false;
   int64_t dim = first;
   for (int64_t size : sizes) {
+    TORCH_INTERNAL_ASSERT(size >= shape[dim], "padded_to pads, it does not crop");
     any = any || shape[dim] != size;
     shape[dim++] = size;
   }
