@@ -2,7 +2,7 @@
 //
 // The rows of the V-first state (one per value channel) evolve independently
 // given a chunk's operands, so a "row group" of kSplit warps owns 16 value rows
-// of one (sequence, head) state, each warp 128 / kSplit of its key columns, as
+// of one (sequence, head) state, each warp D / kSplit of its key columns, as
 // fp32 accumulators for the whole sequence. A block's warps belong to one
 // (sequence, head) and share the chunk's operands, which the block stages in
 // shared memory ahead of use with cp.async. Three block shapes
@@ -40,7 +40,6 @@ namespace kda::cuda {
 namespace {
 
 constexpr int C = kChunk;
-constexpr int D = kHeadDim;
 constexpr int kOutPad = 16 + 8;
 static_assert(C == 16, "the fragments below assume 16-token chunks");
 
@@ -51,12 +50,15 @@ enum Plane { kQs, kWHi, kWLo, kKdHi, kKdLo, kPlanes };
 // then Kd's (8 KB less a stage).
 template <bool kX3>
 constexpr int kKdHiPlane = kX3 ? kKdHi : 2;
-static_assert(kWsW == kPlaneBytes && kWsKd == 3 * kPlaneBytes && kWsAqk == kPlanes * kPlaneBytes &&
-                  kWsQsLo == kWsAqk + kAqkPlaneBytes,
-              "the record's bf16 part read here is contiguous");
 
-template <int kCols, bool kX3, int kAlign = 16>  // value channels of the block; wgmma's operands want 1024
+// D: the head size (K = V); kCols: the block's value channels; wgmma's operands want kAlign 1024.
+template <int D, int kCols, bool kX3, int kAlign = 16>
 struct alignas(kAlign) Stage {
+  static constexpr int kD = D;
+  using R = RecordLayout<D>;
+  static_assert(R::kW == R::kPlaneBytes && R::kKd == 3 * R::kPlaneBytes && R::kAqk == kPlanes * R::kPlaneBytes &&
+                    R::kQsLo == R::kAqk + R::kAqkPlaneBytes,
+                "the record's bf16 part read here is contiguous");
   // v's rows 16 bytes longer than the block's channels: the 8 rows of one
   // ldmatrix then start in distinct 16-byte bank groups.
   static constexpr int kVPitch = kCols + 8;
@@ -67,9 +69,11 @@ struct alignas(kAlign) Stage {
   float gl[D];
 };
 
-// A block shape: kSplit warps to a row group (1: the 4x1w warpgroup; 2: 2x2; 4: 4x4).
-template <int kSplitArg, bool kX3Arg>
+// A block shape at head size D: kSplit warps to a row group (1: the 4x1w
+// warpgroup; 2: 2x2; 4: 4x4).
+template <int D, int kSplitArg, bool kX3Arg>
 struct Config {
+  static constexpr int kD = D;
   static constexpr int kSplit = kSplitArg;
   static constexpr bool kX3 = kX3Arg;
   static constexpr bool kWg = kSplit == 1;
@@ -77,12 +81,12 @@ struct Config {
   static constexpr int kThreads = 32 * kWarps;
   static constexpr int kRowGroups = kWarps / kSplit;
   static constexpr int kCols = 16 * kRowGroups;  // value channels of a block
-  static constexpr int kNt = 16 / kSplit;        // 8-column n-tiles of state per warp
+  static constexpr int kNt = D / 8 / kSplit;     // 8-column n-tiles of state per warp
   // Chunks staged ahead (the ring's length): three hide L2 latency behind a
   // step; the 2x2 (two blocks an SM) runs faster with four, the 4x4 slower
   // with six (docs/performance-notes.md).
   static constexpr int kSt = kSplit == 2 ? 4 : 3;
-  using St = Stage<kCols, kX3, kWg ? 1024 : 16>;
+  using St = Stage<D, kCols, kX3, kWg ? 1024 : 16>;
   // Per warp, the partial sums over its key columns of S W^T and S Qs^T in
   // fragment order ([product][n-tile][lane] of float4s, a lane's four elements).
   static constexpr int kRedFloats = kSplit > 1 ? 2 * 2 * 4 * 32 : 0;
@@ -117,34 +121,36 @@ __device__ __forceinline__ void copy_record_bytes(uint32_t mat, const unsigned c
 // kQw: Qs's and W's hi planes interleaved by halves, [half][Qs's 16 rows, then
 // W's][64 keys], so that one wgmma of n = 32 takes both products of a k-step
 // (the 4x1w shape with bf16 products).
-template <int kCols, int kThreads, bool kX3, bool kQw = false, int kAlign>
-__device__ __forceinline__ void load_stage(Stage<kCols, kX3, kAlign>& st, const unsigned char* rec,
+template <int kThreads, bool kQw = false, int D, int kCols, bool kX3, int kAlign>
+__device__ __forceinline__ void load_stage(Stage<D, kCols, kX3, kAlign>& st, const unsigned char* rec,
                                            const __nv_bfloat16* v, int64_t row_stride, int len, int tid) {
-  using St = Stage<kCols, kX3, kAlign>;
+  using St = Stage<D, kCols, kX3, kAlign>;
+  using R = typename St::R;
   const uint32_t mat = smem_u32(&st.mat[0][0]);
   static_assert(!kQw || !kX3, "the interleaved planes are the hi planes of bf16 products");
-  constexpr int kHalf = kPlaneBytes / 2;
+  static_assert(!kQw || D == 128, "the interleave takes a plane as two 64-column blocks");
+  constexpr int kHalf = R::kPlaneBytes / 2;
   if constexpr (kX3) {
-    static_assert(offsetof(St, aqk) == kWsAqk && offsetof(St, m) >= kWsQsLo, "mat and aqk are one verbatim copy");
-    copy_record_bytes<0, kWsQsLo, 0, kThreads>(mat, rec, tid);
+    static_assert(offsetof(St, aqk) == R::kAqk && offsetof(St, m) >= R::kQsLo, "mat and aqk are one verbatim copy");
+    copy_record_bytes<0, R::kQsLo, 0, kThreads>(mat, rec, tid);
   } else {
-    static_assert(kWsW + kPlaneBytes == 2 * kPlaneBytes && offsetof(St, aqk) == 3 * kPlaneBytes,
+    static_assert(R::kW + R::kPlaneBytes == 2 * R::kPlaneBytes && offsetof(St, aqk) == 3 * R::kPlaneBytes,
                   "Qs and W's hi plane are contiguous in both; then Kd's hi plane and Aqk");
     if constexpr (kQw) {
-      copy_record_bytes<kWsQs, kWsQs + kHalf, 0, kThreads>(mat, rec, tid);
-      copy_record_bytes<kWsW, kWsW + kHalf, kHalf, kThreads>(mat, rec, tid);
-      copy_record_bytes<kWsQs + kHalf, kWsQs + kPlaneBytes, 2 * kHalf, kThreads>(mat, rec, tid);
-      copy_record_bytes<kWsW + kHalf, kWsW + kPlaneBytes, 3 * kHalf, kThreads>(mat, rec, tid);
+      copy_record_bytes<R::kQs, R::kQs + kHalf, 0, kThreads>(mat, rec, tid);
+      copy_record_bytes<R::kW, R::kW + kHalf, kHalf, kThreads>(mat, rec, tid);
+      copy_record_bytes<R::kQs + kHalf, R::kQs + R::kPlaneBytes, 2 * kHalf, kThreads>(mat, rec, tid);
+      copy_record_bytes<R::kW + kHalf, R::kW + R::kPlaneBytes, 3 * kHalf, kThreads>(mat, rec, tid);
     } else {
-      copy_record_bytes<0, kWsW + kPlaneBytes, 0, kThreads>(mat, rec, tid);
+      copy_record_bytes<0, R::kW + R::kPlaneBytes, 0, kThreads>(mat, rec, tid);
     }
-    copy_record_bytes<kWsKd, kWsKd + kPlaneBytes, kKdHiPlane<false> * kPlaneBytes, kThreads>(mat, rec, tid);
-    copy_record_bytes<kWsAqk, kWsQsLo, offsetof(St, aqk), kThreads>(mat, rec, tid);
+    copy_record_bytes<R::kKd, R::kKd + R::kPlaneBytes, kKdHiPlane<false> * R::kPlaneBytes, kThreads>(mat, rec, tid);
+    copy_record_bytes<R::kAqk, R::kQsLo, offsetof(St, aqk), kThreads>(mat, rec, tid);
   }
-  constexpr int kMPieces = 2 * kAqkPlaneBytes / 16;
+  constexpr int kMPieces = 2 * R::kAqkPlaneBytes / 16;
   static_assert(kMPieces <= kThreads, "one piece of M per thread");
   if (tid < kMPieces) {
-    cp_async_16(smem_u32(&st.m[0][0]) + tid * 16, rec + kWsM + tid * 16);
+    cp_async_16(smem_u32(&st.m[0][0]) + tid * 16, rec + R::kM + tid * 16);
   }
   // v: kCols / 8 pieces per row; zeros past the chunk's tokens, and everywhere
   // for a null v (FwdParams::v).
@@ -159,7 +165,7 @@ __device__ __forceinline__ void load_stage(Stage<kCols, kX3, kAlign>& st, const 
     }
   }
   if (tid < D / 4) {
-    cp_async_16(smem_u32(&st.gl[tid * 4]), rec + kWsGl + tid * 16);
+    cp_async_16(smem_u32(&st.gl[tid * 4]), rec + R::kGl + tid * 16);
   }
 }
 
@@ -193,7 +199,7 @@ struct Lanes {
   int mi, mr;  // ldmatrix: lane l addresses row l % 8 of matrix l / 8
 };
 
-template <int kSplit, int kKs>
+template <int D, int kSplit, int kKs>
 __device__ __forceinline__ Lanes lanes_of_thread() {
   static_assert((kSplit == 4) == (kKs >= 0), "a fixed key slice with four split warps only");
   Lanes w;
@@ -201,7 +207,7 @@ __device__ __forceinline__ Lanes lanes_of_thread() {
   w.g = w.lane / 4, w.t = w.lane % 4;
   w.rg = w.warp / kSplit, w.ks = kKs >= 0 ? kKs : w.warp % kSplit;
   w.vloc = w.rg * 16;
-  w.j0 = w.ks * (16 / kSplit);
+  w.j0 = w.ks * (D / 8 / kSplit);
   w.mi = w.lane / 8, w.mr = w.lane % 8;
   return w;
 }
@@ -218,6 +224,7 @@ __device__ __forceinline__ Lanes lanes_of_thread() {
 template <class Cfg, bool kQw>
 struct Block {
   using St = typename Cfg::St;
+  static constexpr int D = Cfg::kD;
   const FwdParams& p;
   St* stages;
   int64_t H, h, n;
@@ -242,8 +249,8 @@ struct Block {
     const int64_t seq_bos = seq_offset(p, n), seq_eos = seq_offset(p, n + 1);
     part = window_part(p, n);
     const int64_t lo = part.lo;
-    stride = H * kWsChunkBytes;
-    fill_rec = reinterpret_cast<const unsigned char*>(p.workspace) + ((lo - p.slot_begin) * H + h) * kWsChunkBytes;
+    stride = H * St::R::kBytes;
+    fill_rec = reinterpret_cast<const unsigned char*>(p.workspace) + ((lo - p.slot_begin) * H + h) * St::R::kBytes;
     part_bos = seq_bos + (lo - part.c_begin) * C;
     nch = static_cast<int>(part.chunks());
     last_len = nch > 0 ? static_cast<int>(min64(C, seq_eos - (part_bos + int64_t{nch - 1} * C))) : 0;
@@ -255,8 +262,7 @@ struct Block {
 
   // Chunk `fill` goes into stage fill % kSt.
   __device__ __forceinline__ void refill(int tid) {
-    load_stage<Cfg::kCols, Cfg::kThreads, Cfg::kX3, kQw>(
-        stages[fill_stage], fill_rec, fill_v, H * D, fill == nch - 1 ? last_len : C, tid);
+    load_stage<Cfg::kThreads, kQw>(stages[fill_stage], fill_rec, fill_v, H * D, fill == nch - 1 ? last_len : C, tid);
     fill_rec += stride;
     fill_v = fill_v != nullptr ? fill_v + C * H * D : nullptr;
     ++fill;
@@ -406,11 +412,12 @@ __device__ __forceinline__ void load_kd(const St& st, const Lanes& w, int jj, ui
 // 32 (kk % 4) of its 128-byte rows (params.h).
 // kQw (bf16 products): Qs's and W's hi planes interleaved (load_stage), so
 // that one n = 32 product takes both of a k-step, half the instructions.
-template <bool kOut, bool kX3, class St>
-__device__ __forceinline__ void wgmma_issue_products(const St& st, const uint32_t (&a_hi)[8][4],
-                                                     const uint32_t (&a_lo)[8][4], float (&acc_w)[3][2][4],
+template <bool kOut, bool kX3, class St, int kSteps>
+__device__ __forceinline__ void wgmma_issue_products(const St& st, const uint32_t (&a_hi)[kSteps][4],
+                                                     const uint32_t (&a_lo)[kSteps][4], float (&acc_w)[3][2][4],
                                                      float (&acc_o)[2][2][4], float (&acc_qw)[4][4]) {
   constexpr bool kQw = !kX3;
+  constexpr int kPlaneBytes = St::R::kPlaneBytes;
   const Sw128Desc k_major = sw128_desc(smem_u32(&st.mat[0][0]), 16, 1024);
   auto b_desc = [&](int plane, int kk) {
     return sw128_desc_at(k_major, plane * kPlaneBytes + (kk / 4) * (C * 128) + (kk % 4) * 32);
@@ -421,7 +428,7 @@ __device__ __forceinline__ void wgmma_issue_products(const St& st, const uint32_
   };
   wgmma_fence();
 #pragma unroll
-  for (int kk = 0; kk < 8; ++kk) {
+  for (int kk = 0; kk < kSteps; ++kk) {
     if constexpr (kQw && kOut) {
       wgmma_m64n32k16(acc_qw, a_hi[kk], qw_desc(0, kk), kk > 0);
     } else if constexpr (kQw) {
@@ -478,6 +485,8 @@ __device__ __forceinline__ void wgmma_collect_products(float (&acc_w)[3][2][4], 
 template <bool kX3, class St>
 __device__ __forceinline__ void wgmma_update_state(const St& st, const Lanes& w, const uint32_t (&ua_hi)[4],
                                                    const uint32_t (&ua_lo)[4], float (&s)[16][4]) {
+  static_assert(St::kD == 128, "the update is one m64n128 product a term: another size takes its own n");
+  constexpr int kPlaneBytes = St::R::kPlaneBytes;
   const Sw128Desc mn_major = sw128_desc(smem_u32(&st.mat[0][0]), C * 128, 1024);
   const uint64_t kd_hi = sw128_desc_at(mn_major, kKdHiPlane<kX3> * kPlaneBytes);
   float upd[16][4];
@@ -540,9 +549,10 @@ __device__ __forceinline__ void write_out_full(const St& st, __nv_bfloat16 (&til
 // after the barrier, where the blocks fill every SM three times over
 // (heuristics.cpp): the steps then wait on DRAM's throughput and the later
 // copies spread out.
-template <bool kOut, bool kX3, bool kLate>
+template <int D, bool kOut, bool kX3, bool kLate>
 __device__ __forceinline__ void wgmma_body(const FwdParams& p) {
-  using Cfg = Config<1, kX3>;
+  using Cfg = Config<D, 1, kX3>;
+  constexpr int kSteps = D / 16;
   using St = typename Cfg::St;
   static_assert(!kLate || kOut, "the later copies serve the forward");
   extern __shared__ __align__(16) unsigned char smem_raw[];
@@ -551,20 +561,20 @@ __device__ __forceinline__ void wgmma_body(const FwdParams& p) {
   St* stages = reinterpret_cast<St*>(smem);
   auto* out_tile = reinterpret_cast<__nv_bfloat16(*)[C][kOutPad]>(smem + Cfg::kSt * sizeof(St));
 
-  const Lanes w = lanes_of_thread<1, -1>();
+  const Lanes w = lanes_of_thread<D, 1, -1>();
   Block<Cfg, !kX3> b(p, stages, w);
   if (b.idle()) {
     return;
   }
   b.start_ring(w.tid);
-  float s[16][4];
+  float s[Cfg::kNt][4];
   b.load_state(w, s);
   // The state's A fragments, each k-step split as soon as the update has
   // written it: its dependent instructions then fill the gaps between the
   // update's products instead of standing between the next step's.
-  uint32_t a_hi[8][4], a_lo[8][4];
+  uint32_t a_hi[kSteps][4], a_lo[kSteps][4];
 #pragma unroll
-  for (int kk = 0; kk < 8; ++kk) {
+  for (int kk = 0; kk < kSteps; ++kk) {
     split_state<kX3>(s, kk, a_hi[kk], a_lo[kk]);
   }
   __nv_bfloat16* out_chunk =
@@ -610,7 +620,7 @@ __device__ __forceinline__ void wgmma_body(const FwdParams& p) {
     }
     wgmma_update_state<kX3>(st, w, ua_hi, ua_lo, s);
 #pragma unroll
-    for (int kk = 0; kk < 8; ++kk) {
+    for (int kk = 0; kk < kSteps; ++kk) {
       split_state<kX3>(s, kk, a_hi[kk], a_lo[kk]);
     }
     if constexpr (kOut) {
@@ -621,7 +631,7 @@ __device__ __forceinline__ void wgmma_body(const FwdParams& p) {
 }
 
 // ---------------------------------------------------------------------------
-// The split shapes (2x2, 4x4): each warp takes 128 / kSplit key columns of one
+// The split shapes (2x2, 4x4): each warp takes D / kSplit key columns of one
 // row group, on mma.sync.
 // kKs: with four split warps, the warp's key slice within its row group, a
 // constant in each warp's code (recurrence_kernel runs one copy of the body
@@ -875,9 +885,9 @@ __device__ __forceinline__ void write_out_split(const St& st, __nv_bfloat16 (&ti
   }
 }
 
-template <int kSplit, int kKs, bool kOut, bool kX3>
+template <int D, int kSplit, int kKs, bool kOut, bool kX3>
 __device__ __forceinline__ void split_body(const FwdParams& p) {
-  using Cfg = Config<kSplit, kX3>;
+  using Cfg = Config<D, kSplit, kX3>;
   using St = typename Cfg::St;
   constexpr int kNt = Cfg::kNt;
   extern __shared__ __align__(16) unsigned char smem_raw[];
@@ -885,7 +895,7 @@ __device__ __forceinline__ void split_body(const FwdParams& p) {
   auto* out_tile = reinterpret_cast<__nv_bfloat16(*)[C][kOutPad]>(smem_raw + Cfg::kSt * sizeof(St));
   float* red = reinterpret_cast<float*>(smem_raw + Cfg::kSt * sizeof(St) + Cfg::kRowGroups * sizeof(*out_tile));
 
-  const Lanes w = lanes_of_thread<kSplit, kKs>();
+  const Lanes w = lanes_of_thread<D, kSplit, kKs>();
   Block<Cfg, false> b(p, stages, w);
   if (b.idle()) {
     return;
@@ -940,38 +950,38 @@ __device__ __forceinline__ void split_body(const FwdParams& p) {
   b.store_state(w, s);
 }
 
-template <int kSplit, bool kOut, bool kX3, bool kLate>
-__global__ void __launch_bounds__(Config<kSplit, kX3>::kThreads) recurrence_kernel(const FwdParams p) {
+template <int D, int kSplit, bool kOut, bool kX3, bool kLate>
+__global__ void __launch_bounds__(Config<D, kSplit, kX3>::kThreads) recurrence_kernel(const FwdParams p) {
   if constexpr (kSplit == 1) {
-    wgmma_body<kOut, kX3, kLate>(p);
+    wgmma_body<D, kOut, kX3, kLate>(p);
   } else if constexpr (kSplit == 2) {
-    split_body<2, -1, kOut, kX3>(p);
+    split_body<D, 2, -1, kOut, kX3>(p);
   } else {
     // The branch is uniform per warp, not per block: it relies on bar.sync
     // counting warps, and every copy meets the same barriers in the same order
     // (one per step, and the partial sums').
     switch ((threadIdx.x / 32) % 4) {
       case 0:
-        split_body<4, 0, kOut, kX3>(p);
+        split_body<D, 4, 0, kOut, kX3>(p);
         break;
       case 1:
-        split_body<4, 1, kOut, kX3>(p);
+        split_body<D, 4, 1, kOut, kX3>(p);
         break;
       case 2:
-        split_body<4, 2, kOut, kX3>(p);
+        split_body<D, 4, 2, kOut, kX3>(p);
         break;
       default:
-        split_body<4, 3, kOut, kX3>(p);
+        split_body<D, 4, 3, kOut, kX3>(p);
         break;
     }
   }
 }
 
-template <int kSplit, bool kOut, bool kX3, bool kLate>
+template <int D, int kSplit, bool kOut, bool kX3, bool kLate>
 void launch_kernel(const FwdParams& p, cudaStream_t stream) {
-  using Cfg = Config<kSplit, kX3>;
+  using Cfg = Config<D, kSplit, kX3>;
   static_assert(Cfg::kSmem <= 227 * 1024, "over the per-block shared memory of sm_90");
-  auto* kernel = recurrence_kernel<kSplit, kOut, kX3, kLate>;
+  auto* kernel = recurrence_kernel<D, kSplit, kOut, kX3, kLate>;
   C10_CUDA_CHECK(
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(Cfg::kSmem)));
   const int64_t blocks = p.N * p.H * (D / Cfg::kCols);
@@ -982,23 +992,23 @@ void launch_kernel(const FwdParams& p, cudaStream_t stream) {
 }
 
 // The kernel for the state's dtype (bf16 or bf16x3 products).
-template <int kSplit, bool kOut, bool kLate = false>
+template <int D, int kSplit, bool kOut, bool kLate = false>
 void launch_for_products(const FwdParams& p, cudaStream_t stream) {
   if (p.bf16_products) {
-    launch_kernel<kSplit, kOut, false, kLate>(p, stream);
+    launch_kernel<D, kSplit, kOut, false, kLate>(p, stream);
   } else {
-    launch_kernel<kSplit, kOut, true, kLate>(p, stream);
+    launch_kernel<D, kSplit, kOut, true, kLate>(p, stream);
   }
 }
 
-template <int kSplit>
+template <int D, int kSplit>
 void launch(const FwdParams& p, cudaStream_t stream, bool late_refill) {
   if (p.out == nullptr) {
-    launch_for_products<kSplit, false>(p, stream);
+    launch_for_products<D, kSplit, false>(p, stream);
   } else if (kSplit == 1 && late_refill) {
-    launch_for_products<kSplit, true, kSplit == 1>(p, stream);
+    launch_for_products<D, kSplit, true, kSplit == 1>(p, stream);
   } else {
-    launch_for_products<kSplit, true>(p, stream);
+    launch_for_products<D, kSplit, true>(p, stream);
   }
 }
 
@@ -1008,15 +1018,16 @@ void launch_recurrence(const FwdParams& p, cudaStream_t stream, const Recurrence
   if (p.N == 0 || p.H == 0) {
     return;
   }
+  constexpr int D = kHeadDim;
   switch (shape.block) {
     case RecurrenceBlock::k4x1w:
-      launch<1>(p, stream, shape.late_refill);
+      launch<D, 1>(p, stream, shape.late_refill);
       break;
     case RecurrenceBlock::k2x2:
-      launch<2>(p, stream, false);
+      launch<D, 2>(p, stream, false);
       break;
     case RecurrenceBlock::k4x4:
-      launch<4>(p, stream, false);
+      launch<D, 4>(p, stream, false);
       break;
     default:
       TORCH_INTERNAL_ASSERT(false, "K2: no such block shape");
