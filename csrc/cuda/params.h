@@ -164,13 +164,24 @@ struct FwdParams {
 // the chunk's record that the backward sweep leaves, fp32, each row-major, in
 // this order: dQs, dW, dKd [16][128], dAqk [16][16], dU0 [16][128], dgl [128]
 // (torch_kda/reference.py chunk_step_backward, summed over the value rows).
-constexpr int kDRecQs = 0;
-constexpr int kDRecW = kDRecQs + kChunk * kHeadDim;
-constexpr int kDRecKd = kDRecW + kChunk * kHeadDim;
-constexpr int kDRecAqk = kDRecKd + kChunk * kHeadDim;
-constexpr int kDRecU0 = kDRecAqk + kChunk * kChunk;
-constexpr int kDRecGl = kDRecU0 + kChunk * kHeadDim;
-constexpr int kDRecFloats = kDRecGl + kHeadDim;
+template <int D>
+struct RecordGradLayout {
+  static constexpr int kQs = 0;
+  static constexpr int kW = kQs + kChunk * D;
+  static constexpr int kKd = kW + kChunk * D;
+  static constexpr int kAqk = kKd + kChunk * D;
+  static constexpr int kU0 = kAqk + kChunk * kChunk;
+  static constexpr int kGl = kU0 + kChunk * D;
+  static constexpr int kFloats = kGl + D;
+};
+using RecordGrad = RecordGradLayout<kHeadDim>;
+constexpr int kDRecQs = RecordGrad::kQs;
+constexpr int kDRecW = RecordGrad::kW;
+constexpr int kDRecKd = RecordGrad::kKd;
+constexpr int kDRecAqk = RecordGrad::kAqk;
+constexpr int kDRecU0 = RecordGrad::kU0;
+constexpr int kDRecGl = RecordGrad::kGl;
+constexpr int kDRecFloats = RecordGrad::kFloats;
 
 // What the backward's kernels pass each other per (chunk slot, head): the
 // record, the state at the chunk's start and dS at its end (bf16: they reach

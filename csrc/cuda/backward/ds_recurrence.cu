@@ -10,7 +10,7 @@
 //    groups spread over blocks as in K2 (a warp, or two splitting the key
 //    columns, carries 16 rows of dS in fp32 mma accumulators), and leaves dU
 //    (= dU0) and dS1 for every chunk;
-//  - the record gradients (record_gradients.cu), sums over all 128 value rows
+//  - the record gradients (record_gradients.cu), sums over all D value rows
 //    of one chunk's products, then run one block per (chunk slot, head), all
 //    chunks at once.
 // One block per (sequence, head) doing both would keep the GPU mostly idle
@@ -31,18 +31,19 @@ namespace kda::cuda {
 namespace {
 
 // A block is kWarps / kSplit row groups (16 value rows each) of one (sequence,
-// head), each row group's 128 key columns split over kSplit warps, as in K2:
+// head), each row group's D key columns split over kSplit warps, as in K2:
 // where each SM would run only one or two full-width warps, the split spreads
 // a step's products over more of its schedulers. dU^T = dS1 Kd^T is then a sum
 // of the warps' partial sums over their key columns, which meet in shared
 // memory once a step; the update of dS needs only the warp's own columns.
-template <int kWarps, int kSplit, bool kDoutFp32>
+template <int D, int kWarps, int kSplit, bool kDoutFp32>
 struct DsConfig {
   static_assert(kWarps % kSplit == 0 && (kSplit == 1 || kSplit == 2), "whole row groups; a two-way split at most");
+  static constexpr int kD = D;
   static constexpr int kThreads = 32 * kWarps;
   static constexpr int kRowGroups = kWarps / kSplit;
   static constexpr int kCols = 16 * kRowGroups;  // the block's value channels (rows of dS)
-  static constexpr int kNt = 16 / kSplit;        // 8-column n-tiles of dS per warp
+  static constexpr int kNt = D / 8 / kSplit;     // 8-column n-tiles of dS per warp
   // Chunks staged ahead, as in K2. The split shapes with a bf16 dO take four
   // (two blocks an SM still fit), so that more of the loads a step waits on are
   // in flight; the full-width 4x1 measured slower with four.
@@ -61,7 +62,7 @@ struct DsConfig {
   static constexpr int kRedFloats = kSplit > 1 ? 2 * 4 * 32 : 0;
 };
 
-template <int kCols, int kDoutPitch>
+template <int D, int kCols, int kDoutPitch>
 struct __align__(16) DsStage {
   // The record's bf16 part, verbatim: Qs hi, W and Kd hi/lo; Aqk hi; Qs lo; Aqk lo.
   __nv_bfloat16 mat[5][C * D];
@@ -72,13 +73,12 @@ struct __align__(16) DsStage {
   unsigned char dout[C * kDoutPitch];  // dO [t][block's v], as given; zero past the end
 };
 
-template <int kWarps, int kSplit, bool kDoutFp32>
-using DsStageOf = DsStage<DsConfig<kWarps, kSplit, kDoutFp32>::kCols, DsConfig<kWarps, kSplit, kDoutFp32>::kDoutPitch>;
+template <class Cfg>
+using DsStageOf = DsStage<Cfg::kD, Cfg::kCols, Cfg::kDoutPitch>;
 
-template <int kWarps, int kSplit, bool kDoutFp32>
+template <class Cfg>
 constexpr size_t ds_smem_bytes() {
-  using Cfg = DsConfig<kWarps, kSplit, kDoutFp32>;
-  return Cfg::kStages * sizeof(DsStageOf<kWarps, kSplit, kDoutFp32>) + kWarps * Cfg::kRedFloats * sizeof(float);
+  return Cfg::kStages * sizeof(DsStageOf<Cfg>) + Cfg::kThreads / 32 * Cfg::kRedFloats * sizeof(float);
 }
 
 template <bool kFp32>
@@ -155,13 +155,15 @@ __device__ __forceinline__ void ds_update(const St& st, const float (&du)[2][4],
   }
 }
 
-template <int kWarps, int kSplit, bool kDoutFp32>
+template <int D, int kWarps, int kSplit, bool kDoutFp32>
 __global__ void __launch_bounds__(kWarps * 32) ds_recurrence_kernel(const SweepBwdParams bp) {
-  using Cfg = DsConfig<kWarps, kSplit, kDoutFp32>;
-  using St = DsStageOf<kWarps, kSplit, kDoutFp32>;
+  using Cfg = DsConfig<D, kWarps, kSplit, kDoutFp32>;
+  using St = DsStageOf<Cfg>;
+  using R = RecordLayout<D>;
+  using DR = RecordGradLayout<D>;
   constexpr int kSt = Cfg::kStages, kNt = Cfg::kNt;
-  static_assert(offsetof(St, aqk_hi) == kWsAqk && offsetof(St, qs_lo) == kWsQsLo && offsetof(St, aqk_lo) == kWsAqkLo &&
-                    offsetof(St, gl) == kWsGl,
+  static_assert(offsetof(St, aqk_hi) == R::kAqk && offsetof(St, qs_lo) == R::kQsLo && offsetof(St, aqk_lo) == R::kAqkLo &&
+                    offsetof(St, gl) == R::kGl,
                 "one verbatim copy of the record's bf16 part");
   const FwdParams& p = bp.fwd;
   extern __shared__ __align__(16) unsigned char smem_raw[];
@@ -199,9 +201,9 @@ __global__ void __launch_bounds__(kWarps * 32) ds_recurrence_kernel(const SweepB
   // buffers are indexed from the window's first slot.
   auto load_stage = [&](St& st, int64_t c) {
     const int64_t slot = hi - 1 - c;
-    const unsigned char* rec = records + ((slot - p.slot_begin) * H + h) * kWsChunkBytes;
+    const unsigned char* rec = records + ((slot - p.slot_begin) * H + h) * R::kBytes;
     // Fully unrolled: every thread's pieces at fixed offsets from its first.
-    constexpr int kPieces = kWsGl / 16, kThreads = Cfg::kThreads;
+    constexpr int kPieces = R::kGl / 16, kThreads = Cfg::kThreads;
     const uint32_t mat = smem_u32(&st.mat[0][0]) + tid * 16;
     const unsigned char* rec_t = rec + tid * 16;
 #pragma unroll
@@ -211,7 +213,7 @@ __global__ void __launch_bounds__(kWarps * 32) ds_recurrence_kernel(const SweepB
       }
     }
     if (tid < D / 4) {
-      cp_async_16(smem_u32(&st.gl[tid * 4]), rec + kWsGl + tid * 16);
+      cp_async_16(smem_u32(&st.gl[tid * 4]), rec + R::kGl + tid * 16);
     }
     const int64_t bos = seq_bos + (slot - c_begin) * C;
     constexpr int kDoutPieces = C * Cfg::kRowPieces;
@@ -378,14 +380,14 @@ __global__ void __launch_bounds__(kWarps * 32) ds_recurrence_kernel(const SweepB
         du[nt][0] += x.x, du[nt][1] += x.y, du[nt][2] += x.z, du[nt][3] += x.w;
       }
     }
-    float* dr = bp.d_record + (wslot * H + h) * kDRecFloats;
+    float* dr = bp.d_record + (wslot * H + h) * DR::kFloats;
 #pragma unroll
     for (int nt = 0; nt < 2; ++nt) {
       if (kSplit == 1 || nt == ks) {
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           const int t = 8 * nt + 2 * t4 + (e & 1), v = v0 + g + 8 * (e >> 1);
-          dr[kDRecU0 + t * D + v] = du[nt][e];
+          dr[DR::kU0 + t * D + v] = du[nt][e];
         }
       }
     }
@@ -407,12 +409,12 @@ __global__ void __launch_bounds__(kWarps * 32) ds_recurrence_kernel(const SweepB
   }
 }
 
-template <int kWarps, int kSplit, bool kDoutFp32>
+template <int D, int kWarps, int kSplit, bool kDoutFp32>
 void launch_ds(const SweepBwdParams& bp, cudaStream_t stream) {
-  using Cfg = DsConfig<kWarps, kSplit, kDoutFp32>;
-  constexpr size_t kSmem = ds_smem_bytes<kWarps, kSplit, kDoutFp32>();
+  using Cfg = DsConfig<D, kWarps, kSplit, kDoutFp32>;
+  constexpr size_t kSmem = ds_smem_bytes<Cfg>();
   static_assert(kSmem <= 227 * 1024, "over the per-block shared memory of sm_90");
-  auto* kernel = ds_recurrence_kernel<kWarps, kSplit, kDoutFp32>;
+  auto* kernel = ds_recurrence_kernel<D, kWarps, kSplit, kDoutFp32>;
   C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(kSmem)));
   const int64_t blocks = bp.fwd.N * bp.fwd.H * (D / Cfg::kCols);
   TORCH_CHECK(blocks <= INT32_MAX, "kda.bwd: ", std::to_string(bp.fwd.N), " sequences x ",
@@ -421,17 +423,17 @@ void launch_ds(const SweepBwdParams& bp, cudaStream_t stream) {
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-template <bool kDoutFp32>
+template <int D, bool kDoutFp32>
 void launch_ds_for(const SweepBwdParams& bp, cudaStream_t stream, DsBlock block) {
   switch (block) {
     case DsBlock::k4x1:
-      launch_ds<4, 1, kDoutFp32>(bp, stream);
+      launch_ds<D, 4, 1, kDoutFp32>(bp, stream);
       break;
     case DsBlock::k4x2:
-      launch_ds<4, 2, kDoutFp32>(bp, stream);
+      launch_ds<D, 4, 2, kDoutFp32>(bp, stream);
       break;
     case DsBlock::k2x2:
-      launch_ds<2, 2, kDoutFp32>(bp, stream);
+      launch_ds<D, 2, 2, kDoutFp32>(bp, stream);
       break;
     default:
       TORCH_INTERNAL_ASSERT(false, "the dS recurrence: no such block shape");
@@ -444,10 +446,11 @@ void launch_ds_recurrence(const SweepBwdParams& bp, cudaStream_t stream, DsBlock
   if (bp.fwd.N == 0 || bp.fwd.H == 0) {
     return;
   }
+  constexpr int D = kHeadDim;
   if (bp.grad_out_fp32) {
-    launch_ds_for<true>(bp, stream, block);
+    launch_ds_for<D, true>(bp, stream, block);
   } else {
-    launch_ds_for<false>(bp, stream, block);
+    launch_ds_for<D, false>(bp, stream, block);
   }
 }
 
