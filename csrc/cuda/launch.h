@@ -3,14 +3,30 @@
 // chose (heuristics.h).
 #pragma once
 
+#include <c10/util/Exception.h>
 #include <cuda_runtime_api.h>
 
 #include <cstdint>
 #include <string>
+#include <type_traits>
 
 #include "cuda/params.h"
 
 namespace kda::cuda {
+
+// The one place where a launcher turns FwdParams::head_size into the template
+// argument D of its kernels' instances: a new head size is a case here plus
+// the instances it brings.
+template <class Launch>
+void dispatch_head_size(int head_size, Launch&& launch) {
+  switch (head_size) {
+    case 128:
+      launch(std::integral_constant<int, 128>{});
+      return;
+    default:
+      TORCH_INTERNAL_ASSERT(false, "no CUDA kernels for head size ", head_size);
+  }
+}
 
 // Varlen only, before K1: seq[0..N] and chunks[0..N] (params.h) from
 // cu_seqlens (int32 or int64, N + 1 entries, on the device), and order[0..N)

@@ -158,6 +158,11 @@ struct FwdParams {
   // lower_bound >= -5 and the levels otherwise.
   bool gate_given = false;
   bool g_fp32 = false;
+
+  // K = V of the kernels' instances (launch.h, dispatch_head_size); smaller
+  // head sizes arrive zero-padded (padded_heads.h). Last: the fields before it
+  // keep their offsets in the kernels' parameters.
+  int head_size = kHeadDim;
 };
 
 // K1's backward (backward/input_gradients.cu) reads, per (chunk slot, head), the gradients of

@@ -139,6 +139,10 @@ CallInputs call_inputs(const Problem& p, const Tensor& q, const Tensor& k, const
   CallInputs in{q.contiguous(),    k.contiguous(), staged16(v),          g.contiguous(),
                 beta.contiguous(), staged16(A_log), staged16(dt_bias), FwdParams{}};
   FwdParams& fp = in.params;
+  // By now a served size (padded_heads.h), the same for K and V.
+  TORCH_INTERNAL_ASSERT(concrete(p.K) == concrete(p.V), "the kernels take K = V, got ", concrete(p.K), " and ",
+                        concrete(p.V));
+  fp.head_size = static_cast<int>(concrete(p.K));
   fp.H = concrete(p.H);
   fp.N = concrete(p.N);
   fp.group = value_head_group(p);

@@ -446,12 +446,14 @@ void launch_ds_recurrence(const SweepBwdParams& bp, cudaStream_t stream, DsBlock
   if (bp.fwd.N == 0 || bp.fwd.H == 0) {
     return;
   }
-  constexpr int D = kHeadDim;
-  if (bp.grad_out_fp32) {
-    launch_ds_for<D, true>(bp, stream, block);
-  } else {
-    launch_ds_for<D, false>(bp, stream, block);
-  }
+  dispatch_head_size(bp.fwd.head_size, [&](auto head_size) {
+    constexpr int D = decltype(head_size)::value;
+    if (bp.grad_out_fp32) {
+      launch_ds_for<D, true>(bp, stream, block);
+    } else {
+      launch_ds_for<D, false>(bp, stream, block);
+    }
+  });
 }
 
 }  // namespace kda::cuda

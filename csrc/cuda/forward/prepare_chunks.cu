@@ -915,10 +915,13 @@ void launch_prepare(const FwdParams& p, cudaStream_t stream) {
   const int64_t blocks = slots * p.H;
   TORCH_CHECK(blocks <= INT32_MAX, "kda.fwd: ", std::to_string(slots), " chunks x ", std::to_string(p.H),
               " heads is more blocks than one launch takes");
-  constexpr int D = kHeadDim;
-  auto* kernel = p.gate_given ? (p.softplus ? prepare_kernel_for<D, true, true>(p) : prepare_kernel_for<D, false, true>(p))
-                              : (p.softplus ? prepare_kernel_for<D, true, false>(p) : prepare_kernel_for<D, false, false>(p));
-  kernel<<<static_cast<unsigned int>(blocks), 32 * kWarps, 0, stream>>>(p);
+  dispatch_head_size(p.head_size, [&](auto head_size) {
+    constexpr int D = decltype(head_size)::value;
+    auto* kernel = p.gate_given
+                       ? (p.softplus ? prepare_kernel_for<D, true, true>(p) : prepare_kernel_for<D, false, true>(p))
+                       : (p.softplus ? prepare_kernel_for<D, true, false>(p) : prepare_kernel_for<D, false, false>(p));
+    kernel<<<static_cast<unsigned int>(blocks), 32 * kWarps, 0, stream>>>(p);
+  });
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 

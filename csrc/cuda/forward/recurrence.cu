@@ -1018,20 +1018,22 @@ void launch_recurrence(const FwdParams& p, cudaStream_t stream, const Recurrence
   if (p.N == 0 || p.H == 0) {
     return;
   }
-  constexpr int D = kHeadDim;
-  switch (shape.block) {
-    case RecurrenceBlock::k4x1w:
-      launch<D, 1>(p, stream, shape.late_refill);
-      break;
-    case RecurrenceBlock::k2x2:
-      launch<D, 2>(p, stream, false);
-      break;
-    case RecurrenceBlock::k4x4:
-      launch<D, 4>(p, stream, false);
-      break;
-    default:
-      TORCH_INTERNAL_ASSERT(false, "K2: no such block shape");
-  }
+  dispatch_head_size(p.head_size, [&](auto head_size) {
+    constexpr int D = decltype(head_size)::value;
+    switch (shape.block) {
+      case RecurrenceBlock::k4x1w:
+        launch<D, 1>(p, stream, shape.late_refill);
+        break;
+      case RecurrenceBlock::k2x2:
+        launch<D, 2>(p, stream, false);
+        break;
+      case RecurrenceBlock::k4x4:
+        launch<D, 4>(p, stream, false);
+        break;
+      default:
+        TORCH_INTERNAL_ASSERT(false, "K2: no such block shape");
+    }
+  });
 }
 
 }  // namespace kda::cuda
