@@ -50,10 +50,11 @@ __device__ __forceinline__ void store_state(void* base, int64_t index, float val
   }
 }
 
-// Position of element (row, col) in a swizzled plane of 128-wide rows (the
+// Position of element (row, col) in a swizzled plane of D-wide rows (the
 // backward's own tiles; a record's planes: record_index).
+template <int D>
 __device__ __forceinline__ int plane_index(int row, int col) {
-  return row * kHeadDim + ((((col >> 3) ^ (row & 7))) << 3) + (col & 7);
+  return row * D + ((((col >> 3) ^ (row & 7))) << 3) + (col & 7);
 }
 
 // A record's [16][D] planes (params.h) in blocks of 64 columns, each [16][64]
@@ -74,10 +75,11 @@ __device__ __forceinline__ const __nv_bfloat16* record_piece(const __nv_bfloat16
   return plane + record_piece_index(row, piece);
 }
 
-// Address of the 16-byte piece (row, piece) of a swizzled plane of 128-wide
+// Address of the 16-byte piece (row, piece) of a swizzled plane of D-wide
 // rows (any number of rows), for ldmatrix.
+template <int D>
 __device__ __forceinline__ const __nv_bfloat16* plane_piece(const __nv_bfloat16* plane, int row, int piece) {
-  return plane + row * kHeadDim + ((piece ^ (row & 7)) << 3);
+  return plane + row * D + ((piece ^ (row & 7)) << 3);
 }
 
 // x as hi = bf16(x) in the plane at `planes` and, with `lo`, lo = bf16(x - hi)

@@ -26,11 +26,15 @@
 namespace kda::cuda {
 namespace {
 
+// A block's warps at head size D: each takes 16 value rows, and 16 key columns of the record gradients.
+template <int D>
 constexpr int kGradWarps = D / 16;
-constexpr int kGradThreads = 32 * kGradWarps;
+template <int D>
+constexpr int kGradThreads = 32 * kGradWarps<D>;
 
+template <int D>
 struct __align__(16) GradSmem {
-  __nv_bfloat16 mat[D * D];      // S0 [v][k], as stored; swizzled 128-wide rows (plane_index)
+  __nv_bfloat16 mat[D * D];      // S0 [v][k], as stored; swizzled D-wide rows (plane_index)
   __nv_bfloat16 ds1[D * D];      // dS1 [v][k], the same way
   __nv_bfloat16 w[2][C * D];     // the record's W planes, verbatim
   __nv_bfloat16 v[C][D + 8];     // v [t][v] (zero past the sequence's end), for U0 = M v
@@ -38,10 +42,9 @@ struct __align__(16) GradSmem {
   __nv_bfloat16 dout[2][C * D];  // dO [t][v], hi and lo (lo read only for an fp32 dO)
   __nv_bfloat16 u[2][C * D];     // U [t][v]
   __nv_bfloat16 du[2][C * D];    // dU [t][v]
-  float dgl[kGradWarps][D];      // per warp: the sum over its rows of S0 * dS1
+  float dgl[kGradWarps<D>][D];   // per warp: the sum over its rows of S0 * dS1
+  static_assert(RecordLayout<D>::kW % 16 == 0 && RecordLayout<D>::kM % 16 == 0, "16-byte copies");
 };
-static_assert(kWsW % 16 == 0 && kWsM % 16 == 0 && offsetof(GradSmem, v) % 16 == 0 && offsetof(GradSmem, m) % 16 == 0,
-              "16-byte copies");
 
 // Four consecutive values of one row into the hi and lo planes at idx (a multiple of 4).
 __device__ __forceinline__ void store_split4(__nv_bfloat16* hi, __nv_bfloat16* lo, int idx, float4 x) {
@@ -66,28 +69,31 @@ __device__ __forceinline__ float4 load_dout4(const void* base, int64_t idx) {
   }
 }
 
-// Piece e (8 consecutive values) of a stored [128][128] matrix: row e / 16, columns 8 (e % 16)..
+// Piece e (8 consecutive values) of a stored [D][D] matrix: row e / (D / 8), columns 8 (e % (D / 8))..
+template <int D>
 __device__ __forceinline__ int matrix_piece_index(int e) {
-  return plane_index(e / 16, 8 * (e % 16));
+  return plane_index<D>(e / (D / 8), 8 * (e % (D / 8)));
 }
 
 // S0 or dS1 into its plane, verbatim (cp.async, in the caller's commit group).
+template <int D>
 __device__ __forceinline__ void copy_matrix(__nv_bfloat16* plane, const __nv_bfloat16* src, int tid) {
   const uint32_t base = smem_u32(plane);
 #pragma unroll
-  for (int it = 0; it < D * D / 8 / kGradThreads; ++it) {
-    const int e = tid + it * kGradThreads;
-    cp_async_16(base + matrix_piece_index(e) * 2, src + e * 8);
+  for (int it = 0; it < D * D / 8 / kGradThreads<D>; ++it) {
+    const int e = tid + it * kGradThreads<D>;
+    cp_async_16(base + matrix_piece_index<D>(e) * 2, src + e * 8);
   }
 }
 
 // dgl = sum_v S0 * dS1 (fp32, from the bf16 values), the part of thread tid:
-// key columns 8 (tid % 16).. +8 of rows tid / 16 + 16 it.
-__device__ __forceinline__ void sum_dgl(const GradSmem& sm, int tid, float (&gsum)[8]) {
+// key columns 8 (tid % (D / 8)).. +8 of rows tid / (D / 8) + (D / 8) it.
+template <int D>
+__device__ __forceinline__ void sum_dgl(const GradSmem<D>& sm, int tid, float (&gsum)[8]) {
   auto bf16_pair = [](uint32_t x) { return __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&x)); };
 #pragma unroll
-  for (int it = 0; it < D * D / 8 / kGradThreads; ++it) {
-    const int idx = matrix_piece_index(tid + it * kGradThreads);
+  for (int it = 0; it < D * D / 8 / kGradThreads<D>; ++it) {
+    const int idx = matrix_piece_index<D>(tid + it * kGradThreads<D>);
     const uint4 s0 = *reinterpret_cast<const uint4*>(sm.mat + idx);
     const uint4 d1 = *reinterpret_cast<const uint4*>(sm.ds1 + idx);
     const uint32_t a[4] = {s0.x, s0.y, s0.z, s0.w}, b[4] = {d1.x, d1.y, d1.z, d1.w};
@@ -101,8 +107,8 @@ __device__ __forceinline__ void sum_dgl(const GradSmem& sm, int tid, float (&gsu
 }
 
 // The warp's slice of a record gradient, tokens [16] x key columns v0.. +16,
-// from its split accumulators (C fragments), into the row-major [16][128] at dst.
-template <bool kNegate, int kTerms>
+// from its split accumulators (C fragments), into the row-major [16][D] at dst.
+template <int D, bool kNegate, int kTerms>
 __device__ __forceinline__ void store_slice(float* dst, const float (&acc)[kTerms][2][4], int v0, int g, int t4) {
 #pragma unroll
   for (int nt = 0; nt < 2; ++nt) {
@@ -116,11 +122,14 @@ __device__ __forceinline__ void store_slice(float* dst, const float (&acc)[kTerm
   }
 }
 
-template <bool kDoutFp32>
-__global__ void __launch_bounds__(kGradThreads, 2) record_grads_kernel(const SweepBwdParams bp) {
+template <int D, bool kDoutFp32>
+__global__ void __launch_bounds__(kGradThreads<D>, 2) record_grads_kernel(const SweepBwdParams bp) {
+  using R = RecordLayout<D>;
+  using DR = RecordGradLayout<D>;
+  constexpr int kWarps = kGradWarps<D>, kThreads = kGradThreads<D>;
   const FwdParams& p = bp.fwd;
   extern __shared__ __align__(16) unsigned char smem_raw[];
-  GradSmem& sm = *reinterpret_cast<GradSmem*>(smem_raw);
+  GradSmem<D>& sm = *reinterpret_cast<GradSmem<D>*>(smem_raw);
   // S0, dS1 and a bf16 dO are exact bf16 operands; the fp32 ones (U, dU, and
   // an fp32 dO) are split.
   constexpr bool kDoLo = kDoutFp32;
@@ -139,22 +148,22 @@ __global__ void __launch_bounds__(kGradThreads, 2) record_grads_kernel(const Swe
   const int64_t n = sequence_of_slot(p, slot);
   const int64_t bos = seq_offset(p, n) + (slot - chunk_offset(p, n)) * C;
   const int len = static_cast<int>(min64(C, seq_offset(p, n + 1) - bos));
-  float* dr = bp.d_record + (wslot * H + h) * kDRecFloats;
+  float* dr = bp.d_record + (wslot * H + h) * DR::kFloats;
   const __nv_bfloat16* s0g = static_cast<const __nv_bfloat16*>(bp.states) + (wslot * H + h) * D * D;
   const __nv_bfloat16* dsg = static_cast<const __nv_bfloat16*>(bp.d_states) + (wslot * H + h) * D * D;
 
   {  // W's and M's planes of the record, verbatim; v; S0
-    const unsigned char* rec = reinterpret_cast<const unsigned char*>(p.workspace) + (wslot * H + h) * kWsChunkBytes;
+    const unsigned char* rec = reinterpret_cast<const unsigned char*>(p.workspace) + (wslot * H + h) * R::kBytes;
     const uint32_t w = smem_u32(&sm.w[0][0]);
 #pragma unroll
-    for (int it = 0; it < 2 * kPlaneBytes / 16 / kGradThreads; ++it) {
-      const int e = tid + it * kGradThreads;
-      cp_async_16(w + e * 16, rec + kWsW + e * 16);
+    for (int it = 0; it < 2 * R::kPlaneBytes / 16 / kThreads; ++it) {
+      const int e = tid + it * kThreads;
+      cp_async_16(w + e * 16, rec + R::kW + e * 16);
     }
-    if (tid < 2 * kAqkPlaneBytes / 16) {
-      cp_async_16(smem_u32(&sm.m[0][0]) + tid * 16, rec + kWsM + tid * 16);
+    if (tid < 2 * R::kAqkPlaneBytes / 16) {
+      cp_async_16(smem_u32(&sm.m[0][0]) + tid * 16, rec + R::kM + tid * 16);
     }
-    static_assert(C * D / 8 == kGradThreads, "one 16-byte piece of v a thread");
+    static_assert(C * D / 8 == kThreads, "one 16-byte piece of v a thread");
     {
       const int t = tid / (D / 8), col = (tid % (D / 8)) * 8;
       if (t < len) {
@@ -163,27 +172,27 @@ __global__ void __launch_bounds__(kGradThreads, 2) record_grads_kernel(const Swe
         *reinterpret_cast<uint4*>(&sm.v[t][col]) = make_uint4(0u, 0u, 0u, 0u);
       }
     }
-    copy_matrix(sm.mat, s0g, tid);
+    copy_matrix<D>(sm.mat, s0g, tid);
     cp_async_commit();
-    copy_matrix(sm.ds1, dsg, tid);
+    copy_matrix<D>(sm.ds1, dsg, tid);
     cp_async_commit();
   }
   // dO (bf16 or fp32; zero past the sequence's end) and dU (the dS recurrence's) as planes.
   {
-    constexpr int kIt = C * D / 4 / kGradThreads;
+    constexpr int kIt = C * D / 4 / kThreads;
     float4 o[kIt], d[kIt];
 #pragma unroll
     for (int it = 0; it < kIt; ++it) {
-      const int e = (tid + it * kGradThreads) * 4, t = e / D;
+      const int e = (tid + it * kThreads) * 4, t = e / D;
       o[it] = t < len ? load_dout4<kDoutFp32>(bp.grad_out, ((bos + t) * H + h) * D + e % D)
                       : make_float4(0.f, 0.f, 0.f, 0.f);
-      d[it] = *reinterpret_cast<const float4*>(dr + kDRecU0 + e);
+      d[it] = *reinterpret_cast<const float4*>(dr + DR::kU0 + e);
     }
 #pragma unroll
     for (int it = 0; it < kIt; ++it) {
-      const int e = (tid + it * kGradThreads) * 4;
-      store_split4(sm.dout[0], sm.dout[1], plane_index(e / D, e % D), o[it]);
-      store_split4(sm.du[0], sm.du[1], plane_index(e / D, e % D), d[it]);
+      const int e = (tid + it * kThreads) * 4;
+      store_split4(sm.dout[0], sm.dout[1], plane_index<D>(e / D, e % D), o[it]);
+      store_split4(sm.du[0], sm.du[1], plane_index<D>(e / D, e % D), d[it]);
     }
   }
   cp_async_wait<1>();  // all but dS1
@@ -202,7 +211,7 @@ __global__ void __launch_bounds__(kGradThreads, 2) record_grads_kernel(const Swe
 #pragma unroll
     for (int kk = 0; kk < D / 16; ++kk) {
       uint32_t sh[4];
-      ldmatrix_x4(sh, plane_piece(sm.mat, v0 + (mi % 2) * 8 + mr, 2 * kk + mi / 2));
+      ldmatrix_x4(sh, plane_piece<D>(sm.mat, v0 + (mi % 2) * 8 + mr, 2 * kk + mi / 2));
       const int row = (mi / 2) * 8 + mr, piece = 2 * kk + mi % 2;
       uint32_t wh[4], wl[4];
       ldmatrix_x4(wh, record_piece(sm.w[0], row, piece));
@@ -217,7 +226,7 @@ __global__ void __launch_bounds__(kGradThreads, 2) record_grads_kernel(const Swe
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int t = 8 * nt + 2 * t4 + (e & 1), v = v0 + g + 8 * (e >> 1);
-        store_split(reinterpret_cast<unsigned char*>(sm.u[0]), kPlaneBytes, plane_index(t, v),
+        store_split(reinterpret_cast<unsigned char*>(sm.u[0]), R::kPlaneBytes, plane_index<D>(t, v),
                     u0[nt][e] - sum_terms(acc_u, nt, e));
       }
     }
@@ -233,24 +242,24 @@ __global__ void __launch_bounds__(kGradThreads, 2) record_grads_kernel(const Swe
     for (int kv = 0; kv < D / 16; ++kv) {
       const int arow = (mi % 2) * 8 + mr, apiece = 2 * kv + mi / 2;
       uint32_t doh[4], dol[4], duh[4], dul[4];
-      ldmatrix_x4(doh, plane_piece(sm.dout[0], arow, apiece));
+      ldmatrix_x4(doh, plane_piece<D>(sm.dout[0], arow, apiece));
       if constexpr (kDoLo) {
-        ldmatrix_x4(dol, plane_piece(sm.dout[1], arow, apiece));
+        ldmatrix_x4(dol, plane_piece<D>(sm.dout[1], arow, apiece));
       }
-      ldmatrix_x4(duh, plane_piece(sm.du[0], arow, apiece));
-      ldmatrix_x4(dul, plane_piece(sm.du[1], arow, apiece));
+      ldmatrix_x4(duh, plane_piece<D>(sm.du[0], arow, apiece));
+      ldmatrix_x4(dul, plane_piece<D>(sm.du[1], arow, apiece));
       uint32_t sh[4];
-      ldmatrix_x4_trans(sh, plane_piece(sm.mat, 16 * kv + (mi % 2) * 8 + mr, v0 / 8 + mi / 2));
+      ldmatrix_x4_trans(sh, plane_piece<D>(sm.mat, 16 * kv + (mi % 2) * 8 + mr, v0 / 8 + mi / 2));
 #pragma unroll
       for (int nt = 0; nt < 2; ++nt) {
         mma_split<kDoLo, false>(aq, nt, doh, dol, sh[2 * nt], sh[2 * nt + 1], sh[2 * nt], sh[2 * nt + 1], kv == 0);
         mma_split<true, false>(aw, nt, duh, dul, sh[2 * nt], sh[2 * nt + 1], sh[2 * nt], sh[2 * nt + 1], kv == 0);
       }
     }
-    store_slice<false>(dr + kDRecQs, aq, v0, g, t4);
-    store_slice<true>(dr + kDRecW, aw, v0, g, t4);
+    store_slice<D, false>(dr + DR::kQs, aq, v0, g, t4);
+    store_slice<D, true>(dr + DR::kW, aw, v0, g, t4);
   }
-  if (warp == kGradWarps - 1) {
+  if (warp == kWarps - 1) {
     // dAqk [i][j] = sum_v dO[i][v] U[j][v]: B (k = v, n = j) is U's plane as it
     // stands. One warp's extra work.
     float aa[2 + kDoLo][2][4];  // written first by the kv = 0 products
@@ -259,12 +268,12 @@ __global__ void __launch_bounds__(kGradThreads, 2) record_grads_kernel(const Swe
       const int arow = (mi % 2) * 8 + mr, apiece = 2 * kv + mi / 2;
       const int brow = (mi / 2) * 8 + mr, bpiece = 2 * kv + mi % 2;
       uint32_t doh[4], dol[4], bh[4], bl[4];
-      ldmatrix_x4(doh, plane_piece(sm.dout[0], arow, apiece));
+      ldmatrix_x4(doh, plane_piece<D>(sm.dout[0], arow, apiece));
       if constexpr (kDoLo) {
-        ldmatrix_x4(dol, plane_piece(sm.dout[1], arow, apiece));
+        ldmatrix_x4(dol, plane_piece<D>(sm.dout[1], arow, apiece));
       }
-      ldmatrix_x4(bh, plane_piece(sm.u[0], brow, bpiece));
-      ldmatrix_x4(bl, plane_piece(sm.u[1], brow, bpiece));
+      ldmatrix_x4(bh, plane_piece<D>(sm.u[0], brow, bpiece));
+      ldmatrix_x4(bl, plane_piece<D>(sm.u[1], brow, bpiece));
 #pragma unroll
       for (int nt = 0; nt < 2; ++nt) {
         mma_split<kDoLo, true>(aa, nt, doh, dol, bh[2 * nt], bh[2 * nt + 1], bl[2 * nt], bl[2 * nt + 1], kv == 0);
@@ -273,8 +282,8 @@ __global__ void __launch_bounds__(kGradThreads, 2) record_grads_kernel(const Swe
 #pragma unroll
     for (int nt = 0; nt < 2; ++nt) {
       const int j = 8 * nt + 2 * t4;
-      *reinterpret_cast<float2*>(dr + kDRecAqk + g * C + j) = make_float2(sum_terms(aa, nt, 0), sum_terms(aa, nt, 1));
-      *reinterpret_cast<float2*>(dr + kDRecAqk + (g + 8) * C + j) =
+      *reinterpret_cast<float2*>(dr + DR::kAqk + g * C + j) = make_float2(sum_terms(aa, nt, 0), sum_terms(aa, nt, 1));
+      *reinterpret_cast<float2*>(dr + DR::kAqk + (g + 8) * C + j) =
           make_float2(sum_terms(aa, nt, 2), sum_terms(aa, nt, 3));
     }
   }
@@ -284,13 +293,16 @@ __global__ void __launch_bounds__(kGradThreads, 2) record_grads_kernel(const Swe
   // dgl, then dKd = U dS1.
   {
     float gsum[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-    sum_dgl(sm, tid, gsum);
-    // Lanes l and l + 16 hold the same columns (other rows).
+    sum_dgl<D>(sm, tid, gsum);
+    // Lanes l, l + D / 8, ... hold the same columns (other rows).
 #pragma unroll
-    for (int i = 0; i < 8; ++i) {
-      gsum[i] += __shfl_xor_sync(0xffffffffu, gsum[i], 16);
+    for (int off = D / 8; off < 32; off *= 2) {
+#pragma unroll
+      for (int i = 0; i < 8; ++i) {
+        gsum[i] += __shfl_xor_sync(0xffffffffu, gsum[i], off);
+      }
     }
-    if (lane < 16) {
+    if (lane < D / 8) {
       *reinterpret_cast<float4*>(&sm.dgl[warp][8 * lane]) = make_float4(gsum[0], gsum[1], gsum[2], gsum[3]);
       *reinterpret_cast<float4*>(&sm.dgl[warp][8 * lane + 4]) = make_float4(gsum[4], gsum[5], gsum[6], gsum[7]);
     }
@@ -302,36 +314,36 @@ __global__ void __launch_bounds__(kGradThreads, 2) record_grads_kernel(const Swe
     for (int kv = 0; kv < D / 16; ++kv) {
       const int arow = (mi % 2) * 8 + mr, apiece = 2 * kv + mi / 2;
       uint32_t uh[4], ul[4];
-      ldmatrix_x4(uh, plane_piece(sm.u[0], arow, apiece));
-      ldmatrix_x4(ul, plane_piece(sm.u[1], arow, apiece));
+      ldmatrix_x4(uh, plane_piece<D>(sm.u[0], arow, apiece));
+      ldmatrix_x4(ul, plane_piece<D>(sm.u[1], arow, apiece));
       uint32_t dh[4];
-      ldmatrix_x4_trans(dh, plane_piece(sm.ds1, 16 * kv + (mi % 2) * 8 + mr, v0 / 8 + mi / 2));
+      ldmatrix_x4_trans(dh, plane_piece<D>(sm.ds1, 16 * kv + (mi % 2) * 8 + mr, v0 / 8 + mi / 2));
 #pragma unroll
       for (int nt = 0; nt < 2; ++nt) {
         mma_split<true, false>(ak, nt, uh, ul, dh[2 * nt], dh[2 * nt + 1], dh[2 * nt], dh[2 * nt + 1], kv == 0);
       }
     }
-    store_slice<false>(dr + kDRecKd, ak, v0, g, t4);
+    store_slice<D, false>(dr + DR::kKd, ak, v0, g, t4);
   }
   if (tid < D) {
     float a = 0.f;
 #pragma unroll
-    for (int w = 0; w < kGradWarps; ++w) {
+    for (int w = 0; w < kWarps; ++w) {
       a += sm.dgl[w][tid];
     }
-    dr[kDRecGl + tid] = a;
+    dr[DR::kGl + tid] = a;
   }
 }
 
-template <bool kDoutFp32>
+template <int D, bool kDoutFp32>
 void launch_record_grads(const SweepBwdParams& bp, int64_t blocks, cudaStream_t stream) {
-  constexpr size_t kSmem = sizeof(GradSmem);
+  constexpr size_t kSmem = sizeof(GradSmem<D>);
   static_assert(kSmem <= 227 * 1024, "over the per-block shared memory of sm_90");
   static_assert(2 * (kSmem + 1024) <= 228 * 1024, "two blocks per SM");
-  auto* kernel = record_grads_kernel<kDoutFp32>;
+  auto* kernel = record_grads_kernel<D, kDoutFp32>;
   C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(kSmem)));
   C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout, cudaSharedmemCarveoutMaxShared));
-  kernel<<<static_cast<unsigned int>(blocks), kGradThreads, kSmem, stream>>>(bp);
+  kernel<<<static_cast<unsigned int>(blocks), kGradThreads<D>, kSmem, stream>>>(bp);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
@@ -344,11 +356,14 @@ void launch_record_gradients(const SweepBwdParams& bp, cudaStream_t stream) {
   }
   TORCH_CHECK(blocks <= INT32_MAX, "kda.bwd: ", std::to_string(bp.fwd.slot_end - bp.fwd.slot_begin), " chunks x ",
               std::to_string(bp.fwd.H), " heads is more blocks than one launch takes");
-  if (bp.grad_out_fp32) {
-    launch_record_grads<true>(bp, blocks, stream);
-  } else {
-    launch_record_grads<false>(bp, blocks, stream);
-  }
+  dispatch_head_size(bp.fwd.head_size, [&](auto head_size) {
+    constexpr int D = decltype(head_size)::value;
+    if (bp.grad_out_fp32) {
+      launch_record_grads<D, true>(bp, blocks, stream);
+    } else {
+      launch_record_grads<D, false>(bp, blocks, stream);
+    }
+  });
 }
 
 }  // namespace kda::cuda
