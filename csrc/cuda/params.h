@@ -40,10 +40,10 @@ namespace kda::cuda {
 // Qs and Aqk reach only the output, which is rounded to bf16: the forward's
 // recurrence multiplies by their hi planes alone (the state's products keep
 // bf16x3; S Qs^T also takes the state's hi part alone in most block shapes),
-// and copies the record's first kWsQsLo bytes verbatim. The backward's dS
+// and copies the record's first kQsLo bytes verbatim. The backward's dS
 // recurrence carries dO^T Qs into the initial state's gradient, which stays
 // fp32-accurate with both planes.
-// The layout at head size D; kWs* below name the one of the size served.
+// The layout at head size D.
 template <int D>
 struct RecordLayout {
   static constexpr int kPlaneBytes = kChunk * D * 2;  // one [16][D] bf16 plane
@@ -60,18 +60,8 @@ struct RecordLayout {
   static_assert(D % 64 == 0, "planes of whole 64-column halves");
   static_assert(kBytes % 16 == 0, "records stay 16-byte aligned");
 };
-using Record = RecordLayout<kHeadDim>;
-constexpr int kPlaneBytes = Record::kPlaneBytes;
-constexpr int kAqkPlaneBytes = Record::kAqkPlaneBytes;
-constexpr int kWsQs = Record::kQs;
-constexpr int kWsW = Record::kW;
-constexpr int kWsKd = Record::kKd;
-constexpr int kWsAqk = Record::kAqk;
-constexpr int kWsQsLo = Record::kQsLo;
-constexpr int kWsAqkLo = Record::kAqkLo;
-constexpr int kWsGl = Record::kGl;
-constexpr int kWsM = Record::kM;
-constexpr int kWsChunkBytes = Record::kBytes;
+// The host's sizes, at the head size served.
+constexpr int kWsChunkBytes = RecordLayout<kHeadDim>::kBytes;
 constexpr int kWsChunkFloats = kWsChunkBytes / 4;  // the host allocates fp32 elements
 static_assert(kWsChunkBytes == kRecordBytes, "the layout fills the record that every backend allocates");
 

@@ -44,7 +44,7 @@ constexpr int kOutPad = 16 + 8;
 static_assert(C == 16, "the fragments below assume 16-token chunks");
 
 // The bf16 planes that the forward reads, in record order (params.h), then Aqk's
-// hi plane: the first kWsQsLo bytes of a record, copied verbatim.
+// hi plane: the first kQsLo bytes of a record (RecordLayout), copied verbatim.
 enum Plane { kQs, kWHi, kWLo, kKdHi, kKdLo, kPlanes };
 // With bf16 products (no kX3) a stage holds no lo planes: Qs, W's hi plane,
 // then Kd's (8 KB less a stage).
