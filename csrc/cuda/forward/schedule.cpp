@@ -101,7 +101,7 @@ void run_segmented_forward(FwdParams p, const at::Tensor& like, const ForwardPla
   const at::Tensor starts = at::empty({S, H, kHeadDim, kHeadDim}, f32);
   launch_segment_scan(maps.data_ptr<float>(), ends.data_ptr<float>(), initial.defined() ? initial.data_ptr() : nullptr,
                       initial.defined() && initial.scalar_type() == at::kFloat, starts.data_ptr<float>(), N, P, H,
-                      stream);
+                      p.head_size, stream);
   const at::Tensor seg_final = final_state.defined() ? at::empty({S, H, kHeadDim, kHeadDim}, f32) : at::Tensor();
   p.initial_state = starts.data_ptr();
   p.final_state = seg_final.defined() ? seg_final.data_ptr() : nullptr;

@@ -15,25 +15,26 @@ namespace kda::cuda {
 namespace {
 
 constexpr int kRows = 16;
-constexpr int kRowGroups = kHeadDim / kRows;
 
 // maps [N * P, H, K, K], ends and starts [N * P, H, V, K] fp32; initial
-// [N, H, V, K] in the state's dtype, or null (zeros).
-__global__ void __launch_bounds__(kHeadDim)
+// [N, H, V, K] in the state's dtype, or null (zeros); K = V = D.
+template <int D>
+__global__ void __launch_bounds__(D)
     segment_scan_kernel(const float* maps, const float* ends, const void* initial, bool initial_fp32,
                         float* starts, int64_t P, int64_t H) {
-  __shared__ double x[kRows][kHeadDim];
+  constexpr int kRowGroups = D / kRows;
+  __shared__ double x[kRows][D];
   const int64_t pair = blockIdx.x / kRowGroups;  // n * H + h
   const int r0 = static_cast<int>(blockIdx.x % kRowGroups) * kRows;
   const int64_t n = pair / H, h = pair % H;
   const int c = threadIdx.x;
-  constexpr int64_t kState = int64_t{kHeadDim} * kHeadDim;
-  const auto at = [&](int64_t j, int row) { return ((n * P + j) * H + h) * kState + int64_t{r0 + row} * kHeadDim + c; };
+  constexpr int64_t kState = int64_t{D} * D;
+  const auto at = [&](int64_t j, int row) { return ((n * P + j) * H + h) * kState + int64_t{r0 + row} * D + c; };
 
   for (int i = 0; i < kRows; ++i) {
     float s = 0.f;
     if (initial != nullptr) {
-      const int64_t e = pair * kState + int64_t{r0 + i} * kHeadDim + c;
+      const int64_t e = pair * kState + int64_t{r0 + i} * D + c;
       s = load_state(initial, e, initial_fp32);
     }
     starts[at(0, i)] = s;
@@ -52,8 +53,8 @@ __global__ void __launch_bounds__(kHeadDim)
     }
     __syncthreads();  // every column of x written
     const float* a = maps + ((n * P + j) * H + h) * kState + c;
-    for (int k = 0; k < kHeadDim; ++k) {
-      const double a_kc = a[int64_t{k} * kHeadDim];
+    for (int k = 0; k < D; ++k) {
+      const double a_kc = a[int64_t{k} * D];
 #pragma unroll
       for (int i = 0; i < kRows; ++i) {
         acc[i] = fma(x[i][k], a_kc, acc[i]);
@@ -69,16 +70,19 @@ __global__ void __launch_bounds__(kHeadDim)
 }  // namespace
 
 void launch_segment_scan(const float* maps, const float* ends, const void* initial, bool initial_fp32, float* starts,
-                         int64_t N, int64_t P, int64_t H, cudaStream_t stream) {
-  const int64_t blocks = N * H * kRowGroups;
-  if (blocks == 0) {
-    return;
-  }
-  TORCH_CHECK(blocks <= INT32_MAX, "kda.fwd: ", std::to_string(N), " sequences x ", std::to_string(H),
-              " heads is more blocks than one launch takes");
-  segment_scan_kernel<<<static_cast<unsigned int>(blocks), kHeadDim, 0, stream>>>(maps, ends, initial, initial_fp32,
-                                                                                   starts, P, H);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+                         int64_t N, int64_t P, int64_t H, int head_size, cudaStream_t stream) {
+  dispatch_head_size(head_size, [&](auto size) {
+    constexpr int D = decltype(size)::value;
+    const int64_t blocks = N * H * (D / kRows);
+    if (blocks == 0) {
+      return;
+    }
+    TORCH_CHECK(blocks <= INT32_MAX, "kda.fwd: ", std::to_string(N), " sequences x ", std::to_string(H),
+                " heads is more blocks than one launch takes");
+    segment_scan_kernel<D>
+        <<<static_cast<unsigned int>(blocks), D, 0, stream>>>(maps, ends, initial, initial_fp32, starts, P, H);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  });
 }
 
 }  // namespace kda::cuda
