@@ -15,8 +15,10 @@
 namespace kda::cuda {
 
 // The one place where a launcher turns FwdParams::head_size into the template
-// argument D of its kernels' instances: a new head size is a case here plus
-// the instances it brings.
+// argument D of its kernels' instances. A new head size is a case here, the
+// instances it brings, and what is still 128-wide: K1's backward and the
+// decode kernel (which check head_size), K2's 4x1w, and the host's sizes
+// (the records, the checkpoints, the heuristics).
 template <class Launch>
 void dispatch_head_size(int head_size, Launch&& launch) {
   switch (head_size) {

@@ -73,7 +73,7 @@ struct FwdParams {
   int64_t group = 1;
   int num_sms = 1;  // of the device: the recurrence sizes its blocks to fill them
 
-  // Inputs, contiguous. q, k: bf16 [tokens, H / group, 128]; v, g: bf16 [tokens, H, 128];
+  // Inputs, contiguous. q, k: bf16 [tokens, H / group, D]; v, g: bf16 [tokens, H, D] (D: head_size);
   // beta: bf16 [tokens, H].
   // K2 of the forward reads a null v as zeros (the segmented forward's pass 2).
   const void* q = nullptr;
@@ -82,7 +82,7 @@ struct FwdParams {
   const void* g = nullptr;
   const void* beta = nullptr;
   const float* A_log = nullptr;    // [H]
-  const float* dt_bias = nullptr;  // [H, 128]
+  const float* dt_bias = nullptr;  // [H, D]
 
   // Sequence n spans tokens [seq_offsets[n], seq_offsets[n+1]) and chunk slots
   // [chunk_offsets[n], chunk_offsets[n+1]) of the call (the workspace holds the
@@ -150,14 +150,15 @@ struct FwdParams {
   bool g_fp32 = false;
 
   // K = V of the kernels' instances (launch.h, dispatch_head_size); smaller
-  // head sizes arrive zero-padded (padded_heads.h). Last: the fields before it
+  // head sizes arrive zero-padded (padded_heads.h). 0 until the host sets it
+  // (call_inputs), so that a launch it missed fails. Last: the fields before it
   // keep their offsets in the kernels' parameters.
-  int head_size = kHeadDim;
+  int head_size = 0;
 };
 
 // K1's backward (backward/input_gradients.cu) reads, per (chunk slot, head), the gradients of
 // the chunk's record that the backward sweep leaves, fp32, each row-major, in
-// this order: dQs, dW, dKd [16][128], dAqk [16][16], dU0 [16][128], dgl [128]
+// this order: dQs, dW, dKd [16][D], dAqk [16][16], dU0 [16][D], dgl [D]
 // (torch_kda/reference.py chunk_step_backward, summed over the value rows).
 template <int D>
 struct RecordGradLayout {
@@ -168,6 +169,7 @@ struct RecordGradLayout {
   static constexpr int kU0 = kAqk + kChunk * kChunk;
   static constexpr int kGl = kU0 + kChunk * D;
   static constexpr int kFloats = kGl + D;
+  static_assert(kU0 % 4 == 0 && kFloats % 4 == 0, "16-byte loads of dU0, records 16-byte aligned");
 };
 using RecordGrad = RecordGradLayout<kHeadDim>;
 constexpr int kDRecQs = RecordGrad::kQs;

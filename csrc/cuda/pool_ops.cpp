@@ -112,6 +112,7 @@ void fwd_pool(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g
   pp.fwd.N = N;
   pp.fwd.H = H;
   pp.fwd.group = value_head_group(p);
+  pp.fwd.head_size = kHeadDim;  // the decode kernel's tile (narrow pools sit inside it)
   pp.fwd.scale = static_cast<float>(resolved_scale(p));
   set_gate(pp.fwd, p, g);
 

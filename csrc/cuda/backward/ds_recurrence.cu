@@ -45,7 +45,7 @@ struct DsConfig {
   static constexpr int kCols = 16 * kRowGroups;  // the block's value channels (rows of dS)
   static constexpr int kNt = D / 8 / kSplit;     // 8-column n-tiles of dS per warp
   // Chunks staged ahead, as in K2. The split shapes with a bf16 dO take four
-  // (two blocks an SM still fit), so that more of the loads a step waits on are
+  // (two blocks an SM still fit at D = 128), so that more of the loads a step waits on are
   // in flight; the full-width 4x1 measured slower with four.
   static constexpr int kStages = kSplit == 2 && !kDoutFp32 ? 4 : 3;
   // dU^T's key-column products in two accumulator chains (even and odd k-steps)
@@ -212,6 +212,7 @@ __global__ void __launch_bounds__(kWarps * 32) ds_recurrence_kernel(const SweepB
         cp_async_16(mat + it * kThreads * 16, rec_t + it * kThreads * 16);
       }
     }
+    static_assert(D / 4 <= Cfg::kThreads, "gl: one 16-byte piece a thread");
     if (tid < D / 4) {
       cp_async_16(smem_u32(&st.gl[tid * 4]), rec + R::kGl + tid * 16);
     }
@@ -262,7 +263,7 @@ __global__ void __launch_bounds__(kWarps * 32) ds_recurrence_kernel(const SweepB
   // live across the barrier (255 registers and spills); the splits' own hi
   // parts, stored from inside the products' loop, lengthen the step where the
   // step is the chain. Not through a shared-memory tile and one bulk copy per
-  // 256-byte row: the copies' operands are uniform registers, and each copy
+  // row (256 bytes at D = 128): the copies' operands are uniform registers, and each copy
   // takes a loop of its own (docs/performance-notes.md).
   const bool odd = t4 & 1;
   auto store_ds1 = [&](int64_t wslot) {

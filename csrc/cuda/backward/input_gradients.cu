@@ -703,6 +703,8 @@ void launch_prepare_backward(const PrepareBwdParams& bp, cudaStream_t stream) {
   if (slots <= 0 || bp.fwd.H == 0) {
     return;
   }
+  // A thread a channel, and the 16 x 16 products' entries two a thread: built for D = 128 alone.
+  TORCH_INTERNAL_ASSERT(bp.fwd.head_size == D, "K1's backward: no kernels for head size ", bp.fwd.head_size);
   const int64_t blocks = slots * bp.fwd.H;
   TORCH_CHECK(blocks <= INT32_MAX, "kda.bwd: ", std::to_string(slots), " chunks x ", std::to_string(bp.fwd.H),
               " heads is more blocks than one launch takes");

@@ -1,15 +1,15 @@
 // The backward sweep's record gradients (ds_recurrence.cu has the sweep's
-// equations): one block of eight warps per (chunk slot, head), all chunks at
+// equations): one block of D / 16 warps per (chunk slot, head), all chunks at
 // once. Warp w computes U for rows 16w.. and then takes key columns 16w.. of
-// the sums over all 128 value rows, reading every row of S0 and dS1 from
+// the sums over all D value rows, reading every row of S0 and dS1 from
 // shared memory, so no partial sums cross warps but dgl's, added in a fixed
 // order (deterministic). S0 and dS1 come as stored, in bf16 (halving the bytes
 // that K2's state passes, the dS recurrence and this kernel move per chunk);
 // only the fp32 side of each product is split (dU, U, and dO when it is fp32).
 //
 // S0 and dS1 (bf16, as stored) each have a plane, and of the record only W and
-// M are loaded, with v, for U = M v - W S0^T: 105 KB of shared memory, two
-// blocks per SM. Every load is issued
+// M are loaded, with v, for U = M v - W S0^T: 105 KB of shared memory at D =
+// 128, two blocks per SM. Every load is issued
 // at the block's start, dS1's in a copy group of its own that the products
 // reading S0 do not wait for: the kernel moves ~118 KB per chunk and head, and
 // dS1's loads then overlap those products instead of following them.
@@ -127,6 +127,7 @@ __global__ void __launch_bounds__(kGradThreads<D>, 2) record_grads_kernel(const 
   using R = RecordLayout<D>;
   using DR = RecordGradLayout<D>;
   constexpr int kWarps = kGradWarps<D>, kThreads = kGradThreads<D>;
+  static_assert(D / 8 <= 32 && 32 % (D / 8) == 0, "the dgl sums: a column's lanes D / 8 apart within a warp");
   const FwdParams& p = bp.fwd;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   GradSmem<D>& sm = *reinterpret_cast<GradSmem<D>*>(smem_raw);

@@ -9,10 +9,9 @@ namespace kda::cuda {
 namespace {
 
 constexpr int C = kChunk;
-constexpr int D = kHeadDim;
 static_assert(C == 16, "the fragments below assume 16-token chunks");
 
-// The record's [16][128] planes before Aqk's hi plane, in order (params.h).
+// The record's [16][D] planes before Aqk's hi plane, in order (params.h).
 constexpr int kQsHi = 0, kWHi = 1, kWLo = 2, kKdHi = 3, kKdLo = 4;
 
 // One product of A and B, each split (hi, lo) or an exact bf16 (hi alone): the

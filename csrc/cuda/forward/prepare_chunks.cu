@@ -790,6 +790,7 @@ __global__ void __launch_bounds__(32 * kWarps, (kMinBlocksPerSm<kWKdLoPlanes<kFo
     prepare_kernel(const FwdParams p) {
   static_assert(D == 128, "kMinBlocksPerSm holds the blocks an SM measured at D = 128: a new size sets its own");
   using B = K1Block<D, kForBackward, kBf16, kSoftplus>;
+  static_assert(B::S::kAlloc <= 48 * 1024, "the staging area is static shared memory: past 48 KB it must be dynamic");
   constexpr int kWarpSteps = B::kWarpSteps;
   __shared__ __align__(128) unsigned char st[B::S::kAlloc];
 

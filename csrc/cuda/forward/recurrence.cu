@@ -164,6 +164,7 @@ __device__ __forceinline__ void load_stage(Stage<D, kCols, kX3, kAlign>& st, con
                           valid ? static_cast<const void*>(v + r * row_stride + piece * 8) : rec, valid);
     }
   }
+  static_assert(D / 4 <= kThreads, "gl: one 16-byte piece a thread");
   if (tid < D / 4) {
     cp_async_16(smem_u32(&st.gl[tid * 4]), rec + R::kGl + tid * 16);
   }
@@ -422,9 +423,11 @@ __device__ __forceinline__ void wgmma_issue_products(const St& st, const uint32_
   auto b_desc = [&](int plane, int kk) {
     return sw128_desc_at(k_major, plane * kPlaneBytes + (kk / 4) * (C * 128) + (kk % 4) * 32);
   };
-  // kQw: k-step kk of [Qs; W] at half kk / 4 of the interleaved planes.
+  // kQw: k-step kk of [Qs; W] at half kk / 4 of the interleaved planes, each
+  // half a pair of 64-column blocks (load_stage).
+  constexpr int kBlockPairBytes = 2 * C * 128;
   auto qw_desc = [&](int rows, int kk) {
-    return sw128_desc_at(k_major, (kk / 4) * kPlaneBytes + rows * 128 + (kk % 4) * 32);
+    return sw128_desc_at(k_major, (kk / 4) * kBlockPairBytes + rows * 128 + (kk % 4) * 32);
   };
   wgmma_fence();
 #pragma unroll
@@ -1022,7 +1025,12 @@ void launch_recurrence(const FwdParams& p, cudaStream_t stream, const Recurrence
     constexpr int D = decltype(head_size)::value;
     switch (shape.block) {
       case RecurrenceBlock::k4x1w:
-        launch<D, 1>(p, stream, shape.late_refill);
+        // Its update is one m64n128 product a term (wgmma_update_state).
+        if constexpr (D == 128) {
+          launch<D, 1>(p, stream, shape.late_refill);
+        } else {
+          TORCH_INTERNAL_ASSERT(false, "K2: no 4x1w at head size ", D);
+        }
         break;
       case RecurrenceBlock::k2x2:
         launch<D, 2>(p, stream, false);
