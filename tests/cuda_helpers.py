@@ -152,7 +152,8 @@ def launched_kernels(fn):
 
 
 # The kernels' template arguments that name a block shape: K2's kSplit
-# (recurrence_kernel<kSplit, kOut, kX3, kLate>) and the dS recurrence's kWarps, kSplit.
+# (recurrence_kernel<D, kSplit, kOut, kX3, kLate>) and the dS recurrence's kWarps,
+# kSplit (ds_recurrence_kernel<D, kWarps, kSplit, ...>), D the head size.
 K2_SPLIT = {"4x1w": 1, "2x2": 2, "4x4": 4}
 DS_SHAPE = {"4x1": (4, 1), "4x2": (4, 2), "2x2": (2, 2)}
 
@@ -161,7 +162,7 @@ def k2_launches(names):
     """(kSplit, kOut, kLate) of every K2 launch among the kernel names."""
     import re
 
-    found = [re.search(r"recurrence_kernel<(\d+), (true|false), (?:true|false), (true|false)>", n) for n in names
+    found = [re.search(r"recurrence_kernel<\d+, (\d+), (true|false), (?:true|false), (true|false)>", n) for n in names
              if "ds_recurrence" not in n]
     return [(int(m.group(1)), m.group(2) == "true", m.group(3) == "true") for m in found if m]
 
@@ -170,7 +171,7 @@ def ds_launches(names):
     """(kWarps, kSplit) of every dS recurrence launch among the kernel names."""
     import re
 
-    found = [re.search(r"ds_recurrence_kernel<(\d+), (\d+),", n) for n in names]
+    found = [re.search(r"ds_recurrence_kernel<\d+, (\d+), (\d+),", n) for n in names]
     return [(int(m.group(1)), int(m.group(2))) for m in found if m]
 
 
