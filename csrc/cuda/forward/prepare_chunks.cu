@@ -1,8 +1,8 @@
-// K1: two warps per (chunk, head), everything
+// K1: a warp per 64 channels of a (chunk, head) (two at D = 128), everything
 // on mma fragments. Lane (g, t) = (lane / 4, lane % 4) holds, for each k-step of
 // 16 channels, tokens g and g + 8 and channels 2t, 2t + 1, 2t + 8, 2t + 9: the A
 // fragment of a product over channels (mma.cuh), so that the chunk's 16 x 16
-// products need no shared tile per operand, and two warps exchange only their
+// products need no shared tile per operand, and the warps exchange only their
 // partial sums (one 16 x 16 tile each for A_kk and Aqk). The cumulative gate
 // G = L lam (L lower triangular ones) is a product over tokens too, whose
 // result lands in that same layout. The chunk's rows arrive by cp.async in the
@@ -27,7 +27,10 @@ namespace kda::cuda {
 namespace {
 
 constexpr int C = kChunk;
-constexpr int kWarps = 2;  // each a contiguous half of the channels (k-steps)
+// Warps a block: each takes 64 contiguous channels (four k-steps), so that a
+// warp's chain of steps is as long at every head size.
+template <int D>
+constexpr int kK1Warps = D / 64;
 static_assert(C == 16, "one m16 tile of tokens");
 constexpr int kAPitch = C + 4;  // sA's rows 16-byte aligned for forward_substitute's four-entry loads
 // At D = 128, blocks an SM by shared memory, which the register cap then keeps resident:
@@ -35,8 +38,10 @@ constexpr int kAPitch = C + 4;  // sA's rows 16-byte aligned for forward_substit
 // thread), fourteen without them (15.6 KB; a cap of 73, where the kernel takes
 // 72 and spills 4 bytes). The softplus gate's kernel keeps three more 16 x 16 partial products and the
 // range fragments (below) in registers: eight blocks, a cap of 128 registers.
-template <bool kWKdLo, bool kSoftplus>
-constexpr int kMinBlocksPerSm = kSoftplus ? 8 : kWKdLo ? 11 : 14;
+// Other head sizes keep D = 128's warps an SM, so the same register cap a
+// thread (not measured there).
+template <int D, bool kWKdLo, bool kSoftplus>
+constexpr int kMinBlocksPerSm = (kSoftplus ? 8 : kWKdLo ? 11 : 14) * 128 / D;
 // Whether a record holds W's and Kd's lo planes: the backward's always, the
 // forward's unless its products are bf16.
 template <bool kForBackward, bool kBf16>
@@ -64,16 +69,19 @@ struct Staging {
   static constexpr int kM = kGl + D * 4;
   static constexpr int kBytes = kM + 2 * R::kAqkPlaneBytes;
   static_assert(!kForBackward || kBytes == R::kBytes, "the backward's record is staged whole");
-  // sA (diag(beta) A_kk for the substitution) follows M, so that the two warps'
-  // exchange of partial sums (kXch: 2 KB, before either is written) and of the
-  // norms' (kXchNorm: 256 bytes, inside sA) need no space of their own.
-  // The softplus gate's exchange, 30 floats a lane, starts past the norms'
-  // (warp 0 may still read those when warp 1 writes it).
-  static constexpr int kSA = kBytes, kXchNorm = kM + 2048;
-  static constexpr int kXch = kSoftplus ? kXchNorm + 256 : kM;
-  static constexpr int kXchBytes = kSoftplus ? 30 * 32 * 4 : 2048;
-  static constexpr int kAlloc = std::max(kSA + C * kAPitch * 4, kXch + kXchBytes);
-  static_assert(kXchNorm + 256 <= kAlloc && kSA % 16 == 0, "the exchanges fit, sA rows 16-byte aligned");
+  // sA (diag(beta) A_kk for the substitution) follows M, so that the warps'
+  // exchange of partial sums (kXch: 2 KB a warp past warp 0, before M or sA is
+  // written) and of the norms' (kXchNorm: 128 bytes a warp; inside sA at two
+  // warps) need little or no space of their own. The softplus gate's
+  // exchange, 30 floats a lane, starts past the norms' (warp 0 may still read
+  // those when the others write it).
+  static constexpr int kWarps = kK1Warps<D>, kSenders = std::max(kWarps - 1, 1);
+  static constexpr int kXchNormBytes = 128 * kWarps;
+  static constexpr int kSA = kBytes, kXchNorm = kM + 2048 * kSenders;
+  static constexpr int kXch = kSoftplus ? kXchNorm + kXchNormBytes : kM;
+  static constexpr int kXchBytes = (kSoftplus ? 30 * 32 * 4 : 2048) * kSenders;
+  static constexpr int kAlloc = std::max({kSA + C * kAPitch * 4, kXch + kXchBytes, kXchNorm + kXchNormBytes});
+  static_assert(kSA % 16 == 0, "sA rows 16-byte aligned");
 };
 
 // Byte offset of 16-byte piece j of row i in a record plane.
@@ -138,8 +146,8 @@ __device__ __forceinline__ void range_fragment(Range range, int g, int t, uint32
 }
 
 // A K1 block's staging area and this lane's place in the mma fragments, at
-// head size D. Warp w takes k-steps (16 channels each) kWarpSteps w..: at D =
-// 128 channels 64 w.., the 64-column block w of every plane (record_index).
+// head size D. Warp w takes k-steps (16 channels each) kWarpSteps w..:
+// channels 64 w.., the 64-column block w of every plane (record_index).
 template <int D, bool kForBackward, bool kBf16, bool kSoftplus>
 struct K1Block {
   static constexpr int kD = D;
@@ -147,8 +155,9 @@ struct K1Block {
   static constexpr bool kWKdLo = kWKdLoPlanes<kForBackward, kBf16>;
   using R = RecordLayout<D>;
   using S = Staging<D, kForBackward, kWKdLo, kSoftplus>;
+  static constexpr int kWarps = kK1Warps<D>;
   static constexpr int kWarpSteps = D / 16 / kWarps;
-  static_assert(kWarpSteps % 4 == 0, "each warp's steps fill whole 64-column blocks");
+  static_assert(kWarps >= 1 && kWarpSteps % 4 == 0, "each warp's steps fill whole 64-column blocks");
   static constexpr int kHalfBytes = C * 64 * 2;  // a plane's 64-column block
   static constexpr int kWarpBytes = kWarpSteps / 4 * kHalfBytes;  // a warp's blocks of a plane
   unsigned char* st;
@@ -170,6 +179,11 @@ struct K1Block {
     s0 = w * kWarpSteps;
   }
 
+  // Whether this warp hands its partial sums to warp 0, and where (written for
+  // two warps as a test of warp 1, which the compiler keeps simplest).
+  __device__ __forceinline__ bool sends() const { return kWarps == 2 ? w == 1 : w != 0; }
+  __device__ __forceinline__ int send_slot() const { return kWarps == 2 ? 0 : w - 1; }
+
   // A tile of `plane` at this warp's k-step s.
   __device__ __forceinline__ unsigned char* tile(int plane, int s) const {
     return st + plane + half + piece_offset(frag_row(), 2 * s + frag_piece());
@@ -185,7 +199,7 @@ __device__ __forceinline__ void load_chunk_rows(const B& b, const FwdParams& p, 
   const auto* q = static_cast<const unsigned char*>(p.q);
   const auto* gg = static_cast<const unsigned char*>(p.g);
   const auto* k = static_cast<const unsigned char*>(p.k);
-  constexpr int kPieces = D / 8 / kWarps;  // 16-byte pieces of a row per warp
+  constexpr int kPieces = D / 8 / B::kWarps;  // 16-byte pieces of a row per warp
   const QkPlace qkp = qk_place(p, static_cast<int>(c.h));
 #pragma unroll
   for (int n = 0; n < C * kPieces / 32; ++n) {
@@ -203,8 +217,8 @@ __device__ __forceinline__ void load_chunk_rows(const B& b, const FwdParams& p, 
 }
 
 // Pass 1: the rows' inverse norms (with the epsilon): qscale = scale / ||q||,
-// kinv = 1 / ||k|| of rows g, g + 8. Both warps add the two halves in the same
-// order. Pass 2 reads the q and k fragments again: kept, they held 64
+// kinv = 1 / ||k|| of rows g, g + 8. Every warp adds the warps' parts in the
+// same order. Pass 2 reads the q and k fragments again: kept, they held 64
 // registers a lane, and spilled.
 template <class B>
 __device__ __forceinline__ void inverse_norms(const B& b, const FwdParams& p, float (&qscale)[2], float (&kinv)[2]) {
@@ -228,7 +242,7 @@ __device__ __forceinline__ void inverse_norms(const B& b, const FwdParams& p, fl
     sq[r] += __shfl_xor_sync(0xffffffffu, sq[r], 1);
     sq[r] += __shfl_xor_sync(0xffffffffu, sq[r], 2);
   }
-  {
+  if constexpr (B::kWarps > 1) {
     float* xn = reinterpret_cast<float*>(b.st + S::kXchNorm);
     if (b.t == 0) {
 #pragma unroll
@@ -239,7 +253,11 @@ __device__ __forceinline__ void inverse_norms(const B& b, const FwdParams& p, fl
     __syncthreads();
 #pragma unroll
     for (int r = 0; r < 4; ++r) {
-      sq[r] = xn[r * 8 + b.g] + xn[(4 + r) * 8 + b.g];
+      sq[r] = xn[r * 8 + b.g];
+#pragma unroll
+      for (int w = 1; w < B::kWarps; ++w) {
+        sq[r] += xn[(4 * w + r) * 8 + b.g];
+      }
     }
   }
 #pragma unroll
@@ -565,7 +583,7 @@ __device__ __forceinline__ void softplus_levels(const B& b, int s, const StepGat
 }
 
 // The softplus gate's A_kk and Aqk (warp 0): the per-entry sums over the quad's
-// channels first, then warp 1's partial sums to warp 0 as in the bounded
+// channels first, then the other warps' partial sums to warp 0 as in the bounded
 // gate's exchange, then each entry from the level of its highest differing
 // index bit.
 template <class B>
@@ -599,12 +617,17 @@ __device__ __forceinline__ void assemble_levels(const B& b, Levels& lev, float (
     f(29, lev.diag[1]);
   };
   float* xch = reinterpret_cast<float*>(b.st + S::kXch);
-  if (b.w == 1) {
-    each_partial([&](int n, float& v) { xch[n * 32 + b.lane] = v; });
+  if constexpr (B::kWarps > 1) {
+    if (b.sends()) {
+      each_partial([&](int n, float& v) { xch[(b.send_slot() * 30 + n) * 32 + b.lane] = v; });
+    }
+    __syncthreads();
   }
-  __syncthreads();
   if (b.w == 0) {
-    each_partial([&](int n, float& v) { v += xch[n * 32 + b.lane]; });
+#pragma unroll
+    for (int w = 1; w < B::kWarps; ++w) {
+      each_partial([&](int n, float& v) { v += xch[((w - 1) * 30 + n) * 32 + b.lane]; });
+    }
 #pragma unroll
     for (int jt = 0; jt < 2; ++jt) {
 #pragma unroll
@@ -624,29 +647,36 @@ __device__ __forceinline__ void assemble_levels(const B& b, Levels& lev, float (
   __syncwarp();  // sA and M overlap the exchange
 }
 
-// The bounded gate's A_kk and Aqk: warp 1's partial sums to warp 0, which goes
-// on alone until W.
+// The bounded gate's A_kk and Aqk: the other warps' partial sums to warp 0,
+// which goes on alone until W.
 template <class B>
 __device__ __forceinline__ void add_warp_sums(const B& b, float (&akk)[2][4], float (&aqk)[2][4]) {
-  using S = typename B::S;
-  float4* xch = reinterpret_cast<float4*>(b.st + S::kXch);
-  if (b.w == 1) {
+  if constexpr (B::kWarps > 1) {
+    using S = typename B::S;
+    float4* xch = reinterpret_cast<float4*>(b.st + S::kXch);
+    if (b.sends()) {
+      const int at = b.send_slot() * 4;
 #pragma unroll
-    for (int jt = 0; jt < 2; ++jt) {
-      xch[(2 * jt) * 32 + b.lane] = make_float4(akk[jt][0], akk[jt][1], akk[jt][2], akk[jt][3]);
-      xch[(2 * jt + 1) * 32 + b.lane] = make_float4(aqk[jt][0], aqk[jt][1], aqk[jt][2], aqk[jt][3]);
+      for (int jt = 0; jt < 2; ++jt) {
+        xch[(at + 2 * jt) * 32 + b.lane] = make_float4(akk[jt][0], akk[jt][1], akk[jt][2], akk[jt][3]);
+        xch[(at + 2 * jt + 1) * 32 + b.lane] = make_float4(aqk[jt][0], aqk[jt][1], aqk[jt][2], aqk[jt][3]);
+      }
     }
-  }
-  __syncthreads();
-  if (b.w == 0) {
+    __syncthreads();
+    if (b.w == 0) {
 #pragma unroll
-    for (int jt = 0; jt < 2; ++jt) {
-      const float4 u = xch[(2 * jt) * 32 + b.lane], v = xch[(2 * jt + 1) * 32 + b.lane];
-      akk[jt][0] += u.x, akk[jt][1] += u.y, akk[jt][2] += u.z, akk[jt][3] += u.w;
-      aqk[jt][0] += v.x, aqk[jt][1] += v.y, aqk[jt][2] += v.z, aqk[jt][3] += v.w;
+      for (int w = 1; w < B::kWarps; ++w) {
+#pragma unroll
+        for (int jt = 0; jt < 2; ++jt) {
+          const int at = (w - 1) * 4;
+          const float4 u = xch[(at + 2 * jt) * 32 + b.lane], v = xch[(at + 2 * jt + 1) * 32 + b.lane];
+          akk[jt][0] += u.x, akk[jt][1] += u.y, akk[jt][2] += u.z, akk[jt][3] += u.w;
+          aqk[jt][0] += v.x, aqk[jt][1] += v.y, aqk[jt][2] += v.z, aqk[jt][3] += v.w;
+        }
+      }
     }
+    __syncwarp();  // sA and M overlap the exchange
   }
-  __syncwarp();  // sA and M overlap the exchange
 }
 
 // Warp 0: A_kk (strictly lower, rows scaled by beta) to sA for the
@@ -760,7 +790,7 @@ __device__ __forceinline__ void store_record(const B& b, const FwdParams& p, con
     if constexpr (B::kBackwardRecord) {
       out(R::kQsLo + half, S::kQsLo + half, kWarpBytes);
     }
-    constexpr int kGlPart = B::kD / kWarps * 4;  // this warp's fp32 entries of gl
+    constexpr int kGlPart = B::kD / B::kWarps * 4;  // this warp's fp32 entries of gl
     out(R::kGl + b.w * kGlPart, S::kGl + b.w * kGlPart, kGlPart);
     if (b.w == 0) {
       out(R::kAqk, S::kAqk, R::kAqkPlaneBytes);
@@ -786,9 +816,8 @@ __device__ __forceinline__ void store_record(const B& b, const FwdParams& p, con
 // are formed level by level (Range) instead of from exp(G) and exp(-G).
 // kGiven: a precomputed gate (FwdParams::gate_given), g the log decay itself.
 template <int D, bool kForBackward, bool kBf16, bool kSoftplus, bool kGiven>
-__global__ void __launch_bounds__(32 * kWarps, (kMinBlocksPerSm<kWKdLoPlanes<kForBackward, kBf16>, kSoftplus>))
+__global__ void __launch_bounds__(32 * kK1Warps<D>, (kMinBlocksPerSm<D, kWKdLoPlanes<kForBackward, kBf16>, kSoftplus>))
     prepare_kernel(const FwdParams p) {
-  static_assert(D == 128, "kMinBlocksPerSm holds the blocks an SM measured at D = 128: a new size sets its own");
   using B = K1Block<D, kForBackward, kBf16, kSoftplus>;
   static_assert(B::S::kAlloc <= 48 * 1024, "the staging area is static shared memory: past 48 KB it must be dynamic");
   constexpr int kWarpSteps = B::kWarpSteps;
@@ -921,7 +950,7 @@ void launch_prepare(const FwdParams& p, cudaStream_t stream) {
     auto* kernel = p.gate_given
                        ? (p.softplus ? prepare_kernel_for<D, true, true>(p) : prepare_kernel_for<D, false, true>(p))
                        : (p.softplus ? prepare_kernel_for<D, true, false>(p) : prepare_kernel_for<D, false, false>(p));
-    kernel<<<static_cast<unsigned int>(blocks), 32 * kWarps, 0, stream>>>(p);
+    kernel<<<static_cast<unsigned int>(blocks), 32 * kK1Warps<D>, 0, stream>>>(p);
   });
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
