@@ -16,8 +16,13 @@ constexpr int kMaxHeadSize = 256;
 constexpr int kHeadDim = 128;  // the CUDA kernels' head size (smaller ones run zero-padded to it)
 constexpr int kChunk = 16;     // tokens per chunk
 
-// The bytes of one record, K1's output per (chunk slot, head). Its layout is
-// the CUDA kernels' own (params.h, which checks it against this size).
-constexpr int kRecordBytes = 27136;
+// The bytes of one record, K1's output per (chunk slot, head), at head size D:
+// six [16][D] bf16 planes, D fp32 decays and four [16][16] bf16 planes. Its
+// layout is the CUDA kernels' own (params.h, which checks it against this size).
+constexpr int record_bytes(int D) {
+  return 6 * kChunk * D * 2 + D * 4 + 4 * kChunk * kChunk * 2;
+}
+constexpr int kRecordBytes = record_bytes(kHeadDim);  // what the backward takes (checkpoints.h)
+static_assert(kRecordBytes == 27136, "the record at D = 128");
 
 }  // namespace kda

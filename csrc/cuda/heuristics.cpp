@@ -62,7 +62,7 @@ constexpr int64_t kSegmentWorkspaceLimit = int64_t{8} << 30;
 // The chunk slots a window holds in a forward without segments and without
 // kept records: as many equal windows as keep each within kWorkspaceLimit.
 int64_t unsegmented_window(const FwdParams& p) {
-  const int64_t slot_bytes = std::max<int64_t>(p.H, 1) * kWsChunkBytes;
+  const int64_t slot_bytes = std::max<int64_t>(p.H, 1) * record_bytes(p.head_size);
   if (recurrence_warps_per_sm(p) > 2 || p.num_slots * slot_bytes <= kWorkspaceLimit) {
     return p.num_slots;
   }
@@ -104,7 +104,7 @@ int64_t automatic_segments(const FwdParams& p) {
   const int64_t wanted = pow2_ceil((kSegmentTargetPairs + N * H - 1) / (N * H));
   const int64_t by_length = p.num_slots / (N * kSegmentChunksPerPair * pairs);
   const int64_t segments = std::min({wanted, by_length >= 1 ? pow2_floor(by_length) : 0, kMaxSegments});
-  const bool fits = p.num_slots * H * kWsChunkBytes <= kSegmentWorkspaceLimit;
+  const bool fits = p.num_slots * H * record_bytes(p.head_size) <= kSegmentWorkspaceLimit;
   return segments * N * H >= kSegmentMinGain * pairs && fits ? segments : 1;
 }
 
@@ -130,7 +130,7 @@ RecurrenceBlock automatic_recurrence_block(const FwdParams& p) {
 // then wait on DRAM's throughput and the later copies spread out; at one block
 // an SM the later copies only lengthen the step.
 bool late_refill_pays(const FwdParams& p) {
-  return p.N * p.H * (kHeadDim / 64) >= int64_t{3} * p.num_sms;
+  return p.N * p.H * (p.head_size / 64) >= int64_t{3} * p.num_sms;
 }
 
 RecurrenceShape recurrence_shape(const FwdParams& p, const Forced& f) {

@@ -17,7 +17,7 @@ namespace kda::cuda {
 // The warps that K2 gives each SM when every (sequence, head) has its eight row
 // groups resident at once; its block shape follows from this.
 inline int64_t recurrence_warps_per_sm(const FwdParams& p) {
-  return (p.N * p.H * (kHeadDim / 16) + p.num_sms - 1) / p.num_sms;
+  return (p.N * p.H * (p.head_size / 16) + p.num_sms - 1) / p.num_sms;
 }
 
 // What one forward call runs: K2's shape and the chunk slots per window

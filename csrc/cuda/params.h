@@ -59,11 +59,15 @@ struct RecordLayout {
   static constexpr int kBytes = kM + 2 * kAqkPlaneBytes;
   static_assert(D % 64 == 0, "planes of whole 64-column halves");
   static_assert(kBytes % 16 == 0, "records stay 16-byte aligned");
+  static_assert(kBytes == record_bytes(D), "the layout fills the record that the host allocates");
 };
-// The host's sizes, at the head size served.
+// A record's fp32 elements at head size D, as the host allocates them.
+constexpr int64_t record_floats(int D) {
+  return record_bytes(D) / 4;
+}
+// The sizes of the backward, which serves 128 alone.
 constexpr int kWsChunkBytes = RecordLayout<kHeadDim>::kBytes;
-constexpr int kWsChunkFloats = kWsChunkBytes / 4;  // the host allocates fp32 elements
-static_assert(kWsChunkBytes == kRecordBytes, "the layout fills the record that every backend allocates");
+constexpr int kWsChunkFloats = kWsChunkBytes / 4;
 
 struct FwdParams {
   int64_t H = 0;  // heads (value heads: v, g, beta, the gate's parameters, the states, out)
@@ -105,7 +109,7 @@ struct FwdParams {
   // several let K1 fill window w + 1 while K2 walks window w (forward/schedule.h).
   int64_t slot_begin = 0;
   int64_t slot_end = 0;
-  float* workspace = nullptr;   // [slot_end - slot_begin, H] records of kWsChunkBytes
+  float* workspace = nullptr;   // [slot_end - slot_begin, H] records of record_bytes(head_size)
   // fp32 [N, H, V, K]: the states between windows; null with one window.
   float* carry = nullptr;
   // bf16 [slot_end - slot_begin, H, V, K] or null: K2 stores the state at each

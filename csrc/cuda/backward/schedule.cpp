@@ -21,6 +21,8 @@ void run_backward(const BackwardCall& call, const at::Tensor& like, const Backwa
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(like.device().index()).stream();
   const auto f32 = like.options().dtype(at::kFloat);
   FwdParams p = call.fwd;
+  // K1's backward is built for 128 alone (a thread a channel); the sizes below are its.
+  TORCH_INTERNAL_ASSERT(p.head_size == kHeadDim, "the backward: no kernels for head size ", p.head_size);
   const int64_t S = p.num_slots, H = p.H, N = p.N, D = kHeadDim;
   int64_t window = plan.window;
   if (window <= 0 || window > S) {

@@ -16,18 +16,19 @@ namespace kda::cuda {
 void run_forward(FwdParams p, const at::Tensor& like, const ForwardPlan& plan, float* records) {
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(like.device().index()).stream();
   const auto options = like.options().dtype(at::kFloat);
+  const int64_t D = p.head_size, record = record_floats(p.head_size);
   int64_t window = plan.window;
   if (window <= 0 || window > p.num_slots) {
     window = p.num_slots;
   }
   at::Tensor workspace;
   if (records == nullptr) {
-    workspace = at::empty({window, p.H, kWsChunkFloats}, options);
+    workspace = at::empty({window, p.H, record}, options);
     p.workspace = workspace.data_ptr<float>();
   }
   at::Tensor carry;
   if (window < p.num_slots) {
-    carry = at::empty({p.N, p.H, kHeadDim, kHeadDim}, options);
+    carry = at::empty({p.N, p.H, D, D}, options);
     p.carry = carry.data_ptr<float>();
   }
   // One stream: K1 of window w + 1 overwrites the records only after K2 of
@@ -39,10 +40,10 @@ void run_forward(FwdParams p, const at::Tensor& like, const ForwardPlan& plan, f
     p.slot_begin = begin;
     p.slot_end = std::min(p.num_slots, begin + window);
     if (chunk_states != nullptr) {
-      p.chunk_states = chunk_states + begin * p.H * kBwdStateBytes;
+      p.chunk_states = chunk_states + begin * p.H * D * D * 2;  // bf16
     }
     if (records != nullptr) {  // K1 and K2 index the records from the window's first slot
-      p.workspace = records + begin * p.H * kWsChunkFloats;
+      p.workspace = records + begin * p.H * record;
     }
     launch_prepare(p, stream);
     launch_recurrence(p, stream, plan.recurrence);
@@ -59,7 +60,7 @@ void run_segmented_forward(FwdParams p, const at::Tensor& like, const ForwardPla
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(like.device().index()).stream();
   const auto f32 = like.options().dtype(at::kFloat);
   const auto i64 = like.options().dtype(at::kLong);
-  const int64_t N = p.N, H = p.H, P = plan.segments, S = N * P;
+  const int64_t N = p.N, H = p.H, P = plan.segments, S = N * P, D = p.head_size;
   const int64_t tokens = p.seq_offsets != nullptr ? p.T : N * p.T;
 
   const at::Tensor seq = seq_offsets.defined() ? seq_offsets : at::arange(N + 1, i64) * p.T;
@@ -77,13 +78,13 @@ void run_segmented_forward(FwdParams p, const at::Tensor& like, const ForwardPla
   p.state_fp32 = true;
   at::Tensor workspace;
   if (records == nullptr) {
-    workspace = at::empty({p.num_slots, H, kWsChunkFloats}, f32);
+    workspace = at::empty({p.num_slots, H, record_floats(p.head_size)}, f32);
   }
   p.workspace = records != nullptr ? records : workspace.data_ptr<float>();
   launch_prepare(p, stream);
 
-  const at::Tensor first = first_segment_states(initial, N, P, H, kHeadDim, kHeadDim, f32);
-  const at::Tensor ends = at::empty({S, H, kHeadDim, kHeadDim}, f32);
+  const at::Tensor first = first_segment_states(initial, N, P, H, D, D, f32);
+  const at::Tensor ends = at::empty({S, H, D, D}, f32);
   FwdParams pass = p;
   pass.out = nullptr;
   pass.chunk_states = nullptr;
@@ -91,18 +92,18 @@ void run_segmented_forward(FwdParams p, const at::Tensor& like, const ForwardPla
   pass.final_state = ends.data_ptr();
   launch_recurrence(pass, stream, plan.recurrence);
 
-  const at::Tensor identity = identity_states(N, P, H, kHeadDim, f32);
-  const at::Tensor maps = at::empty({S, H, kHeadDim, kHeadDim}, f32);
+  const at::Tensor identity = identity_states(N, P, H, D, f32);
+  const at::Tensor maps = at::empty({S, H, D, D}, f32);
   pass.v = nullptr;  // read as zeros
   pass.initial_state = identity.data_ptr();
   pass.final_state = maps.data_ptr();
   launch_recurrence(pass, stream, plan.recurrence);
 
-  const at::Tensor starts = at::empty({S, H, kHeadDim, kHeadDim}, f32);
+  const at::Tensor starts = at::empty({S, H, D, D}, f32);
   launch_segment_scan(maps.data_ptr<float>(), ends.data_ptr<float>(), initial.defined() ? initial.data_ptr() : nullptr,
                       initial.defined() && initial.scalar_type() == at::kFloat, starts.data_ptr<float>(), N, P, H,
                       p.head_size, stream);
-  const at::Tensor seg_final = final_state.defined() ? at::empty({S, H, kHeadDim, kHeadDim}, f32) : at::Tensor();
+  const at::Tensor seg_final = final_state.defined() ? at::empty({S, H, D, D}, f32) : at::Tensor();
   p.initial_state = starts.data_ptr();
   p.final_state = seg_final.defined() ? seg_final.data_ptr() : nullptr;
   launch_recurrence(p, stream, plan.recurrence);

@@ -21,7 +21,7 @@ namespace kda::cuda {
 
 // Allocates the workspace (and carry), fills the window fields of `params` and
 // enqueues the kernels on the current stream of `like`'s device, as `plan`
-// says (heuristics.h). records: null, or fp32 [params.num_slots, H, kWsChunkFloats]
+// says (heuristics.h). records: null, or fp32 [params.num_slots, H, record_floats(head_size)]
 // that K1 fills instead of a workspace, every slot in its place (with the lo
 // planes: params.lo_for_backward). A caller whose outputs share memory with its
 // inputs must pass params.num_slots: a later window's K1 would read what an

@@ -94,6 +94,7 @@ std::tuple<std::string, bool, int64_t, int64_t> forward_plan_for(int64_t N, int6
   p.num_slots = num_slots;
   p.slot_end = num_slots;
   p.num_sms = static_cast<int>(num_sms);
+  p.head_size = kHeadDim;
   p.bf16_products = bf16_products;
   p.state_fp32 = !bf16_products;
   const ForwardPlan plan = forward_plan(p, kept_records);
