@@ -159,6 +159,25 @@ def test_non_contiguous_inputs():
     assert torch.equal(out, out_c) and torch.equal(final, final_c)
 
 
+def test_misaligned_inputs_give_the_aligned_bits():
+    """q, k and g as contiguous views 2 bytes off a 16-byte boundary (K1 reads
+    them by 16-byte copies): the same bits, forward and backward, as aligned ones."""
+    _, g = cuda_inputs(B=1, T=50, H=2)
+    shifted = dict(g)
+    for name in ("q", "k", "g"):
+        t = g[name]
+        shifted[name] = torch.empty(t.numel() + 1, device=DEV, dtype=t.dtype)[1:].view(t.shape).copy_(t)
+        assert shifted[name].data_ptr() % 16 != 0
+    results = []
+    for inputs in (g, shifted):
+        leaves = {n: inputs[n].detach().requires_grad_() for n in ("q", "k", "g")}
+        x = dict(inputs, **leaves)
+        out, final = run_cuda(x)
+        (out.float().square().sum() + final.square().sum()).backward()
+        results.append((out, final, *(leaves[n].grad for n in ("q", "k", "g"))))
+    assert all(torch.equal(a, b) for a, b in zip(*results))
+
+
 @pytest.mark.parametrize("state_dtype", [torch.bfloat16, torch.float32])
 def test_inplace_writes_every_element(state_dtype):
     d, g = cuda_inputs(seqlens=[3, 16, 0, 45], H=2, state_dtype=state_dtype)

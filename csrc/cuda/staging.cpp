@@ -136,7 +136,8 @@ Tensor sweep_grad_out(const Tensor& grad_out) {
 
 CallInputs call_inputs(const Problem& p, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g,
                        const Tensor& beta, const Tensor& A_log, const Tensor& dt_bias, const Boundaries& bounds) {
-  CallInputs in{q.contiguous(),    k.contiguous(), staged16(v),          g.contiguous(),
+  // K1 reads q, k and g by 16-byte cp.async, K2 v by 16-byte vectors.
+  CallInputs in{staged16(q),       staged16(k),     staged16(v),          staged16(g),
                 beta.contiguous(), staged16(A_log), staged16(dt_bias), FwdParams{}};
   FwdParams& fp = in.params;
   // By now a served size (padded_heads.h), the same for K and V.
