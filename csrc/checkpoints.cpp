@@ -1,5 +1,7 @@
 #include "checkpoints.h"
 
+#include <algorithm>
+#include <cstdint>
 #include <string>
 #include <vector>
 
@@ -49,8 +51,15 @@ bool given(const std::optional<at::Tensor>& t) {
 
 }  // namespace
 
+bool forward_keeps(const Problem& p) {
+  // Concrete sizes (a compiled graph specialises on them): the shapes of what
+  // the forward returns follow from this.
+  const int64_t K = p.K.guard_int(__FILE__, __LINE__), V = p.V.guard_int(__FILE__, __LINE__);
+  return std::max(K, V) > kForwardNarrowHead;
+}
+
 SavedForBackward allocate_saved(const Problem& p, const at::Tensor& q, bool varlen, Save save) {
-  const bool states = save != Save::kNone;
+  const bool states = save != Save::kNone && forward_keeps(p);
   const bool records = save == Save::kStatesAndRecords;
   const c10::SymInt slots = states ? chunk_slots(p.B, p.T, p.N, varlen) : c10::SymInt(0);  // records only with states
   return {at::empty_symint(checkpoints_shape(p, slots), q.options().dtype(at::kBFloat16)),

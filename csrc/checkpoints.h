@@ -28,8 +28,15 @@ enum class Save { kStatesAndRecords, kStates, kNone };
 // `save` as the enum; any other string raises, naming `op` and the choices.
 Save parse_save(const char* op, c10::string_view save);
 
-// kda._fwd_checkpointed's two extra outputs, as `save` asks; functions of the
-// shapes and `save` alone.
+// Whether the CUDA forward of p keeps anything for the backward: only where it
+// runs on the 128-wide kernels, the backward's size. Heads of at most 64
+// channels run the 64-wide forward (cuda/padded_heads.h), which keeps nothing,
+// and their backward recomputes its states and records 128 wide, zero-padded.
+bool forward_keeps(const Problem& p);
+
+// kda._fwd_checkpointed's two extra outputs, as `save` asks where the forward
+// keeps anything (forward_keeps), else both empty; functions of the shapes and
+// `save` alone.
 //   checkpoints: bf16 [slots, H, 128, 128] on q's device, slot s the state at
 //     the start of chunk slot s (slots: chunk_slots in kda.h; the slots past a
 //     varlen batch's chunks are not written), or [0, H, 128, 128] when the

@@ -14,6 +14,9 @@ constexpr int kMaxHeadSize = 256;
 // The CUDA kernels' sizes, which also shape what every backend allocates for
 // them (checkpoints.h) and where segments may start (segments.h).
 constexpr int kHeadDim = 128;  // the CUDA kernels' head size (smaller ones run zero-padded to it)
+// Heads of at most this many channels (K and V) run the forward's 64-wide
+// kernels, zero-padded to 64 (cuda/padded_heads.h).
+constexpr int kForwardNarrowHead = 64;
 constexpr int kChunk = 16;     // tokens per chunk
 
 // The bytes of one record, K1's output per (chunk slot, head), at head size D:

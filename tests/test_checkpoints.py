@@ -54,6 +54,17 @@ def test_save_argument(save, kept):
     assert ckpt.shape == (kept[0], 2, 128, 128) and rec.shape == (kept[1], 2, RECORD_FLOATS)
 
 
+# Heads of at most 64 channels run the 64-wide forward, which keeps nothing
+# (csrc/checkpoints.h: forward_keeps); wider ones keep the 128-wide states and
+# records of the zero-padded problem (300 tokens: 19 slots).
+@pytest.mark.parametrize("K,V,kept", [(64, 64, 0), (48, 64, 0), (1, 17, 0), (64, 65, 19), (100, 60, 19),
+                                      (128, 128, 19)], ids=lambda x: str(x))
+def test_kept_by_head_size(K, V, kept):
+    d = {n: (t.to(META) if t is not None else t) for n, t in make_inputs(K=K, V=V, B=1, T=300, H=2).items()}
+    ckpt, rec = _saved(d)
+    assert ckpt.shape == (kept, 2, 128, 128) and rec.shape == (kept, 2, RECORD_FLOATS)
+
+
 def test_save_is_not_read_from_the_environment(monkeypatch):
     """No environment variable changes what the forward keeps: only the argument does."""
     monkeypatch.setenv("TORCH_KDA_SAVE_STATES", "0")

@@ -159,10 +159,12 @@ def test_non_contiguous_inputs():
     assert torch.equal(out, out_c) and torch.equal(final, final_c)
 
 
-def test_misaligned_inputs_give_the_aligned_bits():
+@pytest.mark.parametrize("head_size", [128, 64])
+def test_misaligned_inputs_give_the_aligned_bits(head_size):
     """q, k and g as contiguous views 2 bytes off a 16-byte boundary (K1 reads
-    them by 16-byte copies): the same bits, forward and backward, as aligned ones."""
-    _, g = cuda_inputs(B=1, T=50, H=2)
+    them by 16-byte copies): the same bits, forward and backward, as aligned
+    ones, on the 128-wide kernels and on the 64-wide forward."""
+    _, g = cuda_inputs(B=1, T=50, H=2, K=head_size, V=head_size)
     shifted = dict(g)
     for name in ("q", "k", "g"):
         t = g[name]

@@ -1,17 +1,23 @@
-"""Head sizes below 128 on the CUDA kernels, which serve them zero-padded to 128
-(csrc/cuda/padded_heads.h): K and V each from 1 to 128, K != V allowed. The
-forward against the float64 reference (fixed length and varlen with empty and
-odd sequences, both gates, both state dtypes, hard cases), the gradients against
-the float64 CPU kernels, kda::fwd_ into poisoned buffers on both its paths,
-grouped value heads and a precomputed gate, torch.compile and opcheck; the state
-pool at its own sizes; larger sizes raise.
+"""Head sizes other than 128 on the CUDA kernels (csrc/cuda/padded_heads.h): K
+and V each from 1 to 128, K != V allowed. The forward runs 64-wide kernels
+where K and V are at most 64, else the 128-wide ones, zero-padded to those
+sizes; the backward, the decode kernel and the state pool run 128 wide. Which
+kernels run at which size; the forward against the float64 reference (fixed
+length and varlen with empty and odd sequences, both gates, both state dtypes,
+hard cases, K2's block shapes and segments at 64), the gradients against the
+float64 CPU kernels, the same bits with and without a gradient, kda::fwd_ into
+poisoned buffers on both its paths, grouped value heads and a precomputed
+gate, CUDA graphs, torch.compile and opcheck; the state pool at its own sizes;
+larger sizes raise.
 """
 import pytest
 import torch
 
 import torch_kda
 from conftest import capture_graph, nan_like, positional, rel, run_reference
-from cuda_helpers import CUDA_MARKS, DEV, cuda_and_reference_grads, check_grads, cuda_inputs, hard_case, run_cuda
+from cuda_helpers import (CUDA_MARKS, DEV, K2_SPLIT, cuda_and_reference_grads, check_grads, cuda_inputs, hard_case,
+                          k2_launches, launched_kernels, run_cuda)
+from torch_kda.testing import forced
 
 pytestmark = CUDA_MARKS
 
@@ -43,6 +49,91 @@ def test_forward_matches_the_reference(K, V, lower_bound, state_dtype, shape):
     assert e_final <= (1e-4 if state_dtype == F32 else 1e-2)
 
 
+def kernel_head_sizes(names, kernel):
+    """The head sizes (first template argument) of `kernel`'s launches among the names."""
+    import re
+
+    found = [re.search(rf"(?<![a-z_]){kernel}<(\d+),", n) for n in names]
+    return [int(m.group(1)) for m in found if m]
+
+
+@pytest.mark.parametrize("K,V,D", [(64, 64, 64), (48, 64, 64), (1, 17, 64), (64, 65, 128), (100, 60, 128),
+                                   (128, 128, 128)], ids=lambda x: str(x))
+def test_forward_kernels_by_head_size(K, V, D):
+    """The chunked forward runs K1 and K2 at the smallest served size that holds
+    K and V; its backward runs the 128-wide kernels."""
+    _, g = cuda_inputs(K=K, V=V, B=1, T=40, H=2)
+    leaves = {n: g[n].detach().clone().requires_grad_(True) for n in ("q", "k", "v")}
+    (out, _), names = launched_kernels(lambda: run_cuda({**g, **leaves}))
+    assert kernel_head_sizes(names, "prepare_kernel") == [D]
+    assert kernel_head_sizes(names, "recurrence_kernel") == [D]
+    _, names = launched_kernels(lambda: out.float().sum().backward())
+    assert set(kernel_head_sizes(names, "ds_recurrence_kernel")) == {128}
+
+
+def test_decode_through_fwd_runs_the_128_wide_decode_kernel():
+    """kda::fwd_ with one token a sequence takes the decode kernel, 128 wide, at K = V = 64."""
+    d, g = cuda_inputs(K=64, V=64, B=3, T=1, H=2)
+    out, final = torch.empty_like(g["v"]), torch.empty_like(g["initial_state"])
+    _, names = launched_kernels(lambda: torch_kda.fwd(
+        *positional(g)[:5], None, out, g["A_log"], g["dt_bias"], -5.0, initial_state=g["initial_state"],
+        final_state=final))
+    assert any("pool_decode_kernel" in n for n in names)
+    assert not kernel_head_sizes(names, "prepare_kernel")
+    ref_out, ref_final = run_reference(g, lower_bound=-5.0)
+    assert rel(out, ref_out) <= 5e-3 and rel(final, ref_final) <= 1e-4
+
+
+@GATES
+@pytest.mark.parametrize("block", ["2x2", "4x4"])
+@pytest.mark.parametrize("state_dtype", [F32, BF16], ids=["fp32_state", "bf16_state"])
+def test_narrow_forward_block_shapes(block, state_dtype, lower_bound):
+    """K2's split shapes at head size 64, forced, on a varlen batch with empty and one-token sequences."""
+    _, g = cuda_inputs(state_dtype=state_dtype, K=64, V=48, seqlens=[33, 0, 1, 64, 130], H=3)
+    with forced(recurrence_block=block):
+        (out, final), names = launched_kernels(lambda: run_cuda(g, lower_bound=lower_bound))
+    assert [s for s, _, _ in k2_launches(names)] == [K2_SPLIT[block]]
+    assert kernel_head_sizes(names, "recurrence_kernel") == [64]
+    ref_out, ref_final = run_reference(g, lower_bound=lower_bound)
+    assert rel(out, ref_out) <= out_tol(state_dtype)
+    assert rel(final, ref_final) <= (1e-4 if state_dtype == F32 else 1e-2)
+
+
+def test_narrow_forward_refuses_the_128_wide_block():
+    _, g = cuda_inputs(K=64, V=64, B=1, T=20, H=2)
+    with forced(recurrence_block="4x1w"), pytest.raises(
+            RuntimeError, match=r"the 4x1w block is 128 wide; head size 64 runs 2x2 or 4x4"):
+        run_cuda(g)
+
+
+@GATES
+@pytest.mark.parametrize("segments", [2, 4])
+def test_narrow_forward_segments(segments, lower_bound):
+    """The segmented forward (its three K2 passes and the scan) at head size 64."""
+    _, g = cuda_inputs(state_dtype=F32, K=64, V=64, B=2, T=600, H=2)
+    with forced(segments=segments):
+        (out, final), names = launched_kernels(lambda: run_cuda(g, lower_bound=lower_bound))
+    assert kernel_head_sizes(names, "segment_scan_kernel") == [64]
+    assert len(k2_launches(names)) == 3
+    ref_out, ref_final = run_reference(g, lower_bound=lower_bound)
+    assert rel(out, ref_out) <= 5e-3 and rel(final, ref_final) <= 1e-4
+
+
+@GATES
+@pytest.mark.parametrize("K,V", [(64, 64), (40, 64)], ids=lambda x: str(x))
+def test_narrow_forward_keeps_nothing_and_gives_the_same_bits(K, V, lower_bound):
+    """torch_kda.kda with and without a gradient: the same bits from the 64-wide
+    forward, which keeps no states or records (its backward recomputes them)."""
+    _, g = cuda_inputs(state_dtype=F32, K=K, V=V, seqlens=[50, 0, 17], H=2)
+    out0, final0 = run_cuda(g, lower_bound=lower_bound)
+    leaves = {n: g[n].detach().clone().requires_grad_(True) for n in ("q", "k", "v", "g")}
+    out1, final1 = run_cuda({**g, **leaves}, lower_bound=lower_bound)
+    assert torch.equal(out0, out1) and torch.equal(final0, final1.detach())
+    kept = torch.ops.kda._fwd_checkpointed(*positional(g), None, lower_bound, g["initial_state"], True,
+                                           g["cu_seqlens"])
+    assert torch.equal(kept[0], out0) and kept[2].numel() == 0 and kept[3].numel() == 0
+
+
 @pytest.mark.parametrize("case", ["weak_decay", "small_beta"])
 def test_hard_cases(case):
     d, g = cuda_inputs(K=64, V=64, B=1, T=300, H=2)
@@ -56,7 +147,8 @@ def test_hard_cases(case):
 @pytest.mark.parametrize("K,V", [(64, 64), (100, 60)], ids=lambda x: str(x))
 @pytest.mark.parametrize("shape", [dict(B=2, T=45, H=2), dict(seqlens=[17, 0, 40, 1], H=2)], ids=["fixed", "varlen"])
 def test_backward_matches_the_cpu_kernels(K, V, lower_bound, shape):
-    """kda.bwd against float64, and the autograd step (the forward's kept padded states) against kda.bwd."""
+    """kda.bwd against float64, and the autograd step (the forward's kept padded
+    states where it keeps them, none at 64) against float64."""
     d, g = cuda_inputs(state_dtype=F32, K=K, V=V, **shape)
     grad_out = torch.randn(g["v"].shape, device=DEV).to(BF16)
     grad_final = torch.randn(g["initial_state"].shape, device=DEV)
@@ -80,15 +172,16 @@ def test_backward_without_final_gradient():
     check_grads("bwd", got, ref)
 
 
+@pytest.mark.parametrize("K,V", [(64, 96), (64, 64), (48, 64)], ids=lambda x: str(x))
 @pytest.mark.parametrize("tokens", [1, 37], ids=["decode", "chunked"])
 @pytest.mark.parametrize("state_dtype", [F32, BF16], ids=["fp32_state", "bf16_state"])
-def test_inplace_forward_into_poisoned_buffers(tokens, state_dtype):
+def test_inplace_forward_into_poisoned_buffers(tokens, state_dtype, K, V):
     """kda::fwd_ writes every element of out and final_state; final_state may be the initial state itself."""
-    _, g = cuda_inputs(state_dtype=state_dtype, K=64, V=96, B=3, T=tokens, H=2)
+    _, g = cuda_inputs(state_dtype=state_dtype, K=K, V=V, B=3, T=tokens, H=2)
     ref_out, ref_final = run_reference(g, lower_bound=-5.0)
     out = nan_like(g["v"])
     state = g["initial_state"].clone()
-    torch_kda.fwd(g["q"], g["k"], g["v"], g["g"], g["beta"], 64**-0.5, out, g["A_log"], g["dt_bias"], -5.0,
+    torch_kda.fwd(g["q"], g["k"], g["v"], g["g"], g["beta"], K**-0.5, out, g["A_log"], g["dt_bias"], -5.0,
                   initial_state=state, final_state=state)
     assert torch.isfinite(out).all() and torch.isfinite(state).all()
     assert rel(out, ref_out) <= out_tol(state_dtype)
@@ -107,13 +200,15 @@ def test_grouped_heads_and_a_precomputed_gate():
         assert rel(out, ref_out) <= 5e-3 and rel(final, ref_final) <= 1e-4
 
 
+@pytest.mark.parametrize("K,V", [(64, 100), (48, 64)], ids=lambda x: str(x))
 @pytest.mark.parametrize("seqlens", [[1, 0, 1, 1], [40, 0, 100, 17]], ids=["decode", "chunked"])
-def test_cuda_graph_replay_with_new_inputs(seqlens):
-    """kda::fwd_ at K = 64, V = 100 with grouped value heads (the padding's copies
-    inside the graph), a varlen batch with an empty sequence, captured and replayed
-    with new inputs copied in: bitwise the eager call on those inputs."""
+def test_cuda_graph_replay_with_new_inputs(seqlens, K, V):
+    """kda::fwd_ at K = 64, V = 100 (128 wide) and K = 48, V = 64 (64 wide) with
+    grouped value heads (the padding's copies inside the graph), a varlen batch
+    with an empty sequence, captured and replayed with new inputs copied in:
+    bitwise the eager call on those inputs."""
     def inputs():
-        return cuda_inputs(state_dtype=F32, K=64, V=100, seqlens=seqlens, H=2, HV=4)[1]
+        return cuda_inputs(state_dtype=F32, K=K, V=V, seqlens=seqlens, H=2, HV=4)[1]
 
     def call(x, out, final):
         torch_kda.fwd(*positional(x)[:5], None, out, x["A_log"], x["dt_bias"], -5.0,
@@ -135,9 +230,10 @@ def test_cuda_graph_replay_with_new_inputs(seqlens):
     assert torch.equal(out, eager_out) and torch.equal(final, eager_final)
 
 
-def test_compile_fullgraph_forward_and_backward():
-    """K = 64, V = 100 with grouped value heads (HV = 2 H)."""
-    _, g = cuda_inputs(state_dtype=F32, K=64, V=100, B=2, T=40, H=2, HV=4)
+@pytest.mark.parametrize("K,V", [(64, 100), (48, 64)], ids=lambda x: str(x))
+def test_compile_fullgraph_forward_and_backward(K, V):
+    """Grouped value heads (HV = 2 H), on the 128-wide and the 64-wide forward."""
+    _, g = cuda_inputs(state_dtype=F32, K=K, V=V, B=2, T=40, H=2, HV=4)
 
     def step(q, k, v, gate, beta, A_log, dt_bias, h0):
         o, s = torch_kda.kda(q, k, v, gate, beta, A_log, dt_bias, lower_bound=-5.0, initial_state=h0,
@@ -154,8 +250,9 @@ def test_compile_fullgraph_forward_and_backward():
         assert a.shape == g[n].shape and torch.equal(a, b), n
 
 
-def test_opcheck():
-    _, g = cuda_inputs(state_dtype=F32, K=60, V=64, seqlens=[10, 0, 33], H=2)
+@pytest.mark.parametrize("K,V", [(60, 64), (60, 100)], ids=lambda x: str(x))
+def test_opcheck(K, V):
+    _, g = cuda_inputs(state_dtype=F32, K=K, V=V, seqlens=[10, 0, 33], H=2)
     kw = {"lower_bound": -5.0, "initial_state": g["initial_state"], "cu_seqlens": g["cu_seqlens"]}
     torch.library.opcheck(torch.ops.kda.fwd.default, positional(g), {**kw, "output_final_state": True})
     torch.library.opcheck(torch.ops.kda._fwd_checkpointed.default, positional(g), {**kw, "output_final_state": True})

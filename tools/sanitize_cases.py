@@ -9,6 +9,9 @@ waves of blocks), kda::fwd_ with decode shapes (with and without an initial
 state), grouped value heads, a precomputed fp32 gate's one token and speculative calls,
 and a pool of head sizes below 128.
 segments: a forward over forced segments (K1, three K2 passes, the scan).
+narrow: the 64-wide forward (K1, K2's 2x2 and 4x4, the segments' passes and scan):
+both gates, fp32 and bf16 states, K = V = 64 and K = 48, V = 64 on a varlen batch,
+and a step whose backward runs the 128-wide kernels on the padded problem.
 backward: forward + backward steps of both gates, of grouped value heads and of a
 precomputed gate (fp32 and bf16 g) on varlen sequences (an empty one, odd lengths, a partial last chunk),
 and K1's backward alone (the private test op).
@@ -121,6 +124,35 @@ def segments():
     torch.cuda.synchronize()
 
 
+def narrow():
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    H, V = 2, 64
+    cu = torch.tensor([0, 37, 37, 38, 140], device="cuda")
+    A_log = torch.rand(H, device="cuda", generator=gen)
+    for K in (64, 48):
+        dt_bias = torch.rand(H, K, device="cuda", generator=gen)
+        q, k, v, g, beta = inputs(140, H, gen)
+        q, k, g, v = q[..., :K], k[..., :K], g[..., :K], v[..., :V]
+        for state_dtype in (torch.float32, torch.bfloat16):
+            h0 = torch.randn(4, H, V, K, device="cuda", generator=gen).to(state_dtype)
+            for lower_bound in (-5.0, None):
+                for block in ("2x2", "4x4"):
+                    with forced(recurrence_block=block):
+                        out, final = torch_kda.kda(q, k, v, g, beta, A_log, dt_bias, lower_bound=lower_bound,
+                                                   initial_state=h0, output_final_state=True, cu_seqlens=cu)
+                    assert torch.isfinite(out).all() and torch.isfinite(final.float()).all()
+        with forced(segments=4):
+            out, final = torch_kda.kda(q[:, :128], k[:, :128], v[:, :128], g[:, :128], beta[:, :128], A_log, dt_bias,
+                                       lower_bound=-5.0, initial_state=h0[:1].float(), output_final_state=True)
+        assert torch.isfinite(out).all() and torch.isfinite(final).all()
+    leaves = [t.detach().clone().requires_grad_() for t in (q, k, v, g, beta)]
+    out, final = torch_kda.kda(*leaves, A_log, dt_bias, lower_bound=None, initial_state=h0.float(),
+                               output_final_state=True, cu_seqlens=cu)
+    (out.float().square().sum() + final.square().sum()).backward()
+    assert all(torch.isfinite(t.grad).all() for t in leaves)
+    torch.cuda.synchronize()
+
+
 def backward():
     gen = torch.Generator(device="cuda").manual_seed(0)
     H = 2
@@ -163,5 +195,5 @@ def backward():
 
 
 if __name__ == "__main__":
-    {"decode": decode, "segments": segments, "backward": backward}[sys.argv[1]]()
+    {"decode": decode, "segments": segments, "narrow": narrow, "backward": backward}[sys.argv[1]]()
     print(f"{sys.argv[1]}: done")

@@ -70,8 +70,9 @@ def kda(
     state at every 16-token chunk's start (2 KiB per token and head) and the
     chunks' prepared operands (1.66 KiB); "states" the states alone (the
     backward recomputes the operands); "none" neither (the least memory). The
-    results are the same bits with each. The CPU backward recomputes from the
-    inputs whatever this says.
+    results are the same bits with each. Heads of at most 64 channels (K and V)
+    keep nothing whatever this says: their forward runs 64 wide, their backward
+    128 wide. The CPU backward recomputes from the inputs whatever this says.
     """
     if not isinstance(output_final_state, bool):
         raise TypeError(f"torch_kda.kda: output_final_state must be a bool, got {type(output_final_state).__name__}")

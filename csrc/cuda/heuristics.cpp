@@ -118,11 +118,14 @@ int64_t forced_window(int64_t n, int64_t num_slots) {
 // faster than blocks of eight or two). Two: each row group's key columns over
 // two warps, the 2x2. One: over four, the 4x4, or the 2x2 with bf16 products,
 // whose steps are a third shorter (docs/performance-notes.md has the figures).
+// The 4x1w is 128 wide: narrower heads take the 2x2 where it would run, by
+// the same count (not measured at 64).
 RecurrenceBlock automatic_recurrence_block(const FwdParams& p) {
   const int64_t warps_per_sm = recurrence_warps_per_sm(p);
-  return warps_per_sm > 2 ? RecurrenceBlock::k4x1w
-         : warps_per_sm > 1 || p.bf16_products ? RecurrenceBlock::k2x2
-                                               : RecurrenceBlock::k4x4;
+  if (warps_per_sm > 2 && p.head_size == kHeadDim) {
+    return RecurrenceBlock::k4x1w;
+  }
+  return warps_per_sm > 1 || p.bf16_products ? RecurrenceBlock::k2x2 : RecurrenceBlock::k4x4;
 }
 
 // The 4x1w forward issues a step's copies after its first products where its
@@ -134,6 +137,9 @@ bool late_refill_pays(const FwdParams& p) {
 }
 
 RecurrenceShape recurrence_shape(const FwdParams& p, const Forced& f) {
+  TORCH_CHECK(f.recurrence_block != RecurrenceBlock::k4x1w || p.head_size == kHeadDim,
+              "torch_kda.testing.forced: the 4x1w block is ", kHeadDim, " wide; head size ", p.head_size,
+              " runs 2x2 or 4x4");
   return {f.recurrence_block.value_or(automatic_recurrence_block(p)), late_refill_pays(p)};
 }
 

@@ -15,20 +15,22 @@
 namespace kda::cuda {
 
 // The one place where a launcher turns FwdParams::head_size into the template
-// argument D of its kernels' instances. A new head size is a case here, the
-// instances it brings, and what is still 128-wide: K1's backward and the
-// decode kernel (which check head_size), K2's 4x1w, and the host's sizes
-// (the records, the checkpoints, the heuristics).
-template <class Launch>
-void dispatch_head_size(int head_size, Launch&& launch) {
-  switch (head_size) {
-    case 128:
-      launch(std::integral_constant<int, 128>{});
-      return;
-    default:
-      TORCH_INTERNAL_ASSERT(false, "no CUDA kernels for head size ", head_size);
+// argument D of its kernels' instances: Sizes::dispatch calls launch with
+// std::integral_constant<int, D> for the size it lists. A new head size is an
+// entry of a list here and the instances it brings. The forward's kernels (K1,
+// K2's split shapes, the segment scan) serve 64 and 128; what is still
+// 128-wide: the backward, K1's backward records, K2's 4x1w and the decode
+// kernel (heads of other sizes run zero-padded to 128 there: padded_heads.h).
+template <int... Sizes>
+struct HeadSizes {
+  template <class Launch>
+  static void dispatch(int head_size, Launch&& launch) {
+    const bool served = ((head_size == Sizes && (launch(std::integral_constant<int, Sizes>{}), true)) || ...);
+    TORCH_INTERNAL_ASSERT(served, "no CUDA kernels for head size ", head_size);
   }
-}
+};
+using ForwardHeadSizes = HeadSizes<kForwardNarrowHead, kHeadDim>;
+using BackwardHeadSizes = HeadSizes<kHeadDim>;
 
 // Varlen only, before K1: seq[0..N] and chunks[0..N] (params.h) from
 // cu_seqlens (int32 or int64, N + 1 entries, on the device), and order[0..N)

@@ -53,6 +53,14 @@ void run_windows(const FwdParams& params, const Tensor& q, ForwardPlan plan, flo
   run_forward(params, q, plan, kept_records);
 }
 
+// Whether forward_into runs the decode kernel (forward_call.h) rather than
+// the chunked pair.
+bool takes_decode_kernel(const Problem& p, bool decode_short_requests, const Tensor& chunk_states,
+                         const Tensor& records) {
+  return decode_short_requests && !chunk_states.defined() && !records.defined() &&
+         pool_by_decode(concrete(p.B) * concrete(p.T), concrete(p.N), false);
+}
+
 }  // namespace
 
 // Runs the forward into `out` / `final_state` (cuda/forward_call.h). Inputs are
@@ -98,8 +106,7 @@ void forward_into(const char* op, const Problem& p, const Tensor& q, const Tenso
   params.initial_state = init.defined() ? init.data_ptr() : nullptr;
   params.final_state = final_c.defined() ? final_c.data_ptr() : nullptr;
   params.out = out_c.data_ptr();
-  if (decode_short_requests && !chunk_states.defined() && !records.defined() &&
-      pool_by_decode(concrete(p.B) * concrete(p.T), concrete(p.N), false)) {
+  if (takes_decode_kernel(p, decode_short_requests, chunk_states, records)) {
     // One kernel reads every input while it writes out and the final states,
     // in vectors of up to 16 bytes.
     for (Tensor* input : {&in.q, &in.k, &in.g, &in.beta, &in.A_log, &in.dt_bias}) {
@@ -146,21 +153,29 @@ void forward_into(const char* op, const Problem& p, const Tensor& q, const Tenso
 
 namespace {
 
-// forward_into for any head size the CUDA ops take: sizes without kernels of
-// their own run padded (padded_heads.h) into padded outputs, whose leading
-// blocks are then copied out. chunk_states and records keep the padded
-// sizes, which are the sizes kda.bwd checks them against.
+// forward_into for any head size the CUDA ops take: the chunked kernels of
+// forward_head_size (64 or 128), the decode kernel's 128; sizes without
+// kernels of their own run padded (padded_heads.h) into padded outputs, whose
+// leading blocks are then copied out. chunk_states and records are kept only
+// where the forward runs 128 wide (checkpoints.h: forward_keeps), the size of
+// the backward's kernels, and keep the padded sizes, which are the sizes
+// kda.bwd checks them against.
 void forward_served(const char* op, const Problem& p, const Tensor& q, const Tensor& k, const Tensor& v,
                     const Tensor& g, const Tensor& beta, const Tensor& A_log, const Tensor& dt_bias,
                     const optional<Tensor>& initial_state, const optional<Tensor>& cu_seqlens, const Tensor& out,
                     const optional<Tensor>& final_state, const Tensor& chunk_states = Tensor(),
                     const Tensor& records = Tensor(), bool decode_short_requests = false) {
-  if (!pads_heads(p)) {
+  const int64_t D =
+      takes_decode_kernel(p, decode_short_requests, chunk_states, records) ? kHeadDim : forward_head_size(p);
+  const auto kept = [](const Tensor& t) { return t.defined() && t.numel() > 0; };
+  TORCH_INTERNAL_ASSERT(D == kHeadDim || (!kept(chunk_states) && !kept(records)),
+                        "the backward's checkpoints are 128 wide: kept only from the 128-wide forward");
+  if (!pads_heads(p, D)) {
     forward_into(op, p, q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, out, final_state, chunk_states,
                  records, decode_short_requests);
     return;
   }
-  const PaddedInputs x = padded_inputs(p, q, k, v, g, dt_bias, initial_state);
+  const PaddedInputs x = padded_inputs(p, D, q, k, v, g, dt_bias, initial_state);
   const int64_t K = concrete(p.K), V = concrete(p.V), Kp = concrete(x.p.K), Vp = concrete(x.p.V);
   std::vector<int64_t> out_sizes = out.sizes().vec();
   out_sizes.back() = Vp;
@@ -338,13 +353,13 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> bwd(
   check_backward_grads("kda.bwd", p, q, grad_out, grad_final_state);
   check_saved("kda.bwd", p, cu_seqlens.has_value(), q, checkpoints, records);
   c10::cuda::CUDAGuard guard(q.device());
-  if (!pads_heads(p)) {
+  if (!pads_heads(p, kHeadDim)) {
     return backward_by_kernels(p, grad_out, grad_final_state, q, k, v, g, beta, A_log, dt_bias, initial_state,
                                cu_seqlens, checkpoints.value_or(Tensor()), records.value_or(Tensor()));
   }
   // Sizes without kernels of their own (padded_heads.h): the padded problem's
   // gradients, of which the real channels' are the leading blocks.
-  const PaddedInputs x = padded_inputs(p, q, k, v, g, dt_bias, initial_state);
+  const PaddedInputs x = padded_inputs(p, kHeadDim, q, k, v, g, dt_bias, initial_state);
   const int64_t K = concrete(p.K), V = concrete(p.V), Kp = concrete(x.p.K), Vp = concrete(x.p.V);
   // (An empty grad_final_state stands for None.)
   const optional<Tensor> gf = grad_final_state.has_value() && grad_final_state->dim() == 4

@@ -2,19 +2,21 @@
 
 #include <ATen/ops/empty.h>
 
+#include <algorithm>
 #include <vector>
 
 #include "cuda/params.h"
 
 namespace kda::cuda {
 
-int64_t served_head_size(int64_t size) {
+int64_t forward_head_size(const Problem& p) {
+  const int64_t size = std::max(concrete(p.K), concrete(p.V));
   TORCH_INTERNAL_ASSERT(size > 0 && size <= kHeadDim, "no kernels serve a head size of ", size);
-  return kHeadDim;
+  return size <= kForwardNarrowHead ? kForwardNarrowHead : kHeadDim;
 }
 
-bool pads_heads(const Problem& p) {
-  return concrete(p.K) != served_head_size(concrete(p.K)) || concrete(p.V) != served_head_size(concrete(p.V));
+bool pads_heads(const Problem& p, int64_t D) {
+  return concrete(p.K) != D || concrete(p.V) != D;
 }
 
 at::Tensor padded_to(const at::Tensor& t, std::initializer_list<int64_t> sizes) {
@@ -55,10 +57,11 @@ at::Tensor leading_block(const at::Tensor& t, std::initializer_list<int64_t> siz
   return b.contiguous();
 }
 
-PaddedInputs padded_inputs(const Problem& p, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                           const at::Tensor& g, const at::Tensor& dt_bias,
+PaddedInputs padded_inputs(const Problem& p, int64_t D, const at::Tensor& q, const at::Tensor& k,
+                           const at::Tensor& v, const at::Tensor& g, const at::Tensor& dt_bias,
                            const std::optional<at::Tensor>& initial_state) {
-  const int64_t K = served_head_size(concrete(p.K)), V = served_head_size(concrete(p.V));
+  TORCH_INTERNAL_ASSERT(concrete(p.K) <= D && concrete(p.V) <= D, "padding to ", D, " would crop");
+  const int64_t K = D, V = D;
   PaddedInputs x;
   x.p = p;
   x.p.K = K;

@@ -1,5 +1,6 @@
-// Head sizes the kernels have no instances for, served by zero padding: every
-// K and V below 128 runs on the 128-wide kernels over zero-padded copies of
+// Head sizes the kernels have no instances for, served by zero padding: K and
+// V run on the kernels of one served size D (launch.h: the forward's 64 and
+// 128, the backward's and the decode kernel's 128) over zero-padded copies of
 // the inputs, and the outputs are the leading block of the padded ones.
 //
 // Zero channels are inert. A zero key and query channel adds nothing to the
@@ -20,22 +21,23 @@
 
 namespace kda::cuda {
 
-// The head size whose kernels serve a head of `size` channels (1 to 128).
-int64_t served_head_size(int64_t size);
+// The head size of the chunked forward's kernels for p: the smallest served
+// size that holds both K and V (one size for both: the kernels take K = V).
+int64_t forward_head_size(const Problem& p);
 
-// Whether p's K or V is served by padding.
-bool pads_heads(const Problem& p);
+// Whether p's K or V is served by padding to D.
+bool pads_heads(const Problem& p, int64_t D);
 
-// The inputs with the head sizes the kernels serve: q, k, g padded to K', v to
-// V', dt_bias [H, K'] and the initial state [N, H, V', K'] (zeros added), and p
+// The inputs at head size D (at least p's K and V): q, k, g padded to D, v to
+// D, dt_bias [H, D] and the initial state [N, H, D, D] (zeros added), and p
 // with those sizes and with the scale resolved from its own K.
 struct PaddedInputs {
   Problem p;
   at::Tensor q, k, v, g, dt_bias;
   std::optional<at::Tensor> initial_state;
 };
-PaddedInputs padded_inputs(const Problem& p, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                           const at::Tensor& g, const at::Tensor& dt_bias,
+PaddedInputs padded_inputs(const Problem& p, int64_t D, const at::Tensor& q, const at::Tensor& k,
+                           const at::Tensor& v, const at::Tensor& g, const at::Tensor& dt_bias,
                            const std::optional<at::Tensor>& initial_state);
 
 // t with its trailing dimensions zero-padded to `sizes` (t itself where they match).

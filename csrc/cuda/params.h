@@ -153,8 +153,8 @@ struct FwdParams {
   bool gate_given = false;
   bool g_fp32 = false;
 
-  // K = V of the kernels' instances (launch.h, dispatch_head_size); smaller
-  // head sizes arrive zero-padded (padded_heads.h). 0 until the host sets it
+  // K = V of the kernels' instances (launch.h, HeadSizes); other head sizes
+  // arrive zero-padded to one of them (padded_heads.h). 0 until the host sets it
   // (call_inputs), so that a launch it missed fails. Last: the fields before it
   // keep their offsets in the kernels' parameters.
   int head_size = 0;

@@ -53,7 +53,7 @@ void fwd_pool(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g
   // Head sizes below 128 (padded_heads.h): the kernels read zero-padded copies
   // of the tokens' inputs and write a padded out, while the pool is read and
   // written in place at its own sizes (PoolParams::K, V), element by element.
-  const bool narrow = pads_heads(p);
+  const bool narrow = pads_heads(p, kHeadDim);
   const int64_t elem = state_pool.element_size();
   TORCH_CHECK(narrow || (aligned16(state_pool) && (state_pool.size(0) <= 1 || state_pool.stride(0) * elem % 16 == 0)),
               op, ": on CUDA, state_pool's slots must start on 16-byte boundaries (its data and its slot stride "
@@ -117,7 +117,7 @@ void fwd_pool(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g
   set_gate(pp.fwd, p, g);
 
   if (pool_by_decode(tokens, N, accepted.defined())) {
-    const PaddedInputs x = narrow ? padded_inputs(p, q, k, v, g, dt_bias, std::nullopt)
+    const PaddedInputs x = narrow ? padded_inputs(p, kHeadDim, q, k, v, g, dt_bias, std::nullopt)
                                   : PaddedInputs{p, q, k, v, g, dt_bias, std::nullopt};
     const Tensor qc = read_safely(x.q), kc = read_safely(x.k), vc = read_safely(x.v), gc = read_safely(x.g);
     const Tensor bc = read_safely(beta), ac = read_safely(A_log), dc = read_safely(x.dt_bias);
@@ -137,7 +137,7 @@ void fwd_pool(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g
     if (!narrow) {
       forward_into(op, p, q, k, v, g, beta, A_log, dt_bias, states, cu_seqlens, out_c, final_states);
     } else {
-      const PaddedInputs x = padded_inputs(p, q, k, v, g, dt_bias, states);
+      const PaddedInputs x = padded_inputs(p, kHeadDim, q, k, v, g, dt_bias, states);
       const Tensor final_p = at::empty({N, H, kHeadDim, kHeadDim}, states.options());
       forward_into(op, x.p, x.q, x.k, x.v, x.g, beta, A_log, x.dt_bias, x.initial_state, cu_seqlens, out_c, final_p);
       final_states.copy_(final_p.narrow(-2, 0, V).narrow(-1, 0, K));

@@ -447,7 +447,7 @@ void launch_ds_recurrence(const SweepBwdParams& bp, cudaStream_t stream, DsBlock
   if (bp.fwd.N == 0 || bp.fwd.H == 0) {
     return;
   }
-  dispatch_head_size(bp.fwd.head_size, [&](auto head_size) {
+  BackwardHeadSizes::dispatch(bp.fwd.head_size, [&](auto head_size) {
     constexpr int D = decltype(head_size)::value;
     if (bp.grad_out_fp32) {
       launch_ds_for<D, true>(bp, stream, block);

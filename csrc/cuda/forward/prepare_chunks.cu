@@ -75,8 +75,8 @@ struct Staging {
   // warps) need little or no space of their own. The softplus gate's
   // exchange, 30 floats a lane, starts past the norms' (warp 0 may still read
   // those when the others write it).
-  static constexpr int kWarps = kK1Warps<D>, kSenders = std::max(kWarps - 1, 1);
-  static constexpr int kXchNormBytes = 128 * kWarps;
+  static constexpr int kWarps = kK1Warps<D>, kSenders = kWarps - 1;  // one warp: no exchange
+  static constexpr int kXchNormBytes = kWarps > 1 ? 128 * kWarps : 0;
   static constexpr int kSA = kBytes, kXchNorm = kM + 2048 * kSenders;
   static constexpr int kXch = kSoftplus ? kXchNorm + kXchNormBytes : kM;
   static constexpr int kXchBytes = (kSoftplus ? 30 * 32 * 4 : 2048) * kSenders;
@@ -926,13 +926,20 @@ __global__ void __launch_bounds__(32 * kK1Warps<D>, (kMinBlocksPerSm<D, kWKdLoPl
   store_record(b, p, c);
 }
 
-// The instance for the record's planes and the products' precision.
+// The instance for the record's planes and the products' precision. The
+// backward's records only at its own head size (launch.h).
 template <int D, bool kSoftplus, bool kGiven>
 auto prepare_kernel_for(const FwdParams& p) {
-  return p.lo_for_backward ? (p.bf16_products ? prepare_kernel<D, true, true, kSoftplus, kGiven>
-                                              : prepare_kernel<D, true, false, kSoftplus, kGiven>)
-                           : (p.bf16_products ? prepare_kernel<D, false, true, kSoftplus, kGiven>
-                                              : prepare_kernel<D, false, false, kSoftplus, kGiven>);
+  if constexpr (D == kHeadDim) {
+    return p.lo_for_backward ? (p.bf16_products ? prepare_kernel<D, true, true, kSoftplus, kGiven>
+                                                : prepare_kernel<D, true, false, kSoftplus, kGiven>)
+                             : (p.bf16_products ? prepare_kernel<D, false, true, kSoftplus, kGiven>
+                                                : prepare_kernel<D, false, false, kSoftplus, kGiven>);
+  } else {
+    TORCH_INTERNAL_ASSERT(!p.lo_for_backward, "K1: no backward records at head size ", D);
+    return p.bf16_products ? prepare_kernel<D, false, true, kSoftplus, kGiven>
+                           : prepare_kernel<D, false, false, kSoftplus, kGiven>;
+  }
 }
 
 }  // namespace
@@ -945,7 +952,7 @@ void launch_prepare(const FwdParams& p, cudaStream_t stream) {
   const int64_t blocks = slots * p.H;
   TORCH_CHECK(blocks <= INT32_MAX, "kda.fwd: ", std::to_string(slots), " chunks x ", std::to_string(p.H),
               " heads is more blocks than one launch takes");
-  dispatch_head_size(p.head_size, [&](auto head_size) {
+  ForwardHeadSizes::dispatch(p.head_size, [&](auto head_size) {
     constexpr int D = decltype(head_size)::value;
     auto* kernel = p.gate_given
                        ? (p.softplus ? prepare_kernel_for<D, true, true>(p) : prepare_kernel_for<D, false, true>(p))

@@ -93,6 +93,8 @@ struct Config {
   static constexpr size_t kSmem = kSt * sizeof(St) + kRowGroups * C * kOutPad * sizeof(__nv_bfloat16) +
                                   kWarps * kRedFloats * sizeof(float) + (kWg ? 1024 : 0);  // + the alignment's slack
   static_assert(kSplit == 1 || kSplit == 2 || kSplit == 4, "the three block shapes");
+  static_assert(kNt % 2 == 0, "each warp's key columns in whole 16-column k-steps");
+  static_assert(D % kCols == 0, "a head's value rows in whole blocks");
 };
 // Copies bytes [kFrom, kTo) of a record's bf16 part to offset kDst of a
 // stage's (mat, aqk), 16 bytes a thread and instruction.
@@ -1021,7 +1023,7 @@ void launch_recurrence(const FwdParams& p, cudaStream_t stream, const Recurrence
   if (p.N == 0 || p.H == 0) {
     return;
   }
-  dispatch_head_size(p.head_size, [&](auto head_size) {
+  ForwardHeadSizes::dispatch(p.head_size, [&](auto head_size) {
     constexpr int D = decltype(head_size)::value;
     switch (shape.block) {
       case RecurrenceBlock::k4x1w:
