@@ -55,7 +55,7 @@ bool forward_keeps(const Problem& p) {
   // Concrete sizes (a compiled graph specialises on them): the shapes of what
   // the forward returns follow from this.
   const int64_t K = p.K.guard_int(__FILE__, __LINE__), V = p.V.guard_int(__FILE__, __LINE__);
-  return std::max(K, V) > kForwardNarrowHead;
+  return std::max(K, V) > kForwardNarrowHead && std::max(K, V) <= kHeadDim;
 }
 
 SavedForBackward allocate_saved(const Problem& p, const at::Tensor& q, bool varlen, Save save) {

@@ -31,7 +31,8 @@ Save parse_save(const char* op, c10::string_view save);
 // Whether the CUDA forward of p keeps anything for the backward: only where it
 // runs on the 128-wide kernels, the backward's size. Heads of at most 64
 // channels run the 64-wide forward (cuda/padded_heads.h), which keeps nothing,
-// and their backward recomputes its states and records 128 wide, zero-padded.
+// and their backward recomputes its states and records 128 wide, zero-padded;
+// wider heads than 128 run the 256-wide forward and have no CUDA backward.
 bool forward_keeps(const Problem& p);
 
 // kda._fwd_checkpointed's two extra outputs, as `save` asks where the forward

@@ -54,11 +54,12 @@ def test_save_argument(save, kept):
     assert ckpt.shape == (kept[0], 2, 128, 128) and rec.shape == (kept[1], 2, RECORD_FLOATS)
 
 
-# Heads of at most 64 channels run the 64-wide forward, which keeps nothing
-# (csrc/checkpoints.h: forward_keeps); wider ones keep the 128-wide states and
-# records of the zero-padded problem (300 tokens: 19 slots).
+# Heads of at most 64 channels run the 64-wide forward, and those wider than
+# 128 the 256-wide one, which keep nothing (csrc/checkpoints.h: forward_keeps);
+# the others keep the 128-wide states and records of the zero-padded problem
+# (300 tokens: 19 slots).
 @pytest.mark.parametrize("K,V,kept", [(64, 64, 0), (48, 64, 0), (1, 17, 0), (64, 65, 19), (100, 60, 19),
-                                      (128, 128, 19)], ids=lambda x: str(x))
+                                      (128, 128, 19), (129, 64, 0), (256, 256, 0)], ids=lambda x: str(x))
 def test_kept_by_head_size(K, V, kept):
     d = {n: (t.to(META) if t is not None else t) for n, t in make_inputs(K=K, V=V, B=1, T=300, H=2).items()}
     ckpt, rec = _saved(d)

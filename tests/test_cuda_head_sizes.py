@@ -1,14 +1,14 @@
 """Head sizes other than 128 on the CUDA kernels (csrc/cuda/padded_heads.h): K
-and V each from 1 to 128, K != V allowed. The forward runs 64-wide kernels
-where K and V are at most 64, else the 128-wide ones, zero-padded to those
-sizes; the backward, the decode kernel and the state pool run 128 wide. Which
-kernels run at which size; the forward against the float64 reference (fixed
-length and varlen with empty and odd sequences, both gates, both state dtypes,
-hard cases, K2's block shapes and segments at 64), the gradients against the
-float64 CPU kernels, the same bits with and without a gradient, kda::fwd_ into
-poisoned buffers on both its paths, grouped value heads and a precomputed
-gate, CUDA graphs, torch.compile and opcheck; the state pool at its own sizes;
-larger sizes raise.
+and V each from 1 to 256, K != V allowed. The forward runs the 64-, 128- or
+256-wide kernels, the smallest that hold K and V, zero-padded to that size;
+the backward, the decode kernel and the state pool run 128 wide and refuse
+wider heads. Which kernels run at which size; the forward against the float64
+reference (fixed length and varlen with empty and odd sequences, both gates,
+both state dtypes, hard cases, K2's block shapes and segments at 64 and 256),
+the gradients against the float64 CPU kernels, the same bits with and without
+a gradient, kda::fwd_ into poisoned buffers on both its paths, grouped value
+heads and a precomputed gate, CUDA graphs, torch.compile and opcheck; the
+state pool at its own sizes; what wider heads raise.
 """
 import pytest
 import torch
@@ -24,8 +24,8 @@ pytestmark = CUDA_MARKS
 BF16, F32 = torch.bfloat16, torch.float32
 GATES = pytest.mark.parametrize("lower_bound", [-5.0, None], ids=["bounded", "softplus"])
 # fla's grid has 60, 64 and 100; 1 and 17 are the extremes of the padding.
-SIZES = pytest.mark.parametrize("K,V", [(64, 64), (60, 60), (100, 100), (32, 96), (128, 64), (64, 128), (1, 17)],
-                                ids=lambda x: str(x))
+SIZES = pytest.mark.parametrize("K,V", [(64, 64), (60, 60), (100, 100), (32, 96), (128, 64), (64, 128), (1, 17),
+                                        (256, 256), (129, 200), (256, 64)], ids=lambda x: str(x))
 
 
 def out_tol(state_dtype):
@@ -58,15 +58,20 @@ def kernel_head_sizes(names, kernel):
 
 
 @pytest.mark.parametrize("K,V,D", [(64, 64, 64), (48, 64, 64), (1, 17, 64), (64, 65, 128), (100, 60, 128),
-                                   (128, 128, 128)], ids=lambda x: str(x))
+                                   (128, 128, 128), (129, 17, 256), (256, 256, 256)], ids=lambda x: str(x))
 def test_forward_kernels_by_head_size(K, V, D):
     """The chunked forward runs K1 and K2 at the smallest served size that holds
-    K and V; its backward runs the 128-wide kernels."""
+    K and V; its backward runs the 128-wide kernels, and refuses wider heads."""
     _, g = cuda_inputs(K=K, V=V, B=1, T=40, H=2)
     leaves = {n: g[n].detach().clone().requires_grad_(True) for n in ("q", "k", "v")}
     (out, _), names = launched_kernels(lambda: run_cuda({**g, **leaves}))
     assert kernel_head_sizes(names, "prepare_kernel") == [D]
     assert kernel_head_sizes(names, "recurrence_kernel") == [D]
+    if D > 128:
+        with pytest.raises(RuntimeError, match=rf"kda.bwd: on CUDA, the backward takes head sizes K and V of at most "
+                                               rf"128, got K = {K}, V = {V} \(the forward takes up to 256"):
+            out.float().sum().backward()
+        return
     _, names = launched_kernels(lambda: out.float().sum().backward())
     assert set(kernel_head_sizes(names, "ds_recurrence_kernel")) == {128}
 
@@ -87,43 +92,47 @@ def test_decode_through_fwd_runs_the_128_wide_decode_kernel():
 @GATES
 @pytest.mark.parametrize("block", ["2x2", "4x4"])
 @pytest.mark.parametrize("state_dtype", [F32, BF16], ids=["fp32_state", "bf16_state"])
-def test_narrow_forward_block_shapes(block, state_dtype, lower_bound):
-    """K2's split shapes at head size 64, forced, on a varlen batch with empty and one-token sequences."""
-    _, g = cuda_inputs(state_dtype=state_dtype, K=64, V=48, seqlens=[33, 0, 1, 64, 130], H=3)
+@pytest.mark.parametrize("K,V,D", [(64, 48, 64), (256, 200, 256)], ids=lambda x: str(x))
+def test_block_shapes_at_64_and_256(block, state_dtype, lower_bound, K, V, D):
+    """K2's split shapes at head sizes 64 and 256, forced, on a varlen batch with empty and one-token sequences."""
+    _, g = cuda_inputs(state_dtype=state_dtype, K=K, V=V, seqlens=[33, 0, 1, 64, 130], H=3)
     with forced(recurrence_block=block):
         (out, final), names = launched_kernels(lambda: run_cuda(g, lower_bound=lower_bound))
     assert [s for s, _, _ in k2_launches(names)] == [K2_SPLIT[block]]
-    assert kernel_head_sizes(names, "recurrence_kernel") == [64]
+    assert kernel_head_sizes(names, "recurrence_kernel") == [D]
     ref_out, ref_final = run_reference(g, lower_bound=lower_bound)
     assert rel(out, ref_out) <= out_tol(state_dtype)
     assert rel(final, ref_final) <= (1e-4 if state_dtype == F32 else 1e-2)
 
 
-def test_narrow_forward_refuses_the_128_wide_block():
-    _, g = cuda_inputs(K=64, V=64, B=1, T=20, H=2)
+@pytest.mark.parametrize("D", [64, 256])
+def test_forward_at_64_and_256_refuses_the_128_wide_block(D):
+    _, g = cuda_inputs(K=D, V=D, B=1, T=20, H=2)
     with forced(recurrence_block="4x1w"), pytest.raises(
-            RuntimeError, match=r"the 4x1w block is 128 wide; head size 64 runs 2x2 or 4x4"):
+            RuntimeError, match=rf"the 4x1w block is 128 wide; head size {D} runs 2x2 or 4x4"):
         run_cuda(g)
 
 
 @GATES
 @pytest.mark.parametrize("segments", [2, 4])
-def test_narrow_forward_segments(segments, lower_bound):
-    """The segmented forward (its three K2 passes and the scan) at head size 64."""
-    _, g = cuda_inputs(state_dtype=F32, K=64, V=64, B=2, T=600, H=2)
+@pytest.mark.parametrize("D", [64, 256])
+def test_segments_at_64_and_256(segments, lower_bound, D):
+    """The segmented forward (its three K2 passes and the scan) at head sizes 64 and 256."""
+    _, g = cuda_inputs(state_dtype=F32, K=D, V=D, B=2, T=600, H=2)
     with forced(segments=segments):
         (out, final), names = launched_kernels(lambda: run_cuda(g, lower_bound=lower_bound))
-    assert kernel_head_sizes(names, "segment_scan_kernel") == [64]
+    assert kernel_head_sizes(names, "segment_scan_kernel") == [D]
     assert len(k2_launches(names)) == 3
     ref_out, ref_final = run_reference(g, lower_bound=lower_bound)
     assert rel(out, ref_out) <= 5e-3 and rel(final, ref_final) <= 1e-4
 
 
 @GATES
-@pytest.mark.parametrize("K,V", [(64, 64), (40, 64)], ids=lambda x: str(x))
-def test_narrow_forward_keeps_nothing_and_gives_the_same_bits(K, V, lower_bound):
-    """torch_kda.kda with and without a gradient: the same bits from the 64-wide
-    forward, which keeps no states or records (its backward recomputes them)."""
+@pytest.mark.parametrize("K,V", [(64, 64), (40, 64), (256, 256)], ids=lambda x: str(x))
+def test_forward_at_64_and_256_keeps_nothing_and_gives_the_same_bits(K, V, lower_bound):
+    """torch_kda.kda with and without a gradient: the same bits from the 64- and
+    256-wide forwards, which keep no states or records (at 64 the backward
+    recomputes them 128 wide; at 256 it raises)."""
     _, g = cuda_inputs(state_dtype=F32, K=K, V=V, seqlens=[50, 0, 17], H=2)
     out0, final0 = run_cuda(g, lower_bound=lower_bound)
     leaves = {n: g[n].detach().clone().requires_grad_(True) for n in ("q", "k", "v", "g")}
@@ -172,7 +181,7 @@ def test_backward_without_final_gradient():
     check_grads("bwd", got, ref)
 
 
-@pytest.mark.parametrize("K,V", [(64, 96), (64, 64), (48, 64)], ids=lambda x: str(x))
+@pytest.mark.parametrize("K,V", [(64, 96), (64, 64), (48, 64), (256, 160)], ids=lambda x: str(x))
 @pytest.mark.parametrize("tokens", [1, 37], ids=["decode", "chunked"])
 @pytest.mark.parametrize("state_dtype", [F32, BF16], ids=["fp32_state", "bf16_state"])
 def test_inplace_forward_into_poisoned_buffers(tokens, state_dtype, K, V):
@@ -200,13 +209,14 @@ def test_grouped_heads_and_a_precomputed_gate():
         assert rel(out, ref_out) <= 5e-3 and rel(final, ref_final) <= 1e-4
 
 
-@pytest.mark.parametrize("K,V", [(64, 100), (48, 64)], ids=lambda x: str(x))
+@pytest.mark.parametrize("K,V", [(64, 100), (48, 64), (256, 200)], ids=lambda x: str(x))
 @pytest.mark.parametrize("seqlens", [[1, 0, 1, 1], [40, 0, 100, 17]], ids=["decode", "chunked"])
 def test_cuda_graph_replay_with_new_inputs(seqlens, K, V):
-    """kda::fwd_ at K = 64, V = 100 (128 wide) and K = 48, V = 64 (64 wide) with
-    grouped value heads (the padding's copies inside the graph), a varlen batch
-    with an empty sequence, captured and replayed with new inputs copied in:
-    bitwise the eager call on those inputs."""
+    """kda::fwd_ at K = 64, V = 100 (128 wide), K = 48, V = 64 (64 wide) and K =
+    256, V = 200 (256 wide, chunked also for one token a sequence) with grouped
+    value heads (the padding's copies inside the graph), a varlen batch with an
+    empty sequence, captured and replayed with new inputs copied in: bitwise
+    the eager call on those inputs."""
     def inputs():
         return cuda_inputs(state_dtype=F32, K=K, V=V, seqlens=seqlens, H=2, HV=4)[1]
 
@@ -261,13 +271,19 @@ def test_opcheck(K, V):
     torch.library.opcheck(torch.ops.kda.bwd.default, (grad_out, grad_final, *positional(g)), kw)
 
 
-def test_larger_sizes_raise():
-    _, g = cuda_inputs(K=256, V=128, B=1, T=4, H=1)
-    with pytest.raises(RuntimeError,
-                       match=r"on CUDA, q and k must have a head size K \(dim 3\) of at most 128, got K = 256"):
-        run_cuda(g)
-    _, g = cuda_inputs(K=128, V=129, B=1, T=4, H=1)
-    with pytest.raises(RuntimeError, match=r"on CUDA, v must have a head size V \(dim 3\) of at most 128, got V = 129"):
+def test_what_wider_heads_raise():
+    """Past 128 the backward and the state pool raise, naming the sizes; past 256 every op."""
+    _, g = cuda_inputs(state_dtype=F32, K=256, V=128, B=1, T=4, H=1)
+    grad_out = torch.randn(g["v"].shape, device=DEV).to(BF16)
+    with pytest.raises(RuntimeError, match=r"kda.bwd: on CUDA, the backward takes head sizes K and V of at most 128, "
+                                           r"got K = 256, V = 128 \(the forward takes up to 256; the CPU kernels any\)"):
+        torch.ops.kda.bwd(grad_out, None, *positional(g), lower_bound=-5.0)
+    pool = torch.zeros(2, 1, 128, 256, device=DEV)
+    with pytest.raises(RuntimeError, match=r"on CUDA, the state pool takes head sizes K and V of at most 128, "
+                                           r"got K = 256, V = 128"):
+        torch_kda.kda_pool(*positional(g), pool, torch.tensor([1], device=DEV), lower_bound=-5.0)
+    _, g = cuda_inputs(K=128, V=257, B=1, T=4, H=1)
+    with pytest.raises(RuntimeError, match=r"v must have a head size V \(dim 3\) of at most 256, got shape"):
         run_cuda(g)
 
 

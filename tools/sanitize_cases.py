@@ -9,9 +9,10 @@ waves of blocks), kda::fwd_ with decode shapes (with and without an initial
 state), grouped value heads, a precomputed fp32 gate's one token and speculative calls,
 and a pool of head sizes below 128.
 segments: a forward over forced segments (K1, three K2 passes, the scan).
-narrow: the 64-wide forward (K1, K2's 2x2 and 4x4, the segments' passes and scan):
-both gates, fp32 and bf16 states, K = V = 64 and K = 48, V = 64 on a varlen batch,
-and a step whose backward runs the 128-wide kernels on the padded problem.
+head_sizes: the 64- and 256-wide forwards (K1, K2's 2x2 and 4x4, the segments'
+passes and scan): both gates, fp32 and bf16 states, K = V = 64, K = 48, V = 64 and
+K = 256, V = 200 on a varlen batch, and a step at 48 x 64 whose backward runs the
+128-wide kernels on the padded problem.
 backward: forward + backward steps of both gates, of grouped value heads and of a
 precomputed gate (fp32 and bf16 g) on varlen sequences (an empty one, odd lengths, a partial last chunk),
 and K1's backward alone (the private test op).
@@ -124,15 +125,16 @@ def segments():
     torch.cuda.synchronize()
 
 
-def narrow():
+def head_sizes():
     gen = torch.Generator(device="cuda").manual_seed(0)
-    H, V = 2, 64
+    H = 2
     cu = torch.tensor([0, 37, 37, 38, 140], device="cuda")
     A_log = torch.rand(H, device="cuda", generator=gen)
-    for K in (64, 48):
+    for K, V in ((256, 200), (64, 64), (48, 64)):
         dt_bias = torch.rand(H, K, device="cuda", generator=gen)
-        q, k, v, g, beta = inputs(140, H, gen)
-        q, k, g, v = q[..., :K], k[..., :K], g[..., :K], v[..., :V]
+        q, k, v, g = (torch.randn(1, 140, H, K if n != "v" else V, device="cuda", generator=gen).to(torch.bfloat16)
+                      for n in "qkvg")
+        beta = torch.randn(1, 140, H, device="cuda", generator=gen).to(torch.bfloat16)
         for state_dtype in (torch.float32, torch.bfloat16):
             h0 = torch.randn(4, H, V, K, device="cuda", generator=gen).to(state_dtype)
             for lower_bound in (-5.0, None):
@@ -195,5 +197,5 @@ def backward():
 
 
 if __name__ == "__main__":
-    {"decode": decode, "segments": segments, "narrow": narrow, "backward": backward}[sys.argv[1]]()
+    {"decode": decode, "segments": segments, "head_sizes": head_sizes, "backward": backward}[sys.argv[1]]()
     print(f"{sys.argv[1]}: done")

@@ -18,9 +18,10 @@ namespace kda::cuda {
 // argument D of its kernels' instances: Sizes::dispatch calls launch with
 // std::integral_constant<int, D> for the size it lists. A new head size is an
 // entry of a list here and the instances it brings. The forward's kernels (K1,
-// K2's split shapes, the segment scan) serve 64 and 128; what is still
+// K2's split shapes, the segment scan) serve 64, 128 and 256; what is still
 // 128-wide: the backward, K1's backward records, K2's 4x1w and the decode
-// kernel (heads of other sizes run zero-padded to 128 there: padded_heads.h).
+// kernel (heads of other sizes up to 128 run zero-padded to 128 there:
+// padded_heads.h; wider ones raise).
 template <int... Sizes>
 struct HeadSizes {
   template <class Launch>
@@ -29,7 +30,7 @@ struct HeadSizes {
     TORCH_INTERNAL_ASSERT(served, "no CUDA kernels for head size ", head_size);
   }
 };
-using ForwardHeadSizes = HeadSizes<kForwardNarrowHead, kHeadDim>;
+using ForwardHeadSizes = HeadSizes<kForwardNarrowHead, kHeadDim, kMaxHeadSize>;
 using BackwardHeadSizes = HeadSizes<kHeadDim>;
 
 // Varlen only, before K1: seq[0..N] and chunks[0..N] (params.h) from

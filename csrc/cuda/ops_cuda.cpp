@@ -57,8 +57,8 @@ void run_windows(const FwdParams& params, const Tensor& q, ForwardPlan plan, flo
 // the chunked pair.
 bool takes_decode_kernel(const Problem& p, bool decode_short_requests, const Tensor& chunk_states,
                          const Tensor& records) {
-  return decode_short_requests && !chunk_states.defined() && !records.defined() &&
-         pool_by_decode(concrete(p.B) * concrete(p.T), concrete(p.N), false);
+  return decode_short_requests && !chunk_states.defined() && !records.defined() && concrete(p.K) <= kHeadDim &&
+         concrete(p.V) <= kHeadDim && pool_by_decode(concrete(p.B) * concrete(p.T), concrete(p.N), false);
 }
 
 }  // namespace
@@ -154,7 +154,7 @@ void forward_into(const char* op, const Problem& p, const Tensor& q, const Tenso
 namespace {
 
 // forward_into for any head size the CUDA ops take: the chunked kernels of
-// forward_head_size (64 or 128), the decode kernel's 128; sizes without
+// forward_head_size (64, 128 or 256), the decode kernel's 128; sizes without
 // kernels of their own run padded (padded_heads.h) into padded outputs, whose
 // leading blocks are then copied out. chunk_states and records are kept only
 // where the forward runs 128 wide (checkpoints.h: forward_keeps), the size of
@@ -350,6 +350,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> bwd(
     const optional<Tensor>& cu_seqlens, const optional<Tensor>& checkpoints, const optional<Tensor>& records) {
   const Tensor A_log = or_undefined(A_log_), dt_bias = or_undefined(dt_bias_);
   Problem p = check_all("kda.bwd", q, k, v, g, beta, A_log, dt_bias, scale, lower_bound, initial_state, cu_seqlens);
+  check_head_sizes_of_128_wide_kernels("kda.bwd", p, "the backward");
   check_backward_grads("kda.bwd", p, q, grad_out, grad_final_state);
   check_saved("kda.bwd", p, cu_seqlens.has_value(), q, checkpoints, records);
   c10::cuda::CUDAGuard guard(q.device());

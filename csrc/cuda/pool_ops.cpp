@@ -47,6 +47,7 @@ void fwd_pool(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g
   const Tensor A_log = or_undefined(A_log_), dt_bias = or_undefined(dt_bias_);
   const char* op = "kda.fwd_pool_";
   Problem p = check_all(op, q, k, v, g, beta, A_log, dt_bias, scale, lower_bound, std::nullopt, cu_seqlens);
+  check_head_sizes_of_128_wide_kernels(op, p, "the state pool");
   check_pool_args(op, p, q, cu_seqlens.has_value(), state_pool, state_indices, num_accepted_tokens, out);
   TORCH_CHECK(p.state_dtype == at::kBFloat16 || p.state_dtype == at::kFloat,
               op, ": on CUDA, state_pool must have dtype bfloat16 or float32, got ", dtype_name(p.state_dtype));

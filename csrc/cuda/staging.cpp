@@ -24,15 +24,8 @@ void check_cuda_limits(const char* op, const Problem& p, const Tensor& A_log, co
       p.input_dtype == at::kBFloat16,
       op, ": on CUDA, q, k, v, g and beta must have dtype bfloat16 (a precomputed gate's g also float32), got ",
       dtype_name(p.input_dtype));
-  // Sizes below kHeadDim run zero-padded (padded_heads.h).
-  TORCH_CHECK(
-      concrete(p.K) <= kHeadDim,
-      op, ": on CUDA, q and k must have a head size K (dim 3) of at most ", int_str(kHeadDim), ", got K = ",
-      int_str(concrete(p.K)), " (larger sizes run on the CPU)");
-  TORCH_CHECK(
-      concrete(p.V) <= kHeadDim,
-      op, ": on CUDA, v must have a head size V (dim 3) of at most ", int_str(kHeadDim), ", got V = ",
-      int_str(concrete(p.V)), " (larger sizes run on the CPU)");
+  // Every head size the op takes (checks.cpp) runs, zero-padded where the
+  // kernels have no instances of its own (padded_heads.h).
   if (!p.precomputed_gate) {
     TORCH_CHECK(A_log.scalar_type() == at::kFloat, op, ": on CUDA, A_log must have dtype float32, got ",
                 dtype_name(A_log.scalar_type()));
@@ -68,6 +61,13 @@ void check_grid_sizes(const char* op, const Problem& p, int64_t num_slots) {
 }
 
 }  // namespace
+
+void check_head_sizes_of_128_wide_kernels(const char* op, const Problem& p, const char* what) {
+  const int64_t K = concrete(p.K), V = concrete(p.V);
+  TORCH_CHECK(K <= kHeadDim && V <= kHeadDim, op, ": on CUDA, ", what, " takes head sizes K and V of at most ",
+              int_str(kHeadDim), ", got K = ", int_str(K), ", V = ", int_str(V),
+              " (the forward takes up to ", int_str(kMaxHeadSize), "; the CPU kernels any)");
+}
 
 Problem check_all(const char* op, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g,
                   const Tensor& beta, const Tensor& A_log, const Tensor& dt_bias, optional<double> scale,

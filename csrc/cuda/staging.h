@@ -15,13 +15,17 @@
 namespace kda::cuda {
 
 // The shared argument checks (checks.cpp), then what the CUDA kernels support
-// (bf16 inputs, K and V at most 128, lower_bound in [-5, 0) or None, ...), then under
+// (bf16 inputs, lower_bound in [-5, 0) or None, ...), then under
 // TORCH_KDA_CHECK=1 the contents of cu_seqlens, A_log and a precomputed gate's g
 // (a device sync).
 Problem check_all(const char* op, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                   const at::Tensor& g, const at::Tensor& beta, const at::Tensor& A_log, const at::Tensor& dt_bias,
                   std::optional<double> scale, std::optional<double> lower_bound,
                   const std::optional<at::Tensor>& initial_state, const std::optional<at::Tensor>& cu_seqlens);
+
+// What runs only on the 128-wide kernels (the backward, the state pool), named
+// by `what` in the message: K and V at most 128.
+void check_head_sizes_of_128_wide_kernels(const char* op, const Problem& p, const char* what);
 
 // Sequence and chunk offsets of a varlen batch, built on the device by one
 // kernel (boundaries.cu: cu_seqlens clamped into [0, tokens] and made

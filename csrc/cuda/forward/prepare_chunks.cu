@@ -84,6 +84,12 @@ struct Staging {
   static_assert(kSA % 16 == 0, "sA rows 16-byte aligned");
 };
 
+// The staging area is static shared memory where it fits the 48 KB a block
+// may declare, and dynamic past that (the 256-wide instances with W's and
+// Kd's lo planes), its size set at launch.
+template <int kBytes>
+constexpr bool kDynamicStaging = kBytes > 48 * 1024;
+
 // Byte offset of 16-byte piece j of row i in a record plane.
 __device__ __forceinline__ int piece_offset(int i, int j) {
   return 2 * record_piece_index(i, j);
@@ -819,9 +825,15 @@ template <int D, bool kForBackward, bool kBf16, bool kSoftplus, bool kGiven>
 __global__ void __launch_bounds__(32 * kK1Warps<D>, (kMinBlocksPerSm<D, kWKdLoPlanes<kForBackward, kBf16>, kSoftplus>))
     prepare_kernel(const FwdParams p) {
   using B = K1Block<D, kForBackward, kBf16, kSoftplus>;
-  static_assert(B::S::kAlloc <= 48 * 1024, "the staging area is static shared memory: past 48 KB it must be dynamic");
   constexpr int kWarpSteps = B::kWarpSteps;
-  __shared__ __align__(128) unsigned char st[B::S::kAlloc];
+  unsigned char* st;
+  if constexpr (kDynamicStaging<B::S::kAlloc>) {
+    extern __shared__ __align__(128) unsigned char dynamic_staging[];
+    st = dynamic_staging;
+  } else {
+    __shared__ __align__(128) unsigned char static_staging[B::S::kAlloc];
+    st = static_staging;
+  }
 
   ChunkPlace c;
   if (!place_chunk(p, c)) {
@@ -926,19 +938,37 @@ __global__ void __launch_bounds__(32 * kK1Warps<D>, (kMinBlocksPerSm<D, kWKdLoPl
   store_record(b, p, c);
 }
 
+// An instance and the dynamic shared memory it takes (0: static staging).
+struct PrepareInstance {
+  void (*kernel)(FwdParams);
+  int dynamic_bytes;
+};
+
+template <int D, bool kForBackward, bool kBf16, bool kSoftplus, bool kGiven>
+PrepareInstance prepare_instance() {
+  auto* kernel = prepare_kernel<D, kForBackward, kBf16, kSoftplus, kGiven>;
+  constexpr int kAlloc = K1Block<D, kForBackward, kBf16, kSoftplus>::S::kAlloc;
+  if constexpr (kDynamicStaging<kAlloc>) {
+    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kAlloc));
+    return {kernel, kAlloc};
+  } else {
+    return {kernel, 0};
+  }
+}
+
 // The instance for the record's planes and the products' precision. The
 // backward's records only at its own head size (launch.h).
 template <int D, bool kSoftplus, bool kGiven>
-auto prepare_kernel_for(const FwdParams& p) {
+PrepareInstance prepare_instance_for(const FwdParams& p) {
   if constexpr (D == kHeadDim) {
-    return p.lo_for_backward ? (p.bf16_products ? prepare_kernel<D, true, true, kSoftplus, kGiven>
-                                                : prepare_kernel<D, true, false, kSoftplus, kGiven>)
-                             : (p.bf16_products ? prepare_kernel<D, false, true, kSoftplus, kGiven>
-                                                : prepare_kernel<D, false, false, kSoftplus, kGiven>);
+    return p.lo_for_backward ? (p.bf16_products ? prepare_instance<D, true, true, kSoftplus, kGiven>()
+                                                : prepare_instance<D, true, false, kSoftplus, kGiven>())
+                             : (p.bf16_products ? prepare_instance<D, false, true, kSoftplus, kGiven>()
+                                                : prepare_instance<D, false, false, kSoftplus, kGiven>());
   } else {
     TORCH_INTERNAL_ASSERT(!p.lo_for_backward, "K1: no backward records at head size ", D);
-    return p.bf16_products ? prepare_kernel<D, false, true, kSoftplus, kGiven>
-                           : prepare_kernel<D, false, false, kSoftplus, kGiven>;
+    return p.bf16_products ? prepare_instance<D, false, true, kSoftplus, kGiven>()
+                           : prepare_instance<D, false, false, kSoftplus, kGiven>();
   }
 }
 
@@ -954,10 +984,10 @@ void launch_prepare(const FwdParams& p, cudaStream_t stream) {
               " heads is more blocks than one launch takes");
   ForwardHeadSizes::dispatch(p.head_size, [&](auto head_size) {
     constexpr int D = decltype(head_size)::value;
-    auto* kernel = p.gate_given
-                       ? (p.softplus ? prepare_kernel_for<D, true, true>(p) : prepare_kernel_for<D, false, true>(p))
-                       : (p.softplus ? prepare_kernel_for<D, true, false>(p) : prepare_kernel_for<D, false, false>(p));
-    kernel<<<static_cast<unsigned int>(blocks), 32 * kK1Warps<D>, 0, stream>>>(p);
+    const PrepareInstance k =
+        p.gate_given ? (p.softplus ? prepare_instance_for<D, true, true>(p) : prepare_instance_for<D, false, true>(p))
+                     : (p.softplus ? prepare_instance_for<D, true, false>(p) : prepare_instance_for<D, false, false>(p));
+    k.kernel<<<static_cast<unsigned int>(blocks), 32 * kK1Warps<D>, k.dynamic_bytes, stream>>>(p);
   });
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }

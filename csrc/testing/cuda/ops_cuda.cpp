@@ -112,6 +112,12 @@ void check_scratch_input(const char* op, const char* name, const Tensor& t, cons
               " tensor on q's device of shape ", shape);
 }
 
+// The backward's kernels run here unpadded: K = V = 128 only.
+void check_kernels_head_size(const char* op, const Problem& p) {
+  TORCH_CHECK(concrete(p.K) == kHeadDim && concrete(p.V) == kHeadDim, op, ": takes K = V = ", kHeadDim, ", got K = ",
+              concrete(p.K), ", V = ", concrete(p.V));
+}
+
 // K1's backward alone.
 std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> prepare_bwd(const Tensor& q, const Tensor& k, const Tensor& v,
                                                                const Tensor& g, const Tensor& beta,
@@ -120,6 +126,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> prepare_bwd(const Tensor& q, 
                                                                double lower_bound) {
   const char* op = "kda_testing.prepare_bwd";
   Problem p = check_all(op, q, k, v, g, beta, A_log, dt_bias, scale, lower_bound, std::nullopt, std::nullopt);
+  check_kernels_head_size(op, p);
   const int64_t B = concrete(p.B), T = concrete(p.T), H = concrete(p.H);
   const int64_t slots = concrete(chunk_slots(p.B, p.T, p.N, false));
   check_scratch_input(op, "d_record", d_record, q, {slots, H, kDRecFloats});
@@ -150,6 +157,7 @@ std::tuple<Tensor, Tensor, Tensor> sweep_bwd(const Tensor& q, const Tensor& k, c
                                      double lower_bound) {
   const char* op = "kda_testing.sweep_bwd";
   Problem p = check_all(op, q, k, v, g, beta, A_log, dt_bias, scale, lower_bound, std::nullopt, std::nullopt);
+  check_kernels_head_size(op, p);
   const int64_t B = concrete(p.B), H = concrete(p.H);
   const int64_t slots = concrete(chunk_slots(p.B, p.T, p.N, false));
   check_scratch_input(op, "states", states, q, {slots, H, kHeadDim, kHeadDim}, at::kBFloat16);
