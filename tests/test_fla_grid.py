@@ -12,13 +12,13 @@ them to work here too. Three families of rows:
 Every row carries an fp32 initial state ~ N(0, 1).
 
 On the CPU every row runs, forward and (chunk, varlen) every gradient.
-On CUDA the path serves K and V up to 128 (below 128 zero-padded), bf16
-q/k/v/beta (and g, but for a precomputed gate's fp32 one), fp32 A_log and
-dt_bias, lower_bound in [-5, 0) or None. fla's rows are fp16 (or fp32), so none
-is served as given: each is also run in bf16, and of those the rows up to 128
-wide are served. The rows it does not
-serve must be refused by the host checks (csrc/cuda/staging.cpp, before any
-launch) with an error naming the argument at fault.
+On CUDA the forward serves K and V up to 256 (on 64-, 128- and 256-wide
+kernels, other sizes zero-padded), bf16 q/k/v/beta (and g, but for a
+precomputed gate's fp32 one), fp32 A_log and dt_bias, lower_bound in [-5, 0) or
+None. fla's rows are fp16 (or fp32), so none is served as given: each is also
+run in bf16, and those are served. The rows it does not serve must be refused
+by the host checks (csrc/cuda/staging.cpp, before any launch) with an error
+naming the argument at fault.
 """
 import dataclasses
 
@@ -302,14 +302,12 @@ def test_segmented_reference_is_the_reference(shape, gate_in_op):
 def cuda_refusal(row, dtype):
     """None where the CUDA path serves the row with q/k/v/beta in dtype; else what the
     first of its refusals says, in the order csrc/cuda/staging.cpp checks. Served:
-    bf16 inputs, K = V <= 128, the gate computed in the op (A_log and dt_bias fp32
+    bf16 inputs, K = V <= 256, the gate computed in the op (A_log and dt_bias fp32
     here) or precomputed (g fp32); every row's gate is the softplus one or
     unbounded (lower_bound None) and its state fp32, both served."""
     if dtype != BF16:
         return (r"on CUDA, q, k, v, g and beta must have dtype bfloat16 \(a precomputed gate's g also float32\), got "
                 + str(dtype).removeprefix("torch."))
-    if row.D > 128:
-        return rf"on CUDA, q and k must have a head size K \(dim 3\) of at most 128, got K = {row.D}"
     return None
 
 
