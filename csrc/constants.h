@@ -13,7 +13,10 @@ constexpr int kMaxHeadSize = 256;
 
 // The CUDA kernels' sizes, which also shape what every backend allocates for
 // them (checkpoints.h) and where segments may start (segments.h).
-constexpr int kHeadDim = 128;  // the CUDA kernels' head size (smaller ones run zero-padded to it)
+// The head size of the backward's, the decode kernel's and the state pool's
+// kernels (smaller ones run zero-padded to it); the forward's kernels also
+// come 64 and 256 wide (cuda/launch.h).
+constexpr int kHeadDim = 128;
 // Heads of at most this many channels (K and V) run the forward's 64-wide
 // kernels, zero-padded to 64 (cuda/padded_heads.h).
 constexpr int kForwardNarrowHead = 64;

@@ -14,7 +14,7 @@
 
 namespace kda::cuda {
 
-// The warps that K2 gives each SM when every (sequence, head) has its eight row
+// The warps that K2 gives each SM when every (sequence, head) has its D / 16 row
 // groups resident at once; its block shape follows from this.
 inline int64_t recurrence_warps_per_sm(const FwdParams& p) {
   return (p.N * p.H * (p.head_size / 16) + p.num_sms - 1) / p.num_sms;

@@ -50,13 +50,14 @@ void check_cuda_limits(const char* op, const Problem& p, const Tensor& A_log, co
 }
 
 // The launches' grids (K1: a block per chunk slot and head; K2: at most
-// eight per sequence and head) must fit one launch.
+// a row group of 16 value rows of each sequence and head, kMaxHeadSize / 16
+// at most) must fit one launch.
 void check_grid_sizes(const char* op, const Problem& p, int64_t num_slots) {
   const int64_t N = concrete(p.N), H = concrete(p.H);
   TORCH_CHECK(num_slots <= INT32_MAX / std::max<int64_t>(H, 1), op, ": q (with cu_seqlens, if given) makes ",
               std::to_string(num_slots), " chunks of 16 tokens x ", std::to_string(H),
               " heads, more blocks than one launch takes");
-  TORCH_CHECK(N <= INT32_MAX / std::max<int64_t>(8 * H, 1), op, ": q (with cu_seqlens, if given) makes ",
+  TORCH_CHECK(N <= INT32_MAX / std::max<int64_t>((kMaxHeadSize / 16) * H, 1), op, ": q (with cu_seqlens, if given) makes ",
               std::to_string(N), " sequences x ", std::to_string(H), " heads, more blocks than one launch takes");
 }
 

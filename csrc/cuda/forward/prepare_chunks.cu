@@ -74,10 +74,12 @@ struct Staging {
   // written) and of the norms' (kXchNorm: 128 bytes a warp; inside sA at two
   // warps) need little or no space of their own. The softplus gate's
   // exchange, 30 floats a lane, starts past the norms' (warp 0 may still read
-  // those when the others write it).
+  // those when the others write it); past two warps its norms sit past sA,
+  // where the bounded gate's larger exchange no longer shares sA's space.
   static constexpr int kWarps = kK1Warps<D>, kSenders = kWarps - 1;  // one warp: no exchange
   static constexpr int kXchNormBytes = kWarps > 1 ? 128 * kWarps : 0;
-  static constexpr int kSA = kBytes, kXchNorm = kM + 2048 * kSenders;
+  static constexpr int kSA = kBytes;
+  static constexpr int kXchNorm = kSoftplus && kWarps > 2 ? kSA + C * kAPitch * 4 : kM + 2048 * kSenders;
   static constexpr int kXch = kSoftplus ? kXchNorm + kXchNormBytes : kM;
   static constexpr int kXchBytes = (kSoftplus ? 30 * 32 * 4 : 2048) * kSenders;
   static constexpr int kAlloc = std::max({kSA + C * kAPitch * 4, kXch + kXchBytes, kXchNorm + kXchNormBytes});
