@@ -1,0 +1,79 @@
+"""The CUDA forward at head sizes 64, 128 and 256 (K = V), against its HBM floor,
+with K2's block shape automatic and forced (2x2, 4x4; the 4x1w is 128 wide):
+
+    python3 benchmarks/bench_head_sizes.py [--sizes 64 128 256] [--repeats 10]
+
+Bounded gate (lower_bound = -5), bf16 inputs, an fp32 or a bf16 initial state and
+the final state returned; torch_kda.kda without gradients, eager, medians of CUDA
+events (ms). The floor: q, k, v, g and beta read and out written once (bf16), the
+initial state read and the final state written once, at the copy bandwidth
+measured at start. fla's side of these shapes is benchmarks/bench_configs.py.
+"""
+import argparse
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_fwd import copy_bandwidth, time_ms  # noqa: E402
+
+import torch_kda  # noqa: E402
+from torch_kda.testing import forced  # noqa: E402
+
+# (sequences, tokens each, heads)
+SHAPES = [(1, 8192, 32), (8, 1024, 32), (1, 8192, 96), (1, 32768, 8)]
+BLOCKS = ("auto", "2x2", "4x4")
+
+
+def inputs(N, T, H, D, state_dtype):
+    gen = torch.Generator(device="cuda").manual_seed(0)
+
+    def randn(*shape):
+        return torch.randn(*shape, device="cuda", generator=gen)
+
+    c = {n: randn(1, N * T, H, D).bfloat16() for n in ("q", "k", "v", "g")}
+    c["beta"] = randn(1, N * T, H).bfloat16()
+    c["A_log"] = torch.rand(H, device="cuda", generator=gen)
+    c["dt_bias"] = torch.rand(H, D, device="cuda", generator=gen)
+    c["h0"] = randn(N, H, D, D).to(state_dtype)
+    c["cu"] = torch.arange(0, N * T + 1, T, device="cuda") if N > 1 else None
+    return c
+
+
+def floor_bytes(N, T, H, D, state_bytes):
+    return N * T * H * (5 * D * 2 + 2) + 2 * N * H * D * D * state_bytes
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--sizes", type=int, nargs="+", default=[64, 128, 256])
+    ap.add_argument("--repeats", type=int, default=10)
+    args = ap.parse_args()
+    bw = copy_bandwidth()
+    print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}, copy bandwidth {bw / 1e12:.2f} TB/s")
+    print(f"{'shape':<14} {'state':<5} {'D':>4} " + " ".join(f"{b:>8}" for b in BLOCKS) + f" {'floor':>7} {'x floor':>7}")
+    for N, T, H in SHAPES:
+        for state_dtype in (torch.float32, torch.bfloat16):
+            for D in args.sizes:
+                c = inputs(N, T, H, D, state_dtype)
+
+                def forward():
+                    with torch.no_grad():
+                        torch_kda.kda(c["q"], c["k"], c["v"], c["g"], c["beta"], c["A_log"], c["dt_bias"],
+                                      lower_bound=-5.0, initial_state=c["h0"], output_final_state=True,
+                                      cu_seqlens=c["cu"])
+
+                times = []
+                for block in BLOCKS:
+                    with forced(recurrence_block=block):
+                        times.append(time_ms(forward, args.repeats))
+                floor = floor_bytes(N, T, H, D, c["h0"].element_size()) / bw * 1e3
+                print(f"{N}x{T} H{H:<5} {str(state_dtype)[-4:]:<5} {D:>4} " + " ".join(f"{t:8.3f}" for t in times)
+                      + f" {floor:7.3f} {times[0] / floor:7.2f}", flush=True)
+                del c
+                torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
