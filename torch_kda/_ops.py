@@ -72,7 +72,9 @@ def kda(
     backward recomputes the operands); "none" neither (the least memory). The
     results are the same bits with each. Heads of at most 64 channels (K and V)
     keep nothing whatever this says: their forward runs 64 wide, their backward
-    128 wide. The CPU backward recomputes from the inputs whatever this says.
+    128 wide; so do heads wider than 128, whose forward runs 256 wide and which
+    have no CUDA backward. The CPU backward recomputes from the inputs whatever
+    this says.
     """
     if not isinstance(output_final_state, bool):
         raise TypeError(f"torch_kda.kda: output_final_state must be a bool, got {type(output_final_state).__name__}")
