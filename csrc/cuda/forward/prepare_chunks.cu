@@ -75,7 +75,7 @@ struct Staging {
   // warps) need little or no space of their own. The softplus gate's
   // exchange, 30 floats a lane, starts past the norms' (warp 0 may still read
   // those when the others write it); past two warps its norms sit past sA,
-  // where the bounded gate's larger exchange no longer shares sA's space.
+  // as the bounded gate's exchange, which it does not run, then outgrows sA.
   static constexpr int kWarps = kK1Warps<D>, kSenders = kWarps - 1;  // one warp: no exchange
   static constexpr int kXchNormBytes = kWarps > 1 ? 128 * kWarps : 0;
   static constexpr int kSA = kBytes;
