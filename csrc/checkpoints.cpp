@@ -1,7 +1,5 @@
 #include "checkpoints.h"
 
-#include <algorithm>
-#include <cstdint>
 #include <string>
 #include <vector>
 
@@ -54,8 +52,7 @@ bool given(const std::optional<at::Tensor>& t) {
 bool forward_keeps(const Problem& p) {
   // Concrete sizes (a compiled graph specialises on them): the shapes of what
   // the forward returns follow from this.
-  const int64_t K = p.K.guard_int(__FILE__, __LINE__), V = p.V.guard_int(__FILE__, __LINE__);
-  return std::max(K, V) > kForwardNarrowHead && std::max(K, V) <= kHeadDim;
+  return forward_head_size(p.K.guard_int(__FILE__, __LINE__), p.V.guard_int(__FILE__, __LINE__)) == kHeadDim;
 }
 
 SavedForBackward allocate_saved(const Problem& p, const at::Tensor& q, bool varlen, Save save) {

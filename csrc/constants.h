@@ -2,6 +2,8 @@
 // .cu files can include it cheaply).
 #pragma once
 
+#include <cstdint>
+
 namespace kda {
 
 // Epsilon inside the L2 norm of q and k: x / sqrt(sum(x^2) + kNormEps) (as the model defines it).
@@ -21,6 +23,14 @@ constexpr int kHeadDim = 128;
 // kernels, zero-padded to 64 (cuda/padded_heads.h).
 constexpr int kForwardNarrowHead = 64;
 constexpr int kChunk = 16;     // tokens per chunk
+
+// The head size of the CUDA forward's kernels for K and V (1 to kMaxHeadSize):
+// the smallest of 64, 128 and 256 that holds both (the kernels take K = V).
+// What the forward keeps for the backward follows from it (checkpoints.h).
+constexpr int64_t forward_head_size(int64_t K, int64_t V) {
+  const int64_t size = K > V ? K : V;
+  return size <= kForwardNarrowHead ? kForwardNarrowHead : size <= kHeadDim ? kHeadDim : kMaxHeadSize;
+}
 
 // The bytes of one record, K1's output per (chunk slot, head), at head size D:
 // six [16][D] bf16 planes, D fp32 decays and four [16][16] bf16 planes. Its

@@ -14,16 +14,17 @@ namespace kda::cuda {
 
 // The forward of p into `out` and `final_state` (ops_cuda.cpp has the staging
 // rules). chunk_states and records: kept for the backward (kda._fwd_checkpointed).
-// decode_short_requests: a call whose sequences average a few tokens runs the
-// decode kernel instead of the chunked pair (kda::fwd_ only: torch_kda.kda
-// gives the same bits with and without a gradient, so kda::fwd and
-// kda::_fwd_checkpointed always take the chunked kernels).
+// decode: run the decode kernel instead of the chunked pair, at K = V = 128
+// and keeping nothing (ops_cuda.cpp chooses it for kda::fwd_ calls whose
+// sequences average a few tokens: torch_kda.kda gives the same bits with and
+// without a gradient, so kda::fwd and kda::_fwd_checkpointed always take the
+// chunked kernels).
 void forward_into(const char* op, const Problem& p, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                   const at::Tensor& g, const at::Tensor& beta, const at::Tensor& A_log, const at::Tensor& dt_bias,
                   const std::optional<at::Tensor>& initial_state, const std::optional<at::Tensor>& cu_seqlens,
                   const at::Tensor& out, const std::optional<at::Tensor>& final_state,
                   const at::Tensor& chunk_states = at::Tensor(), const at::Tensor& records = at::Tensor(),
-                  bool decode_short_requests = false);
+                  bool decode = false);
 
 // The decode kernel (pool.cu) over params' requests, each from its initial
 // state (zeros where undefined) to its final state (not stored where

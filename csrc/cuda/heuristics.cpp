@@ -160,7 +160,7 @@ int64_t backward_window_floor(int64_t H) {
 
 int64_t backward_window(const FwdParams& p, int64_t device_memory, bool saved_states, bool saved_records) {
   const int64_t per_slot =
-      p.H * (kBwdSlotScratchBytes - (saved_states ? kBwdStateBytes : 0) - (saved_records ? kWsChunkBytes : 0));
+      p.H * (kBwdSlotScratchBytes - (saved_states ? kBwdStateBytes : 0) - (saved_records ? kRecordBytes : 0));
   if (saved_states && p.N > 1) {
     const int64_t limit = std::min(kWindowScratchSeveralSequences, device_memory / 4);
     const int64_t windows = std::max<int64_t>(1, (p.num_slots * per_slot + limit - 1) / limit);

@@ -53,7 +53,7 @@ void run_windows(const FwdParams& params, const Tensor& q, ForwardPlan plan, flo
   run_forward(params, q, plan, kept_records);
 }
 
-// Whether forward_into runs the decode kernel (forward_call.h) rather than
+// Whether forward_served runs the decode kernel (forward_call.h) rather than
 // the chunked pair.
 bool takes_decode_kernel(const Problem& p, bool decode_short_requests, const Tensor& chunk_states,
                          const Tensor& records) {
@@ -72,7 +72,7 @@ void forward_into(const char* op, const Problem& p, const Tensor& q, const Tenso
                   const Tensor& beta, const Tensor& A_log, const Tensor& dt_bias,
                   const optional<Tensor>& initial_state, const optional<Tensor>& cu_seqlens, const Tensor& out,
                   const optional<Tensor>& final_state, const Tensor& chunk_states, const Tensor& records,
-                  bool decode_short_requests) {
+                  bool decode) {
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(q.device().index()).stream();
   Boundaries bounds = sequence_boundaries(op, p, q, cu_seqlens, stream);
   CallInputs in = call_inputs(p, q, k, v, g, beta, A_log, dt_bias, bounds);
@@ -106,7 +106,7 @@ void forward_into(const char* op, const Problem& p, const Tensor& q, const Tenso
   params.initial_state = init.defined() ? init.data_ptr() : nullptr;
   params.final_state = final_c.defined() ? final_c.data_ptr() : nullptr;
   params.out = out_c.data_ptr();
-  if (takes_decode_kernel(p, decode_short_requests, chunk_states, records)) {
+  if (decode) {
     // One kernel reads every input while it writes out and the final states,
     // in vectors of up to 16 bytes.
     for (Tensor* input : {&in.q, &in.k, &in.g, &in.beta, &in.A_log, &in.dt_bias}) {
@@ -165,14 +165,14 @@ void forward_served(const char* op, const Problem& p, const Tensor& q, const Ten
                     const optional<Tensor>& initial_state, const optional<Tensor>& cu_seqlens, const Tensor& out,
                     const optional<Tensor>& final_state, const Tensor& chunk_states = Tensor(),
                     const Tensor& records = Tensor(), bool decode_short_requests = false) {
-  const int64_t D =
-      takes_decode_kernel(p, decode_short_requests, chunk_states, records) ? kHeadDim : forward_head_size(p);
+  const bool decode = takes_decode_kernel(p, decode_short_requests, chunk_states, records);
+  const int64_t D = decode ? kHeadDim : forward_head_size(concrete(p.K), concrete(p.V));
   const auto kept = [](const Tensor& t) { return t.defined() && t.numel() > 0; };
   TORCH_INTERNAL_ASSERT(D == kHeadDim || (!kept(chunk_states) && !kept(records)),
                         "the backward's checkpoints are 128 wide: kept only from the 128-wide forward");
   if (!pads_heads(p, D)) {
     forward_into(op, p, q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, out, final_state, chunk_states,
-                 records, decode_short_requests);
+                 records, decode);
     return;
   }
   const PaddedInputs x = padded_inputs(p, D, q, k, v, g, dt_bias, initial_state);
@@ -185,7 +185,7 @@ void forward_served(const char* op, const Problem& p, const Tensor& q, const Ten
     final_p = at::empty({concrete(p.N), concrete(p.H), Vp, Kp}, final_state->options().dtype(p.state_dtype));
   }
   forward_into(op, x.p, x.q, x.k, x.v, x.g, beta, A_log, x.dt_bias, x.initial_state, cu_seqlens, out_p, final_p,
-               chunk_states, records, decode_short_requests);
+               chunk_states, records, decode);
   out.copy_(out_p.narrow(-1, 0, V));
   if (final_state.has_value()) {
     final_state->copy_(final_p->narrow(-2, 0, V).narrow(-1, 0, K));

@@ -2,18 +2,11 @@
 
 #include <ATen/ops/empty.h>
 
-#include <algorithm>
 #include <vector>
 
 #include "cuda/params.h"
 
 namespace kda::cuda {
-
-int64_t forward_head_size(const Problem& p) {
-  const int64_t size = std::max(concrete(p.K), concrete(p.V));
-  TORCH_INTERNAL_ASSERT(size > 0 && size <= kMaxHeadSize, "no kernels serve a head size of ", size);
-  return size <= kForwardNarrowHead ? kForwardNarrowHead : size <= kHeadDim ? kHeadDim : kMaxHeadSize;
-}
 
 bool pads_heads(const Problem& p, int64_t D) {
   return concrete(p.K) != D || concrete(p.V) != D;

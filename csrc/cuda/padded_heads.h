@@ -1,7 +1,8 @@
 // Head sizes the kernels have no instances for, served by zero padding: K and
-// V run on the kernels of one served size D (launch.h: the forward's 64, 128
-// and 256, the backward's and the decode kernel's 128) over zero-padded copies
-// of the inputs, and the outputs are the leading block of the padded ones.
+// V run on the kernels of one served size D (the forward's: forward_head_size
+// in constants.h; the backward's, the decode kernel's and the pool's: 128)
+// over zero-padded copies of the inputs, and the outputs are the leading block
+// of the padded ones.
 //
 // Zero channels are inert. A zero key and query channel adds nothing to the
 // rows' L2 norms or to any product over channels, so the state's column for it
@@ -20,11 +21,6 @@
 #include "kda.h"
 
 namespace kda::cuda {
-
-// The head size of the chunked forward's kernels for p: the smallest served
-// size (64, 128, 256) that holds both K and V (one size for both: the kernels
-// take K = V).
-int64_t forward_head_size(const Problem& p);
 
 // Whether p's K or V is served by padding to D.
 bool pads_heads(const Problem& p, int64_t D);

@@ -65,9 +65,6 @@ struct RecordLayout {
 constexpr int64_t record_floats(int D) {
   return record_bytes(D) / 4;
 }
-// The sizes of the backward, which serves 128 alone.
-constexpr int kWsChunkBytes = RecordLayout<kHeadDim>::kBytes;
-constexpr int kWsChunkFloats = kWsChunkBytes / 4;
 
 struct FwdParams {
   int64_t H = 0;  // heads (value heads: v, g, beta, the gate's parameters, the states, out)
@@ -189,7 +186,7 @@ constexpr int kDRecFloats = RecordGrad::kFloats;
 // only the record gradients' products; the recurrences carry both in fp32), and
 // the record's gradients (backward/schedule.h).
 constexpr int64_t kBwdStateBytes = kHeadDim * kHeadDim * 2;
-constexpr int64_t kBwdSlotScratchBytes = kWsChunkBytes + 2 * kBwdStateBytes + kDRecFloats * 4;
+constexpr int64_t kBwdSlotScratchBytes = kRecordBytes + 2 * kBwdStateBytes + kDRecFloats * 4;
 
 struct PrepareBwdParams {
   FwdParams fwd;  // the inputs, sizes, offsets and slot window, as K1 reads them

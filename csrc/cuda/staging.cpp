@@ -57,8 +57,8 @@ void check_grid_sizes(const char* op, const Problem& p, int64_t num_slots) {
   TORCH_CHECK(num_slots <= INT32_MAX / std::max<int64_t>(H, 1), op, ": q (with cu_seqlens, if given) makes ",
               std::to_string(num_slots), " chunks of 16 tokens x ", std::to_string(H),
               " heads, more blocks than one launch takes");
-  TORCH_CHECK(N <= INT32_MAX / std::max<int64_t>((kMaxHeadSize / 16) * H, 1), op, ": q (with cu_seqlens, if given) makes ",
-              std::to_string(N), " sequences x ", std::to_string(H), " heads, more blocks than one launch takes");
+  TORCH_CHECK(N <= INT32_MAX / std::max<int64_t>((kMaxHeadSize / 16) * H, 1), op,
+              ": q (with cu_seqlens, if given) makes ", std::to_string(N), " sequences x ", std::to_string(H), " heads, more blocks than one launch takes");
 }
 
 }  // namespace

@@ -34,7 +34,7 @@ void run_backward(const BackwardCall& call, const at::Tensor& like, const Backwa
   // check_saved has rejected records without the states.
   TORCH_INTERNAL_ASSERT(saved_records == nullptr || !recur, "kda.bwd: records are used only with the chunk-start states");
   // K2's passes here move only the states: no output, no final state.
-  at::Tensor workspace = saved_records == nullptr ? at::empty({window, H, kWsChunkFloats}, f32) : at::Tensor();
+  at::Tensor workspace = saved_records == nullptr ? at::empty({window, H, record_floats(D)}, f32) : at::Tensor();
   const auto bf16 = like.options().dtype(at::kBFloat16);
   at::Tensor states = recur ? at::empty({window, H, D, D}, bf16) : at::Tensor();
   at::Tensor d_states = at::empty({window, H, D, D}, bf16);
@@ -75,7 +75,7 @@ void run_backward(const BackwardCall& call, const at::Tensor& like, const Backwa
     if (saved_records != nullptr) {
       // The kernels index the records from the window's first slot; only read
       // here (no K1 for them runs).
-      p.workspace = const_cast<float*>(saved_records) + p.slot_begin * H * kWsChunkFloats;
+      p.workspace = const_cast<float*>(saved_records) + p.slot_begin * H * record_floats(D);
     } else {
       launch_prepare(p, stream);
     }

@@ -45,7 +45,7 @@ struct BackwardCall {
 // saved_states: null, or the state at the start of every chunk slot, bf16
 // [num_slots, H, 128, 128] (kda._fwd_checkpointed's): K2 then does not run.
 // saved_records: null, or (only with saved_states) the record of every chunk
-// slot, with the lo planes, fp32 [num_slots, H, kWsChunkFloats]
+// slot, with the lo planes, fp32 [num_slots, H, record_floats(kHeadDim)]
 // (kda._fwd_checkpointed's): K1 then runs only for its backward.
 void run_backward(const BackwardCall& call, const at::Tensor& like, const BackwardPlan& plan,
                   const void* saved_states = nullptr, const float* saved_records = nullptr);

@@ -960,18 +960,21 @@ PrepareInstance prepare_instance() {
 
 // The instance for the record's planes and the products' precision. The
 // backward's records only at its own head size (launch.h).
+template <int D, bool kForBackward, bool kSoftplus, bool kGiven>
+PrepareInstance prepare_instance_for_products(const FwdParams& p) {
+  return p.bf16_products ? prepare_instance<D, kForBackward, true, kSoftplus, kGiven>()
+                         : prepare_instance<D, kForBackward, false, kSoftplus, kGiven>();
+}
+
 template <int D, bool kSoftplus, bool kGiven>
 PrepareInstance prepare_instance_for(const FwdParams& p) {
   if constexpr (D == kHeadDim) {
-    return p.lo_for_backward ? (p.bf16_products ? prepare_instance<D, true, true, kSoftplus, kGiven>()
-                                                : prepare_instance<D, true, false, kSoftplus, kGiven>())
-                             : (p.bf16_products ? prepare_instance<D, false, true, kSoftplus, kGiven>()
-                                                : prepare_instance<D, false, false, kSoftplus, kGiven>());
-  } else {
-    TORCH_INTERNAL_ASSERT(!p.lo_for_backward, "K1: no backward records at head size ", D);
-    return p.bf16_products ? prepare_instance<D, false, true, kSoftplus, kGiven>()
-                           : prepare_instance<D, false, false, kSoftplus, kGiven>();
+    if (p.lo_for_backward) {
+      return prepare_instance_for_products<D, true, kSoftplus, kGiven>(p);
+    }
   }
+  TORCH_INTERNAL_ASSERT(!p.lo_for_backward, "K1: no backward records at head size ", D);
+  return prepare_instance_for_products<D, false, kSoftplus, kGiven>(p);
 }
 
 }  // namespace

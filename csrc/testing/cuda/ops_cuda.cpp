@@ -178,7 +178,7 @@ std::tuple<Tensor, Tensor, Tensor> sweep_bwd(const Tensor& q, const Tensor& k, c
   CallInputs in = call_inputs(p, q, k, v, g, beta, A_log, dt_bias, sequence_boundaries(op, p, q, std::nullopt, stream));
   Tensor go = sweep_grad_out(grad_out);
   const auto f32 = q.options().dtype(at::kFloat);
-  Tensor workspace = at::empty({slots, H, kWsChunkFloats}, f32);
+  Tensor workspace = at::empty({slots, H, record_floats(kHeadDim)}, f32);
   Tensor d_record = at::empty({slots, H, kDRecFloats}, f32);
   Tensor d_initial = at::empty({B, H, kHeadDim, kHeadDim}, f32);
   Tensor d_states = at::empty({slots, H, kHeadDim, kHeadDim}, q.options().dtype(at::kBFloat16));
