@@ -68,8 +68,8 @@ def test_forward_kernels_by_head_size(K, V, D):
     assert kernel_head_sizes(names, "prepare_kernel") == [D]
     assert kernel_head_sizes(names, "recurrence_kernel") == [D]
     if D > 128:
-        with pytest.raises(RuntimeError, match=rf"kda.bwd: on CUDA, the backward takes head sizes K and V of at most "
-                                               rf"128, got K = {K}, V = {V} \(the forward takes up to 256"):
+        with pytest.raises(RuntimeError, match=rf"kda.bwd: on CUDA, the backward takes q and k with a head size K "
+                                               rf"\(dim 3\) of at most 128, got K = {K} \(the forward takes up to 256"):
             out.float().sum().backward()
         return
     _, names = launched_kernels(lambda: out.float().sum().backward())
@@ -109,7 +109,7 @@ def test_block_shapes_at_64_and_256(block, state_dtype, lower_bound, K, V, D):
 def test_forward_at_64_and_256_refuses_the_128_wide_block(D):
     _, g = cuda_inputs(K=D, V=D, B=1, T=20, H=2)
     with forced(recurrence_block="4x1w"), pytest.raises(
-            RuntimeError, match=rf"the 4x1w block is 128 wide; head size {D} runs 2x2 or 4x4"):
+            RuntimeError, match=rf"recurrence_block '4x1w' is 128 wide; head size {D} runs '2x2' or '4x4'"):
         run_cuda(g)
 
 
@@ -275,13 +275,19 @@ def test_what_wider_heads_raise():
     """Past 128 the backward and the state pool raise, naming the sizes; past 256 every op."""
     _, g = cuda_inputs(state_dtype=F32, K=256, V=128, B=1, T=4, H=1)
     grad_out = torch.randn(g["v"].shape, device=DEV).to(BF16)
-    with pytest.raises(RuntimeError, match=r"kda.bwd: on CUDA, the backward takes head sizes K and V of at most 128, "
-                                           r"got K = 256, V = 128 \(the forward takes up to 256; the CPU kernels any\)"):
+    with pytest.raises(RuntimeError, match=r"kda.bwd: on CUDA, the backward takes q and k with a head size K \(dim 3\) "
+                                           r"of at most 128, got K = 256 \(the forward takes up to 256; the CPU kernels "
+                                           r"any\)"):
         torch.ops.kda.bwd(grad_out, None, *positional(g), lower_bound=-5.0)
     pool = torch.zeros(2, 1, 128, 256, device=DEV)
-    with pytest.raises(RuntimeError, match=r"on CUDA, the state pool takes head sizes K and V of at most 128, "
-                                           r"got K = 256, V = 128"):
+    with pytest.raises(RuntimeError, match=r"on CUDA, the state pool takes q and k with a head size K \(dim 3\) of "
+                                           r"at most 128, got K = 256"):
         torch_kda.kda_pool(*positional(g), pool, torch.tensor([1], device=DEV), lower_bound=-5.0)
+    _, g = cuda_inputs(state_dtype=F32, K=64, V=200, B=1, T=4, H=1)
+    grad_out = torch.randn(g["v"].shape, device=DEV).to(BF16)
+    with pytest.raises(RuntimeError, match=r"kda.bwd: on CUDA, the backward takes v with a head size V \(dim 3\) of "
+                                           r"at most 128, got V = 200"):
+        torch.ops.kda.bwd(grad_out, None, *positional(g), lower_bound=-5.0)
     _, g = cuda_inputs(K=128, V=257, B=1, T=4, H=1)
     with pytest.raises(RuntimeError, match=r"v must have a head size V \(dim 3\) of at most 256, got shape"):
         run_cuda(g)

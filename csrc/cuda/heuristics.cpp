@@ -138,8 +138,8 @@ bool late_refill_pays(const FwdParams& p) {
 
 RecurrenceShape recurrence_shape(const FwdParams& p, const Forced& f) {
   TORCH_CHECK(f.recurrence_block != RecurrenceBlock::k4x1w || p.head_size == kHeadDim,
-              "torch_kda.testing.forced: the 4x1w block is ", kHeadDim, " wide; head size ", p.head_size,
-              " runs 2x2 or 4x4");
+              "torch_kda.testing.forced: recurrence_block '4x1w' is ", kHeadDim, " wide; head size ", p.head_size,
+              " runs '2x2' or '4x4'");
   return {f.recurrence_block.value_or(automatic_recurrence_block(p)), late_refill_pays(p)};
 }
 

@@ -65,9 +65,12 @@ void check_grid_sizes(const char* op, const Problem& p, int64_t num_slots) {
 
 void check_head_sizes_of_128_wide_kernels(const char* op, const Problem& p, const char* what) {
   const int64_t K = concrete(p.K), V = concrete(p.V);
-  TORCH_CHECK(K <= kHeadDim && V <= kHeadDim, op, ": on CUDA, ", what, " takes head sizes K and V of at most ",
-              int_str(kHeadDim), ", got K = ", int_str(K), ", V = ", int_str(V),
-              " (the forward takes up to ", int_str(kMaxHeadSize), "; the CPU kernels any)");
+  TORCH_CHECK(K <= kHeadDim, op, ": on CUDA, ", what, " takes q and k with a head size K (dim 3) of at most ",
+              int_str(kHeadDim), ", got K = ", int_str(K), " (the forward takes up to ", int_str(kMaxHeadSize),
+              "; the CPU kernels any)");
+  TORCH_CHECK(V <= kHeadDim, op, ": on CUDA, ", what, " takes v with a head size V (dim 3) of at most ",
+              int_str(kHeadDim), ", got V = ", int_str(V), " (the forward takes up to ", int_str(kMaxHeadSize),
+              "; the CPU kernels any)");
 }
 
 Problem check_all(const char* op, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g,

@@ -24,7 +24,7 @@ Problem check_all(const char* op, const at::Tensor& q, const at::Tensor& k, cons
                   const std::optional<at::Tensor>& initial_state, const std::optional<at::Tensor>& cu_seqlens);
 
 // What runs only on the 128-wide kernels (the backward, the state pool), named
-// by `what` in the message: K and V at most 128.
+// by `what` in the message: q and k's K and v's V at most 128.
 void check_head_sizes_of_128_wide_kernels(const char* op, const Problem& p, const char* what);
 
 // Sequence and chunk offsets of a varlen batch, built on the device by one
