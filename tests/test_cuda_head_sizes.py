@@ -240,6 +240,53 @@ def test_cuda_graph_replay_with_new_inputs(seqlens, K, V):
     assert torch.equal(out, eager_out) and torch.equal(final, eager_final)
 
 
+@pytest.mark.parametrize("D", [64, 256])
+def test_segmented_forward_graph_replay_with_new_inputs(D):
+    """The segmented forward at head sizes 64 and 256 (forced), a varlen batch with
+    an empty sequence, captured and replayed with every input new: bitwise the
+    eager call on those inputs."""
+    def inputs():
+        return cuda_inputs(state_dtype=F32, K=D, V=D, seqlens=[300, 0, 170], H=2)[1]
+
+    def call(x, out, final):
+        torch_kda.fwd(*positional(x)[:5], None, out, x["A_log"], x["dt_bias"], None,
+                      initial_state=x["initial_state"], final_state=final, cu_seqlens=x["cu_seqlens"])
+
+    g = inputs()
+    out, final = torch.empty_like(g["v"]), torch.empty_like(g["initial_state"])
+    with forced(segments=4):
+        graph, _ = capture_graph(lambda: call(g, out, final))
+        g2 = inputs()
+        for name in ("q", "k", "v", "g", "beta", "A_log", "dt_bias", "initial_state"):
+            g[name].copy_(g2[name])
+        out.fill_(float("nan"))
+        final.fill_(float("nan"))
+        graph.replay()
+        eager_out, eager_final = nan_like(out), nan_like(final)
+        call(g2, eager_out, eager_final)
+    torch.cuda.synchronize()
+    assert torch.isfinite(out).all() and torch.isfinite(final).all()
+    assert torch.equal(out, eager_out) and torch.equal(final, eager_final)
+
+
+def test_compile_fullgraph_forward_at_256():
+    """The 256-wide forward (no CUDA backward) compiled whole, with grouped value
+    heads and a varlen batch with an empty sequence: bitwise the eager call."""
+    _, g = cuda_inputs(state_dtype=F32, K=256, V=200, seqlens=[40, 0, 23], H=2, HV=4)
+
+    def forward(q, k, v, gate, beta, A_log, dt_bias, h0, cu):
+        return torch_kda.kda(q, k, v, gate, beta, A_log, dt_bias, lower_bound=None, initial_state=h0,
+                             output_final_state=True, cu_seqlens=cu)
+
+    args = (*positional(g), g["initial_state"], g["cu_seqlens"])
+    with torch.no_grad():
+        got = torch.compile(forward, fullgraph=True)(*args)
+        want = forward(*args)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    ref_out, ref_final = run_reference(g, lower_bound=None)
+    assert rel(got[0], ref_out) <= 5e-3 and rel(got[1], ref_final) <= 1e-4
+
+
 @pytest.mark.parametrize("K,V", [(64, 100), (48, 64)], ids=lambda x: str(x))
 def test_compile_fullgraph_forward_and_backward(K, V):
     """Grouped value heads (HV = 2 H), on the 128-wide and the 64-wide forward."""
