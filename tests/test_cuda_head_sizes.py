@@ -209,19 +209,12 @@ def test_grouped_heads_and_a_precomputed_gate():
         assert rel(out, ref_out) <= 5e-3 and rel(final, ref_final) <= 1e-4
 
 
-@pytest.mark.parametrize("K,V", [(64, 100), (48, 64), (256, 200)], ids=lambda x: str(x))
-@pytest.mark.parametrize("seqlens", [[1, 0, 1, 1], [40, 0, 100, 17]], ids=["decode", "chunked"])
-def test_cuda_graph_replay_with_new_inputs(seqlens, K, V):
-    """kda::fwd_ at K = 64, V = 100 (128 wide), K = 48, V = 64 (64 wide) and K =
-    256, V = 200 (256 wide, chunked also for one token a sequence) with grouped
-    value heads (the padding's copies inside the graph), a varlen batch with an
-    empty sequence, captured and replayed with new inputs copied in: bitwise
-    the eager call on those inputs."""
-    def inputs():
-        return cuda_inputs(state_dtype=F32, K=K, V=V, seqlens=seqlens, H=2, HV=4)[1]
-
+def assert_fwd_graph_replays_eager(inputs, lower_bound):
+    """torch_kda.fwd on inputs() captured in a CUDA graph, every input then
+    replaced by a fresh draw and the outputs poisoned: the replay is bitwise the
+    eager call on the new inputs."""
     def call(x, out, final):
-        torch_kda.fwd(*positional(x)[:5], None, out, x["A_log"], x["dt_bias"], -5.0,
+        torch_kda.fwd(*positional(x)[:5], None, out, x["A_log"], x["dt_bias"], lower_bound,
                       initial_state=x["initial_state"], final_state=final, cu_seqlens=x["cu_seqlens"])
 
     g = inputs()
@@ -240,33 +233,24 @@ def test_cuda_graph_replay_with_new_inputs(seqlens, K, V):
     assert torch.equal(out, eager_out) and torch.equal(final, eager_final)
 
 
+@pytest.mark.parametrize("K,V", [(64, 100), (48, 64), (256, 200)], ids=lambda x: str(x))
+@pytest.mark.parametrize("seqlens", [[1, 0, 1, 1], [40, 0, 100, 17]], ids=["decode", "chunked"])
+def test_cuda_graph_replay_with_new_inputs(seqlens, K, V):
+    """kda::fwd_ at K = 64, V = 100 (128 wide), K = 48, V = 64 (64 wide) and K =
+    256, V = 200 (256 wide, chunked also for one token a sequence) with grouped
+    value heads (the padding's copies inside the graph), a varlen batch with an
+    empty sequence."""
+    assert_fwd_graph_replays_eager(
+        lambda: cuda_inputs(state_dtype=F32, K=K, V=V, seqlens=seqlens, H=2, HV=4)[1], -5.0)
+
+
 @pytest.mark.parametrize("D", [64, 256])
 def test_segmented_forward_graph_replay_with_new_inputs(D):
-    """The segmented forward at head sizes 64 and 256 (forced), a varlen batch with
-    an empty sequence, captured and replayed with every input new: bitwise the
-    eager call on those inputs."""
-    def inputs():
-        return cuda_inputs(state_dtype=F32, K=D, V=D, seqlens=[300, 0, 170], H=2)[1]
-
-    def call(x, out, final):
-        torch_kda.fwd(*positional(x)[:5], None, out, x["A_log"], x["dt_bias"], None,
-                      initial_state=x["initial_state"], final_state=final, cu_seqlens=x["cu_seqlens"])
-
-    g = inputs()
-    out, final = torch.empty_like(g["v"]), torch.empty_like(g["initial_state"])
+    """The segmented forward at head sizes 64 and 256 (forced), the softplus gate,
+    a varlen batch with an empty sequence."""
     with forced(segments=4):
-        graph, _ = capture_graph(lambda: call(g, out, final))
-        g2 = inputs()
-        for name in ("q", "k", "v", "g", "beta", "A_log", "dt_bias", "initial_state"):
-            g[name].copy_(g2[name])
-        out.fill_(float("nan"))
-        final.fill_(float("nan"))
-        graph.replay()
-        eager_out, eager_final = nan_like(out), nan_like(final)
-        call(g2, eager_out, eager_final)
-    torch.cuda.synchronize()
-    assert torch.isfinite(out).all() and torch.isfinite(final).all()
-    assert torch.equal(out, eager_out) and torch.equal(final, eager_final)
+        assert_fwd_graph_replays_eager(
+            lambda: cuda_inputs(state_dtype=F32, K=D, V=D, seqlens=[300, 0, 170], H=2)[1], None)
 
 
 def test_compile_fullgraph_forward_at_256():
