@@ -25,12 +25,18 @@ namespace {
 
 // The shapes of the two outputs for `slots` chunk slots: what the forward
 // allocates is what the backward accepts.
+// Concrete sizes (a compiled graph specialises on them): the shapes follow from the head size.
+int64_t saved_head_size(const Problem& p) {
+  return backward_head_size(p.K.guard_int(__FILE__, __LINE__), p.V.guard_int(__FILE__, __LINE__));
+}
+
 std::vector<c10::SymInt> checkpoints_shape(const Problem& p, const c10::SymInt& slots) {
-  return {slots, p.H, kHeadDim, kHeadDim};
+  const int64_t D = saved_head_size(p);
+  return {slots, p.H, D, D};
 }
 
 std::vector<c10::SymInt> records_shape(const Problem& p, const c10::SymInt& slots) {
-  return {slots, p.H, kRecordBytes / 4};
+  return {slots, p.H, record_bytes(static_cast<int>(saved_head_size(p))) / 4};
 }
 
 // `name` as the forward returned it for these shapes: contiguous, of this
@@ -50,9 +56,8 @@ bool given(const std::optional<at::Tensor>& t) {
 }  // namespace
 
 bool forward_keeps(const Problem& p) {
-  // Concrete sizes (a compiled graph specialises on them): the shapes of what
-  // the forward returns follow from this.
-  return forward_head_size(p.K.guard_int(__FILE__, __LINE__), p.V.guard_int(__FILE__, __LINE__)) == kHeadDim;
+  return forward_head_size(p.K.guard_int(__FILE__, __LINE__), p.V.guard_int(__FILE__, __LINE__)) ==
+         saved_head_size(p);
 }
 
 SavedForBackward allocate_saved(const Problem& p, const at::Tensor& q, bool varlen, Save save) {

@@ -15,12 +15,12 @@ constexpr int kMaxHeadSize = 256;
 
 // The CUDA kernels' sizes, which also shape what every backend allocates for
 // them (checkpoints.h) and where segments may start (segments.h).
-// The head size of the backward's, the decode kernel's and the state pool's
-// kernels (smaller ones run zero-padded to it); the forward's kernels also
-// come 64 and 256 wide (cuda/launch.h).
+// The head size of the decode kernel's and the state pool's kernels (smaller
+// ones run zero-padded to it), and the widest of the backward's; the forward's
+// kernels also come 64 and 256 wide, the backward's 64 (cuda/launch.h).
 constexpr int kHeadDim = 128;
-// Heads of at most this many channels (K and V) run the forward's 64-wide
-// kernels, zero-padded to 64 (cuda/padded_heads.h).
+// Heads of at most this many channels (K and V) run the forward's and the
+// backward's 64-wide kernels, zero-padded to 64 (cuda/padded_heads.h).
 constexpr int kForwardNarrowHead = 64;
 constexpr int kChunk = 16;     // tokens per chunk
 
@@ -32,13 +32,20 @@ constexpr int64_t forward_head_size(int64_t K, int64_t V) {
   return size <= kForwardNarrowHead ? kForwardNarrowHead : size <= kHeadDim ? kHeadDim : kMaxHeadSize;
 }
 
+// The head size of the CUDA backward's kernels for K and V (1 to kHeadDim):
+// the smallest of 64 and 128 that holds both. The forward keeps its
+// checkpoints where it runs at this size (checkpoints.h).
+constexpr int64_t backward_head_size(int64_t K, int64_t V) {
+  const int64_t size = K > V ? K : V;
+  return size <= kForwardNarrowHead ? kForwardNarrowHead : kHeadDim;
+}
+
 // The bytes of one record, K1's output per (chunk slot, head), at head size D:
 // six [16][D] bf16 planes, D fp32 decays and four [16][16] bf16 planes. Its
 // layout is the CUDA kernels' own (params.h, which checks it against this size).
 constexpr int record_bytes(int D) {
   return 6 * kChunk * D * 2 + D * 4 + 4 * kChunk * kChunk * 2;
 }
-constexpr int kRecordBytes = record_bytes(kHeadDim);  // what the backward takes (checkpoints.h)
-static_assert(kRecordBytes == 27136, "the record at D = 128");
+static_assert(record_bytes(kHeadDim) == 27136, "the record at D = 128");
 
 }  // namespace kda

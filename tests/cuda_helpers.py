@@ -61,6 +61,9 @@ def hard_case(name, d, g):
     if name == "weak_decay":
         g["A_log"].fill_(2.0)
         g["dt_bias"].fill_(-8.0)
+    elif name == "strong_decay":  # the bounded gate near its bound; the softplus gate's e^-6 a token
+        g["A_log"].fill_(1.5)
+        g["dt_bias"].fill_(1.0)
     elif name == "small_beta":
         g["beta"].sub_(6.0)
     d["A_log"], d["dt_bias"], d["beta"] = (g[n].cpu() for n in ("A_log", "dt_bias", "beta"))

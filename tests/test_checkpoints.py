@@ -54,16 +54,18 @@ def test_save_argument(save, kept):
     assert ckpt.shape == (kept[0], 2, 128, 128) and rec.shape == (kept[1], 2, RECORD_FLOATS)
 
 
-# Heads of at most 64 channels run the 64-wide forward, and those wider than
-# 128 the 256-wide one, which keep nothing (csrc/checkpoints.h: forward_keeps);
-# the others keep the 128-wide states and records of the zero-padded problem
-# (300 tokens: 19 slots).
-@pytest.mark.parametrize("K,V,kept", [(64, 64, 0), (48, 64, 0), (1, 17, 0), (64, 65, 19), (100, 60, 19),
-                                      (128, 128, 19), (129, 64, 0), (256, 256, 0)], ids=lambda x: str(x))
-def test_kept_by_head_size(K, V, kept):
+# Heads of at most 64 channels keep the 64-wide states and records, the others
+# up to 128 the 128-wide ones, each of the zero-padded problem (300 tokens: 19
+# slots); those wider than 128 run the 256-wide forward, which has no CUDA
+# backward and keeps nothing (csrc/checkpoints.h: forward_keeps).
+@pytest.mark.parametrize("K,V,kept,D", [(64, 64, 19, 64), (48, 64, 19, 64), (1, 17, 19, 64), (64, 65, 19, 128),
+                                        (100, 60, 19, 128), (128, 128, 19, 128), (129, 64, 0, 128),
+                                        (256, 256, 0, 128)], ids=lambda x: str(x))
+def test_kept_by_head_size(K, V, kept, D):
     d = {n: (t.to(META) if t is not None else t) for n, t in make_inputs(K=K, V=V, B=1, T=300, H=2).items()}
     ckpt, rec = _saved(d)
-    assert ckpt.shape == (kept, 2, 128, 128) and rec.shape == (kept, 2, RECORD_FLOATS)
+    record_floats = (6 * 16 * D * 2 + D * 4 + 4 * 16 * 16 * 2) // 4  # six [16][D] bf16 planes, D fp32, four [16][16] bf16
+    assert ckpt.shape == (kept, 2, D, D) and rec.shape == (kept, 2, record_floats)
 
 
 def test_save_is_not_read_from_the_environment(monkeypatch):

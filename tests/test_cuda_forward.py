@@ -292,8 +292,8 @@ def test_cuda_limits_are_errors():
         torch_kda.kda(*args, lower_bound=-6.0)
     with pytest.raises(RuntimeError, match="q, k, v, g and beta must have dtype bfloat16"):
         torch_kda.kda(*(a.float() if a.dtype == torch.bfloat16 else a for a in args), lower_bound=-5.0)
-    wide = make_inputs(B=1, T=8, H=2, K=200, V=64, dtype=torch.bfloat16)
-    with pytest.raises(RuntimeError, match=r"q and k must have a head size K \(dim 3\) of at most 128, got K = 200"):
+    wide = make_inputs(B=1, T=8, H=2, K=300, V=64, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match=r"q must have a head size K \(dim 3\) of at most 256, got K = 300"):
         torch_kda.kda(*(t.to(DEV) for t in positional(wide)), lower_bound=-5.0)
     with pytest.raises(RuntimeError, match="must be on the same device as q"):
         torch_kda.kda(*args[:5], g["A_log"].cpu(), g["dt_bias"], lower_bound=-5.0)

@@ -1,14 +1,16 @@
 """Head sizes other than 128 on the CUDA kernels (csrc/cuda/padded_heads.h): K
 and V each from 1 to 256, K != V allowed. The forward runs the 64-, 128- or
 256-wide kernels, the smallest that hold K and V, zero-padded to that size;
-the backward, the decode kernel and the state pool run 128 wide and refuse
-wider heads. Which kernels run at which size; the forward against the float64
-reference (fixed length and varlen with empty and odd sequences, both gates,
-both state dtypes, hard cases, K2's block shapes and segments at 64 and 256),
-the gradients against the float64 CPU kernels, the same bits with and without
-a gradient, kda::fwd_ into poisoned buffers on both its paths, grouped value
-heads and a precomputed gate, CUDA graphs, torch.compile and opcheck; the
-state pool at its own sizes; what wider heads raise.
+the backward the 64- or 128-wide ones, and refuses wider heads; the decode
+kernel and the state pool run 128 wide and refuse wider heads. Which kernels
+run at which size; the forward against the float64 reference (fixed length
+and varlen with empty and odd sequences, both gates, both state dtypes, hard
+cases, K2's block shapes and segments at 64 and 256), the gradients against
+the float64 CPU kernels (at 64 also hard cases, the dS recurrence's block
+shapes, windows, grouped value heads and a precomputed gate), what the forward
+keeps for the backward and the same bits with and without it, kda::fwd_ into
+poisoned buffers on both its paths, CUDA graphs, torch.compile and opcheck;
+the state pool at its own sizes; what wider heads raise.
 """
 import pytest
 import torch
@@ -53,7 +55,7 @@ def kernel_head_sizes(names, kernel):
     """The head sizes (first template argument) of `kernel`'s launches among the names."""
     import re
 
-    found = [re.search(rf"(?<![a-z_]){kernel}<(\d+),", n) for n in names]
+    found = [re.search(rf"(?<![a-z_]){kernel}<(\d+)[,>]", n) for n in names]
     return [int(m.group(1)) for m in found if m]
 
 
@@ -61,19 +63,23 @@ def kernel_head_sizes(names, kernel):
                                    (128, 128, 128), (129, 17, 256), (256, 256, 256)], ids=lambda x: str(x))
 def test_forward_kernels_by_head_size(K, V, D):
     """The chunked forward runs K1 and K2 at the smallest served size that holds
-    K and V; its backward runs the 128-wide kernels, and refuses wider heads."""
+    K and V; its backward runs every kernel at the same size (64 or 128), and
+    refuses wider heads."""
     _, g = cuda_inputs(K=K, V=V, B=1, T=40, H=2)
     leaves = {n: g[n].detach().clone().requires_grad_(True) for n in ("q", "k", "v")}
     (out, _), names = launched_kernels(lambda: run_cuda({**g, **leaves}))
     assert kernel_head_sizes(names, "prepare_kernel") == [D]
     assert kernel_head_sizes(names, "recurrence_kernel") == [D]
+    if D != 128:  # K2's automatic shape away from 128 (csrc/cuda/heuristics.cpp)
+        assert [s for s, _, _ in k2_launches(names)] == [K2_SPLIT["2x2" if D == 64 else "4x4"]]
     if D > 128:
         with pytest.raises(RuntimeError, match=rf"kda.bwd: on CUDA, the backward takes q and k with a head size K "
                                                rf"\(dim 3\) of at most 128, got K = {K} \(the forward takes up to 256"):
             out.float().sum().backward()
         return
     _, names = launched_kernels(lambda: out.float().sum().backward())
-    assert set(kernel_head_sizes(names, "ds_recurrence_kernel")) == {128}
+    for kernel in ("ds_recurrence_kernel", "record_grads_kernel", "prepare_backward_kernel"):
+        assert set(kernel_head_sizes(names, kernel)) == {D}, kernel
 
 
 def test_decode_through_fwd_runs_the_128_wide_decode_kernel():
@@ -128,11 +134,10 @@ def test_segments_at_64_and_256(segments, lower_bound, D):
 
 
 @GATES
-@pytest.mark.parametrize("K,V", [(64, 64), (40, 64), (256, 256)], ids=lambda x: str(x))
-def test_forward_at_64_and_256_keeps_nothing_and_gives_the_same_bits(K, V, lower_bound):
-    """torch_kda.kda with and without a gradient: the same bits from the 64- and
-    256-wide forwards, which keep no states or records (at 64 the backward
-    recomputes them 128 wide; at 256 it raises)."""
+@pytest.mark.parametrize("K,V", [(256, 256), (129, 64)], ids=lambda x: str(x))
+def test_forward_at_256_keeps_nothing_and_gives_the_same_bits(K, V, lower_bound):
+    """torch_kda.kda with and without a gradient: the same bits from the
+    256-wide forward, which keeps no states or records (its backward raises)."""
     _, g = cuda_inputs(state_dtype=F32, K=K, V=V, seqlens=[50, 0, 17], H=2)
     out0, final0 = run_cuda(g, lower_bound=lower_bound)
     leaves = {n: g[n].detach().clone().requires_grad_(True) for n in ("q", "k", "v", "g")}
@@ -152,21 +157,32 @@ def test_hard_cases(case):
     assert rel(out, ref_out) <= 5e-3 and rel(final, ref_final) <= 1e-4
 
 
+def float64_grads(g, grad_out, grad_final, lower_bound):
+    """kda.bwd on the CPU in float64 from the values of the CUDA inputs g."""
+    g64 = {n: (t.cpu().double() if t is not None and t.is_floating_point() else (t.cpu() if t is not None else None))
+           for n, t in g.items()}
+    return torch.ops.kda.bwd(grad_out.cpu().double(), None if grad_final is None else grad_final.cpu().double(),
+                             *positional(g64), lower_bound=lower_bound, initial_state=g64["initial_state"],
+                             cu_seqlens=g64["cu_seqlens"])
+
+
+def cuda_grads(g, grad_out, grad_final, lower_bound, **kw):
+    return torch.ops.kda.bwd(grad_out, grad_final, *positional(g), lower_bound=lower_bound,
+                             initial_state=g["initial_state"], cu_seqlens=g["cu_seqlens"], **kw)
+
+
 @GATES
-@pytest.mark.parametrize("K,V", [(64, 64), (100, 60)], ids=lambda x: str(x))
+@pytest.mark.parametrize("K,V", [(64, 64), (17, 40), (100, 60)], ids=lambda x: str(x))
 @pytest.mark.parametrize("shape", [dict(B=2, T=45, H=2), dict(seqlens=[17, 0, 40, 1], H=2)], ids=["fixed", "varlen"])
 def test_backward_matches_the_cpu_kernels(K, V, lower_bound, shape):
     """kda.bwd against float64, and the autograd step (the forward's kept padded
-    states where it keeps them, none at 64) against float64."""
+    states and records) against float64."""
     d, g = cuda_inputs(state_dtype=F32, K=K, V=V, **shape)
     grad_out = torch.randn(g["v"].shape, device=DEV).to(BF16)
     grad_final = torch.randn(g["initial_state"].shape, device=DEV)
     kw = dict(lower_bound=lower_bound, initial_state=g["initial_state"], cu_seqlens=g["cu_seqlens"])
     got = torch.ops.kda.bwd(grad_out, grad_final, *positional(g), **kw)
-    g64 = {n: (t.cpu().double() if t is not None and t.is_floating_point() else (t.cpu() if t is not None else None))
-           for n, t in g.items()}
-    want = torch.ops.kda.bwd(grad_out.cpu().double(), grad_final.cpu().double(), *positional(g64),
-                             lower_bound=lower_bound, initial_state=g64["initial_state"], cu_seqlens=g64["cu_seqlens"])
+    want = float64_grads(g, grad_out, grad_final, lower_bound)
     check_grads("bwd", got, want)
     names = ("q", "k", "v", "g", "beta", "A_log", "dt_bias", "initial_state")
     leaves = {n: g[n].detach().clone().requires_grad_(True) for n in names}
@@ -179,6 +195,73 @@ def test_backward_without_final_gradient():
     d, g = cuda_inputs(state_dtype=F32, K=60, V=100, B=1, T=50, H=2)
     got, ref = cuda_and_reference_grads(d, g, with_final=False)
     check_grads("bwd", got, ref)
+
+
+@GATES
+@pytest.mark.parametrize("case", ["weak_decay", "strong_decay", "small_beta"])
+@pytest.mark.parametrize("ds_block", ["auto", "4x1", "4x2", "2x2"])
+def test_backward_at_64_hard_cases_and_block_shapes(case, ds_block, lower_bound):
+    """The 64-wide backward against float64 with weak and strong decay and a tiny
+    beta, varlen with empty, one-token and odd sequences, each of the dS
+    recurrence's block shapes, its scratch and outputs allocated NaN-filled."""
+    from conftest import nan_filled_empty
+
+    d, g = cuda_inputs(state_dtype=F32, K=64, V=64, seqlens=[45, 0, 16, 1, 70], H=3)
+    hard_case(case, d, g)
+    grad_out = torch.randn(g["v"].shape, device=DEV).to(BF16)
+    grad_final = torch.randn(g["initial_state"].shape, device=DEV)
+    with forced(ds_block=ds_block), nan_filled_empty():
+        got, names = launched_kernels(lambda: cuda_grads(g, grad_out, grad_final, lower_bound))
+    assert set(kernel_head_sizes(names, "ds_recurrence_kernel")) == {64}
+    check_grads(f"{case} {ds_block}", got, float64_grads(g, grad_out, grad_final, lower_bound))
+
+
+RECORD_FLOATS_64 = 3648  # a record's 14,592 bytes at head size 64 (csrc/constants.h record_bytes)
+
+
+@pytest.mark.parametrize("state_dtype", [F32, BF16], ids=["fp32_state", "bf16_state"])
+def test_backward_at_64_from_what_the_forward_keeps_and_in_windows_is_bitwise(state_dtype):
+    """At K = 48, V = 64 (64 wide): kda._fwd_checkpointed returns fwd's outputs
+    bit for bit and keeps 64-wide chunk-start states and records (14 slots for 3
+    + 7 + 1 chunks and 4 sequences); kda.bwd given them, and in windows of 1, 3
+    and 5 slots, gives the one-pass gradients bit for bit."""
+    _, g = cuda_inputs(state_dtype=state_dtype, K=48, V=64, seqlens=[37, 0, 100, 16], H=3)
+    init, cu = g["initial_state"], g["cu_seqlens"]
+    out, final, ckpt, records = torch.ops.kda._fwd_checkpointed(*positional(g), None, -5.0, init, True, cu)
+    want_out, want_final = torch.ops.kda.fwd(*positional(g), None, -5.0, init, True, cu)
+    assert torch.equal(out, want_out) and torch.equal(final, want_final)
+    assert ckpt.shape == (14, 3, 64, 64) and records.shape == (14, 3, RECORD_FLOATS_64)
+    grad_out = torch.randn(g["v"].shape, device=DEV).to(BF16)
+    grad_final = torch.randn(init.shape, device=DEV)
+    want = cuda_grads(g, grad_out, grad_final, -5.0)
+    if state_dtype == F32:
+        check_grads("one pass", want, float64_grads(g, grad_out, grad_final, -5.0))
+    runs = {"states": lambda: cuda_grads(g, grad_out, grad_final, -5.0, checkpoints=ckpt),
+            "both": lambda: cuda_grads(g, grad_out, grad_final, -5.0, checkpoints=ckpt, records=records)}
+    for window in (1, 3, 5):
+        def windowed(window=window):
+            with forced(window_slots=window):
+                return cuda_grads(g, grad_out, grad_final, -5.0)
+        runs[f"window {window}"] = windowed
+    for label, run in runs.items():
+        for name, x, y in zip(("dq", "dk", "dv", "dg", "dbeta", "dA_log", "ddt_bias", "dh0"), run(), want):
+            assert torch.equal(x, y), (label, name)
+
+
+@pytest.mark.parametrize("gate", ["formula", "given_bf16", "given_fp32"])
+def test_backward_at_64_with_grouped_heads(gate):
+    """Grouped value heads (HV = 2 H) at K = V = 64 with the gate's formula or a
+    precomputed log decay (bf16 or fp32, gradients to g itself) against float64."""
+    _, g = cuda_inputs(state_dtype=F32, K=64, V=64, B=2, T=40, H=2, HV=4)
+    if gate != "formula":
+        g_dtype = BF16 if gate == "given_bf16" else F32
+        g = {**g, "g": (-5.0 * torch.sigmoid(g["g"].float())).to(g_dtype), "A_log": None, "dt_bias": None}
+    grad_out = torch.randn(g["v"].shape, device=DEV).to(BF16)
+    grad_final = torch.randn(g["initial_state"].shape, device=DEV)
+    got, names = launched_kernels(lambda: cuda_grads(g, grad_out, grad_final, -5.0))
+    assert set(kernel_head_sizes(names, "prepare_backward_kernel")) == {64}
+    assert got[3].dtype == g["g"].dtype
+    check_grads(gate, got, float64_grads(g, grad_out, grad_final, -5.0))
 
 
 @pytest.mark.parametrize("K,V", [(64, 96), (64, 64), (48, 64), (256, 160)], ids=lambda x: str(x))

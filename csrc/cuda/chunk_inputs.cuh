@@ -2,9 +2,9 @@
 // the substitution with I + A (forward_substitute: K1's M, the backward's T). The
 // rest is K1's backward's: the chunk's inputs (raw q and k rows into shared
 // tiles, g and v into registers), beta's sigmoid, the gate and its cumulative
-// sum G, and the rows' inverse L2 norms, in one 128-thread block per (chunk
-// slot, head), thread d owning channel d (the forward's K1 works on mma
-// fragments instead: forward/prepare_chunks.cu).
+// sum G, and the rows' inverse L2 norms, in one block of D threads per (chunk
+// slot, head) at head size D, thread d owning channel d (the forward's K1
+// works on mma fragments instead: forward/prepare_chunks.cu).
 #pragma once
 
 #include "cuda/device_utils.cuh"
@@ -61,32 +61,32 @@ __device__ __forceinline__ bool place_chunk(const FwdParams& p, ChunkPlace& c) {
   return true;
 }
 
-// For each of the 32 rows of two [16][kPad] tiles (X's rows, then Y's):
-// out[r / 16][r % 16] = post(sum of f over the row's 16-byte pieces). Four
-// threads per row (lanes 8 apart), each every fourth piece, then two shuffles;
-// far fewer instructions than a warp reduction per row. The eight lanes of a
-// quarter warp read eight rows: 4 banks apart at kPad = 128 + 4, so each lane
-// its row's piece `part`; 8 banks apart at kPad = 128 + 8, where rows r and
-// r + 4 share banks, so rows 4-7 of a quarter take the neighbouring piece
-// (part ^ 1): no bank conflicts either way, and a row's four partial sums meet
-// in the same pairs (the sum is the same bits). Exactly 128 threads, all of
-// them calling it; no barrier inside.
-template <int kPad, typename F, typename Post>
+// For each of the 32 rows of two [16][D] tiles (X's rows, then Y's; rows kPad
+// floats apart): out[r / 16][r % 16] = post(sum of f over the row's 16-byte
+// pieces). D / 32 threads per row (lanes 32 / (D / 32) apart: 8 at D = 128),
+// each every (D / 32)-th piece, then a shuffle per halving; far fewer
+// instructions than a warp reduction per row. With kPad = D + 4 the rows a
+// quarter warp reads start 4 banks apart: at D = 64 and 128 its eight lanes
+// read eight rows' same piece without bank conflicts. Exactly D threads, all
+// of them calling it; no barrier inside.
+template <int D, int kPad, typename F, typename Post>
 __device__ __forceinline__ void reduce_rows32(const float (*X)[kPad], const float (*Y)[kPad], F f, Post post,
                                               float (*out)[kChunk]) {
-  constexpr int C = kChunk, D = kHeadDim;
-  static_assert(kPad % 32 == 4 || kPad % 32 == 8, "the rows' bank offsets assumed below");
+  constexpr int C = kChunk, kParts = D / 32, kRowsPerWarp = 32 / kParts;
+  static_assert(kPad % 32 == 4, "the rows' bank offsets assumed above");
   const int d = threadIdx.x;
-  const int row = (d / 32) * 8 + d % 8;
-  const int part = kPad % 32 == 4 ? (d % 32) / 8 : ((d % 32) / 8) ^ ((d % 8) / 4);
+  const int row = (d / 32) * kRowsPerWarp + d % kRowsPerWarp;
+  const int part = (d % 32) / kRowsPerWarp;
   const float* src = row < C ? &X[row][0] : &Y[row - C][0];
   float s = 0.f;
 #pragma unroll
-  for (int m = 0; m < D / 16; ++m) {
-    s += f(*reinterpret_cast<const float4*>(src + m * 16 + part * 4));
+  for (int m = 0; m < D / 4 / kParts; ++m) {
+    s += f(*reinterpret_cast<const float4*>(src + (m * kParts + part) * 4));
   }
-  s += __shfl_xor_sync(0xffffffffu, s, 8);
-  s += __shfl_xor_sync(0xffffffffu, s, 16);
+#pragma unroll
+  for (int lanes = kRowsPerWarp; lanes < 32; lanes *= 2) {
+    s += __shfl_xor_sync(0xffffffffu, s, lanes);
+  }
   if (part == 0) {
     out[row / C][row % C] = post(s);
   }
@@ -147,12 +147,12 @@ __device__ __forceinline__ void forward_substitute(const float (*sA)[kPitch], Rh
 // call it (two barriers). after_loads() follows the loads in program order
 // (ptxas issues them all first and their uses after it): memory traffic issued
 // there queues behind them.
-template <int kPad, bool kSoftplus, bool kGiven, typename AfterLoads>
+template <int D, int kPad, bool kSoftplus, bool kGiven, typename AfterLoads>
 __device__ __forceinline__ void load_chunk_inputs(const FwdParams& p, const ChunkPlace& c, float (*sQ)[kPad],
                                                   float (*sK)[kPad], float* sBeta, float (*sInvNorm)[kChunk],
                                                   float (&G2)[kChunk], float (&lam2)[kChunk], float (&v)[kChunk],
-                                                  float (*sG)[kHeadDim], AfterLoads after_loads) {
-  constexpr int C = kChunk, D = kHeadDim;
+                                                  float (*sG)[D], AfterLoads after_loads) {
+  constexpr int C = kChunk;
   const int64_t H = p.H;
   const int d = threadIdx.x;
   // Every global load up front: the block's latency is one memory round trip.
@@ -231,7 +231,7 @@ __device__ __forceinline__ void load_chunk_inputs(const FwdParams& p, const Chun
   __syncthreads();
 
   // The inverse norms of the 32 rows (q's 16, then k's).
-  reduce_rows32<kPad>(
+  reduce_rows32<D, kPad>(
       sQ, sK, [](float4 x) { return x.x * x.x + x.y * x.y + x.z * x.z + x.w * x.w; },
       [](float sq) { return rsqrtf(sq + static_cast<float>(kNormEps)); }, sInvNorm);
   __syncthreads();

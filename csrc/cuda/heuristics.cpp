@@ -16,8 +16,6 @@ namespace {
 // the one-pass workspace of a batch that fits in memory is fine).
 constexpr int64_t kWorkspaceLimit = int64_t{1} << 30;
 
-// One fp32 state (the backward's checkpoints and carries).
-constexpr int64_t kFp32StateBytes = kHeadDim * kHeadDim * 4;
 // A backward of one sequence keeps one pass up to this much scratch: windows
 // cost a second forward (for the checkpoints) and a few launches each.
 constexpr int64_t kOnePassScratch = int64_t{256} << 20;
@@ -118,11 +116,15 @@ int64_t forced_window(int64_t n, int64_t num_slots) {
 // faster than blocks of eight or two). Two: each row group's key columns over
 // two warps, the 2x2. One: over four, the 4x4, or the 2x2 with bf16 products,
 // whose steps are a third shorter (docs/performance-notes.md has the figures).
-// The 4x1w is 128 wide: narrower heads take the 2x2 where it would run, by
-// the same count (not measured at 64).
+// The 4x1w is 128 wide. At 64 the 2x2 and at 256 the 4x4 measured fastest at
+// every shape and state dtype timed (H200: the 4x4 takes 2-26 % longer at
+// 64, the 2x2 8-45 % longer at 256).
 RecurrenceBlock automatic_recurrence_block(const FwdParams& p) {
+  if (p.head_size != kHeadDim) {
+    return p.head_size < kHeadDim ? RecurrenceBlock::k2x2 : RecurrenceBlock::k4x4;
+  }
   const int64_t warps_per_sm = recurrence_warps_per_sm(p);
-  if (warps_per_sm > 2 && p.head_size == kHeadDim) {
+  if (warps_per_sm > 2) {
     return RecurrenceBlock::k4x1w;
   }
   return warps_per_sm > 1 || p.bf16_products ? RecurrenceBlock::k2x2 : RecurrenceBlock::k4x4;
@@ -153,14 +155,15 @@ DsBlock automatic_ds_block(const FwdParams& p) {
 }
 
 // The backward's windows when the call is long enough to need them: as few
-// slots as hold kWindowScratch of scratch, for H heads.
-int64_t backward_window_floor(int64_t H) {
-  return std::max(kWindowScratch / (std::max<int64_t>(H, 1) * kBwdSlotScratchBytes), kMinWindowSlots);
+// slots as hold kWindowScratch of scratch, for H heads of D channels.
+int64_t backward_window_floor(int64_t H, int64_t D) {
+  return std::max(kWindowScratch / (std::max<int64_t>(H, 1) * bwd_slot_scratch_bytes(D)), kMinWindowSlots);
 }
 
 int64_t backward_window(const FwdParams& p, int64_t device_memory, bool saved_states, bool saved_records) {
-  const int64_t per_slot =
-      p.H * (kBwdSlotScratchBytes - (saved_states ? kBwdStateBytes : 0) - (saved_records ? kRecordBytes : 0));
+  const int64_t D = p.head_size;
+  const int64_t per_slot = p.H * (bwd_slot_scratch_bytes(D) - (saved_states ? bwd_state_bytes(D) : 0) -
+                                  (saved_records ? record_bytes(static_cast<int>(D)) : 0));
   if (saved_states && p.N > 1) {
     const int64_t limit = std::min(kWindowScratchSeveralSequences, device_memory / 4);
     const int64_t windows = std::max<int64_t>(1, (p.num_slots * per_slot + limit - 1) / limit);
@@ -172,16 +175,16 @@ int64_t backward_window(const FwdParams& p, int64_t device_memory, bool saved_st
     return p.num_slots;
   }
   if (saved_states) {  // no checkpoints to balance against
-    const int64_t w = backward_window_floor(p.H);
+    const int64_t w = backward_window_floor(p.H, D);
     return w >= p.num_slots ? p.num_slots : w;
   }
   // Scratch grows with the window, the checkpoints (a state per sequence and
   // head for each window) with the number of windows: their sum is least at
   // sqrt(slots * checkpoint / per_slot), which calls for longer windows than
   // the floor only past ~10^6 tokens.
-  const double checkpoint = static_cast<double>(p.N) * p.H * kFp32StateBytes;
+  const double checkpoint = static_cast<double>(p.N) * p.H * D * D * 4;  // fp32 states
   const auto balanced = static_cast<int64_t>(std::ceil(std::sqrt(p.num_slots * checkpoint / per_slot)));
-  const int64_t w = std::max(balanced, backward_window_floor(p.H));
+  const int64_t w = std::max(balanced, backward_window_floor(p.H, D));
   return w >= p.num_slots ? p.num_slots : w;
 }
 

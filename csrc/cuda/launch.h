@@ -18,12 +18,13 @@ namespace kda::cuda {
 // argument D of its kernels' instances: Sizes::dispatch calls launch with
 // std::integral_constant<int, D> for the size it lists. A new head size is an
 // entry of a list here and the instances it brings. The forward's kernels (K1,
-// K2's split shapes, the segment scan) serve 64, 128 and 256; what is still
-// 128-wide: the backward, K1's backward records, K2's 4x1w and the decode
-// kernel (heads of other sizes up to 128 run zero-padded to 128 there:
-// padded_heads.h; wider ones raise).
+// K2's split shapes, the segment scan) serve 64, 128 and 256; the backward's
+// (K1's backward records, the dS recurrence, the record gradients, K1's
+// backward) 64 and 128; K2's 4x1w and the decode kernel 128 (heads of other
+// sizes up to 128 run zero-padded there: padded_heads.h; wider ones raise).
 template <int... Sizes>
 struct HeadSizes {
+  static constexpr bool contains(int head_size) { return ((head_size == Sizes) || ...); }
   template <class Launch>
   static void dispatch(int head_size, Launch&& launch) {
     const bool served = ((head_size == Sizes && (launch(std::integral_constant<int, Sizes>{}), true)) || ...);
@@ -31,7 +32,7 @@ struct HeadSizes {
   }
 };
 using ForwardHeadSizes = HeadSizes<kForwardNarrowHead, kHeadDim, kMaxHeadSize>;
-using BackwardHeadSizes = HeadSizes<kHeadDim>;
+using BackwardHeadSizes = HeadSizes<kForwardNarrowHead, kHeadDim>;
 
 // Varlen only, before K1: seq[0..N] and chunks[0..N] (params.h) from
 // cu_seqlens (int32 or int64, N + 1 entries, on the device), and order[0..N)

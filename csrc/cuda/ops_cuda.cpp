@@ -157,9 +157,9 @@ namespace {
 // forward_head_size (64, 128 or 256), the decode kernel's 128; sizes without
 // kernels of their own run padded (padded_heads.h) into padded outputs, whose
 // leading blocks are then copied out. chunk_states and records are kept only
-// where the forward runs 128 wide (checkpoints.h: forward_keeps), the size of
-// the backward's kernels, and keep the padded sizes, which are the sizes
-// kda.bwd checks them against.
+// where the forward runs at the backward's head size (checkpoints.h:
+// forward_keeps), and keep the padded sizes, which are the sizes kda.bwd
+// checks them against.
 void forward_served(const char* op, const Problem& p, const Tensor& q, const Tensor& k, const Tensor& v,
                     const Tensor& g, const Tensor& beta, const Tensor& A_log, const Tensor& dt_bias,
                     const optional<Tensor>& initial_state, const optional<Tensor>& cu_seqlens, const Tensor& out,
@@ -168,8 +168,9 @@ void forward_served(const char* op, const Problem& p, const Tensor& q, const Ten
   const bool decode = takes_decode_kernel(p, decode_short_requests, chunk_states, records);
   const int64_t D = decode ? kHeadDim : forward_head_size(concrete(p.K), concrete(p.V));
   const auto kept = [](const Tensor& t) { return t.defined() && t.numel() > 0; };
-  TORCH_INTERNAL_ASSERT(D == kHeadDim || (!kept(chunk_states) && !kept(records)),
-                        "the backward's checkpoints are 128 wide: kept only from the 128-wide forward");
+  TORCH_INTERNAL_ASSERT(D == backward_head_size(concrete(p.K), concrete(p.V)) ||
+                            (!kept(chunk_states) && !kept(records)),
+                        "the backward's checkpoints are kept only from a forward at the backward's head size");
   if (!pads_heads(p, D)) {
     forward_into(op, p, q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, out, final_state, chunk_states,
                  records, decode);
@@ -266,7 +267,7 @@ BackwardTuple backward_by_kernels(const Problem& p, const Tensor& grad_out, cons
                                   const Tensor& checkpoints, const Tensor& records) {
   const char* op = "kda.bwd";
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(q.device().index()).stream();
-  const int64_t H = concrete(p.H), N = concrete(p.N);
+  const int64_t H = concrete(p.H), N = concrete(p.N), D = concrete(p.K);  // K = V: a served size
   Boundaries bounds = sequence_boundaries(op, p, q, cu_seqlens, stream);
   CallInputs in = call_inputs(p, q, k, v, g, beta, A_log, dt_bias, bounds);
   // The forward's chunk-start states (checked by bwd) spare the recurrence's
@@ -281,7 +282,7 @@ BackwardTuple backward_by_kernels(const Problem& p, const Tensor& grad_out, cons
   Tensor go = sweep_grad_out(grad_out);
   // Read in float2 vectors (a view from cat's backward may start mid-vector).
   Tensor gf = staged16(grad_final_state.has_value() ? grad_final_state->to(at::kFloat) : Tensor());
-  Tensor d_initial = init.defined() ? at::empty({N, H, kHeadDim, kHeadDim}, f32) : Tensor();
+  Tensor d_initial = init.defined() ? at::empty({N, H, D, D}, f32) : Tensor();
   BackwardOutputs o = allocate_backward_outputs(p, q, k, v, g, beta, A_log, dt_bias, initial_state);
   // Grouped value heads: K1's backward leaves each value head's part of dq and
   // dk in fp32, summed over each group below (deterministic).
@@ -307,7 +308,7 @@ BackwardTuple backward_by_kernels(const Problem& p, const Tensor& grad_out, cons
   // Zeros: the blocks of slots past the live chunks return without writing
   // their part. A precomputed gate has neither parameter.
   const bool gate_params = !p.precomputed_gate;
-  Tensor ddt_part = gate_params ? at::zeros({bounds.num_slots, H, kHeadDim}, f32) : Tensor();
+  Tensor ddt_part = gate_params ? at::zeros({bounds.num_slots, H, D}, f32) : Tensor();
   Tensor dA_part = gate_params ? at::zeros({bounds.num_slots, H}, f32) : Tensor();
 
   BackwardCall call;
@@ -336,8 +337,8 @@ BackwardTuple backward_by_kernels(const Problem& p, const Tensor& grad_out, cons
   }
   if (group > 1) {
     const int64_t B = concrete(p.B), T = concrete(p.T), Hq = concrete(p.H_qk);
-    o.dq.copy_(dq_parts.view({B, T, Hq, group, kHeadDim}).sum(3));
-    o.dk.copy_(dk_parts.view({B, T, Hq, group, kHeadDim}).sum(3));
+    o.dq.copy_(dq_parts.view({B, T, Hq, group, D}).sum(3));
+    o.dk.copy_(dk_parts.view({B, T, Hq, group, D}).sum(3));
   }
   return {o.dq, o.dk, o.dv, o.dg, o.dbeta, o.dA_log, o.ddt_bias, o.dinitial_state};
 }
@@ -354,13 +355,14 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> bwd(
   check_backward_grads("kda.bwd", p, q, grad_out, grad_final_state);
   check_saved("kda.bwd", p, cu_seqlens.has_value(), q, checkpoints, records);
   c10::cuda::CUDAGuard guard(q.device());
-  if (!pads_heads(p, kHeadDim)) {
+  const int64_t D = backward_head_size(concrete(p.K), concrete(p.V));
+  if (!pads_heads(p, D)) {
     return backward_by_kernels(p, grad_out, grad_final_state, q, k, v, g, beta, A_log, dt_bias, initial_state,
                                cu_seqlens, checkpoints.value_or(Tensor()), records.value_or(Tensor()));
   }
   // Sizes without kernels of their own (padded_heads.h): the padded problem's
   // gradients, of which the real channels' are the leading blocks.
-  const PaddedInputs x = padded_inputs(p, kHeadDim, q, k, v, g, dt_bias, initial_state);
+  const PaddedInputs x = padded_inputs(p, D, q, k, v, g, dt_bias, initial_state);
   const int64_t K = concrete(p.K), V = concrete(p.V), Kp = concrete(x.p.K), Vp = concrete(x.p.V);
   // (An empty grad_final_state stands for None.)
   const optional<Tensor> gf = grad_final_state.has_value() && grad_final_state->dim() == 4

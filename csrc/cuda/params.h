@@ -36,7 +36,7 @@ namespace kda::cuda {
 // The recurrence and the backward's record gradients form U0 = M v themselves,
 // from the chunk's v (bf16, exact) and M's two planes: 1 KB of M where U0 takes
 // 8 KB, and K1 then neither reads v nor writes U0. 27,136 bytes a record at
-// D = 128 (kRecordBytes).
+// D = 128 (record_bytes in constants.h).
 // Qs and Aqk reach only the output, which is rounded to bf16: the forward's
 // recurrence multiplies by their hi planes alone (the state's products keep
 // bf16x3; S Qs^T also takes the state's hi part alone in most block shapes),
@@ -172,25 +172,28 @@ struct RecordGradLayout {
   static constexpr int kFloats = kGl + D;
   static_assert(kU0 % 4 == 0 && kFloats % 4 == 0, "16-byte loads of dU0, records 16-byte aligned");
 };
-using RecordGrad = RecordGradLayout<kHeadDim>;
-constexpr int kDRecQs = RecordGrad::kQs;
-constexpr int kDRecW = RecordGrad::kW;
-constexpr int kDRecKd = RecordGrad::kKd;
-constexpr int kDRecAqk = RecordGrad::kAqk;
-constexpr int kDRecU0 = RecordGrad::kU0;
-constexpr int kDRecGl = RecordGrad::kGl;
-constexpr int kDRecFloats = RecordGrad::kFloats;
 
-// What the backward's kernels pass each other per (chunk slot, head): the
-// record, the state at the chunk's start and dS at its end (bf16: they reach
-// only the record gradients' products; the recurrences carry both in fp32), and
-// the record's gradients (backward/schedule.h).
-constexpr int64_t kBwdStateBytes = kHeadDim * kHeadDim * 2;
-constexpr int64_t kBwdSlotScratchBytes = kRecordBytes + 2 * kBwdStateBytes + kDRecFloats * 4;
+// The host's sizes of the same, at a head size D known only at run time.
+constexpr int64_t record_grad_floats(int64_t D) {
+  return 4 * kChunk * D + kChunk * kChunk + D;
+}
+static_assert(record_grad_floats(64) == RecordGradLayout<64>::kFloats &&
+              record_grad_floats(kHeadDim) == RecordGradLayout<kHeadDim>::kFloats);
+
+// What the backward's kernels pass each other per (chunk slot, head) at head
+// size D: the record, the state at the chunk's start and dS at its end (bf16:
+// they reach only the record gradients' products; the recurrences carry both
+// in fp32), and the record's gradients (backward/schedule.h).
+constexpr int64_t bwd_state_bytes(int64_t D) {
+  return D * D * 2;
+}
+constexpr int64_t bwd_slot_scratch_bytes(int64_t D) {
+  return record_bytes(static_cast<int>(D)) + 2 * bwd_state_bytes(D) + record_grad_floats(D) * 4;
+}
 
 struct PrepareBwdParams {
   FwdParams fwd;  // the inputs, sizes, offsets and slot window, as K1 reads them
-  // [slot_end - slot_begin, H, kDRecFloats]: indexed from the window's first slot.
+  // [slot_end - slot_begin, H, record_grad_floats(head_size)]: indexed from the window's first slot.
   const float* d_record = nullptr;
   // Outputs, fp32, written for the chunks' real tokens only: the gradients of
   // q^ and k^ (L2-normalised), v and the log decays lambda, [tokens, H, 128]

@@ -1,14 +1,15 @@
 // K1's backward: from the gradients of a chunk's record (left by the backward
 // sweep), the gradients of the chunk's q^, k^, v, log decays and sigmoid(beta);
 // torch_kda/reference.py chunk_record_backward is the same math in float64. One
-// block of 128 threads per (chunk slot, head), thread d owns key channel d and
-// value channel d: it recomputes what K1 computed (G, the norms, A = diag(beta)
-// P), inverts I + A once (T, 16 threads), and forms W, U0 and the transposed
-// solves as products with T on the tensor cores, tile by tile in shared
-// memory; then the 16 x 16 dA from column-sum products, and the rest per
-// column; then, for kda.bwd, the chain rule through the L2 norms, the gate and
-// beta's sigmoid, so that no activation or activation gradient goes through
-// memory. Its products in bf16x3 (fp32-level accuracy), the rest in fp32 FMAs.
+// block of D threads per (chunk slot, head) at head size D (64 or 128), thread
+// d owns key channel d and value channel d: it recomputes what K1 computed (G,
+// the norms, A = diag(beta) P), inverts I + A once (T, 16 threads), and forms
+// W, U0 and the transposed solves as products with T on the tensor cores, tile
+// by tile in shared memory; then the 16 x 16 dA from column-sum products, and
+// the rest per column; then, for kda.bwd, the chain rule through the L2 norms,
+// the gate and beta's sigmoid, so that no activation or activation gradient
+// goes through memory. Its products in bf16x3 (fp32-level accuracy), the rest
+// in fp32 FMAs.
 #include <c10/cuda/CUDAException.h>
 
 #include <string>
@@ -23,22 +24,38 @@ namespace kda::cuda {
 namespace {
 
 constexpr int C = kChunk;
-constexpr int D = kHeadDim;
-constexpr int kThreads = D;
-constexpr int kPad = D + 4;
+
+// A block of D threads at head size D, thread d owning channel d; the tiles'
+// rows D + 4 floats apart (reduce_rows32's bank offsets).
+template <int D>
+constexpr int kPadOf = D + 4;
+
+// The 16 x 16 products' entries each thread forms: 2 at D = 128, 4 at 64.
+template <int D>
+constexpr int kEntries = C * C / D;
 
 // The warps' partial sums of a 16 x 16 product: [warp][n-tile][lane], C fragments.
-using ProductParts = float4[kThreads / 32][2][32];
+template <int D>
+using ProductParts = float4[D / 32][2][32];
 
-// Row i0 = d / 16 and i0 + 8 of column j = d % 16 of X Y^T (+ X2 Y2^T where
-// X2 is given), X and Y [16][128] tiles, as K1 forms its 16 x 16 products: on
-// the tensor cores in bf16x3, warp w over channels [32w, 32w + 32), the partial
-// sums through `parts`, added in warp order. All threads call it; one barrier
-// inside, after every read of the tiles (the caller's barriers keep two calls'
-// uses of `parts` apart).
-__device__ __forceinline__ void rows_times_rows(const float (*X)[kPad], const float (*Y)[kPad], int d, float& r0,
-                                                float& r1, ProductParts& parts, const float (*X2)[kPad] = nullptr,
-                                                const float (*Y2)[kPad] = nullptr) {
+// The row of thread d's e-th entry of a 16 x 16 product, in column d % 16.
+template <int D>
+__device__ __forceinline__ int entry_row(int d, int e) {
+  return d / C + e * (D / C);
+}
+
+// Entries (entry_row<D>(d, e), d % 16) of X Y^T (+ X2 Y2^T where X2 is
+// given), into r[e], X and Y [16][D] tiles, as K1 forms its 16 x 16 products:
+// on the tensor cores in bf16x3, warp w over channels [32w, 32w + 32), the
+// partial sums through `parts`, added in warp order. All threads call it; one
+// barrier inside, after every read of the tiles (the caller's barriers keep
+// two calls' uses of `parts` apart).
+template <int D>
+__device__ __forceinline__ void rows_times_rows(const float (*X)[kPadOf<D>], const float (*Y)[kPadOf<D>], int d,
+                                                float (&r)[kEntries<D>], ProductParts<D>& parts,
+                                                const float (*X2)[kPadOf<D>] = nullptr,
+                                                const float (*Y2)[kPadOf<D>] = nullptr) {
+  constexpr int kPad = kPadOf<D>;
   const int warp = d / 32, lane = d % 32, g = lane / 4, t = lane % 4;
   float acc[2][4] = {};
   auto add = [&](const float (*A)[kPad], const float (*B)[kPad]) {
@@ -64,20 +81,25 @@ __device__ __forceinline__ void rows_times_rows(const float (*X)[kPad], const fl
   }
   __syncthreads();
   // Entry (i, j) is element 2 (i / 8) + j % 2 of lane 4 (i % 8) + (j % 8) / 2 in n-tile j / 8.
-  const int j = d % C, i0 = d / C, nt = j / 8, ln = 4 * i0 + (j % 8) / 2;
-  r0 = 0.f;
-  r1 = 0.f;
+  const int j = d % C, nt = j / 8;
 #pragma unroll
-  for (int w = 0; w < kThreads / 32; ++w) {
-    const float* part = reinterpret_cast<const float*>(&parts[w][nt][ln]);
-    r0 += part[j % 2];
-    r1 += part[2 + j % 2];
+  for (int e = 0; e < kEntries<D>; ++e) {
+    r[e] = 0.f;
+  }
+#pragma unroll
+  for (int w = 0; w < D / 32; ++w) {
+#pragma unroll
+    for (int e = 0; e < kEntries<D>; ++e) {
+      const int i = entry_row<D>(d, e);
+      const float* part = reinterpret_cast<const float*>(&parts[w][nt][4 * (i % 8) + (j % 8) / 2]);
+      r[e] += part[2 * (i / 8) + j % 2];
+    }
   }
 }
 
 // The products L B for warp w's 32 channels [32w, 32w + 32) on the tensor
 // cores: L [16][16] given by its entries l(i, j) (fp32, split into bf16 hi and
-// lo) as the A fragment, B a [16][128] tile whose rows are the products' k
+// lo) as the A fragment, B a [16][D] tile whose rows are the products' k
 // index (the tokens) as four n-tiles' B fragments, split too (kBLo) or exact in
 // bf16 (v). Each warp reads and writes only its own channels, so a product may
 // go in place of its operand once the warp's reads are done (__syncwarp).
@@ -100,7 +122,7 @@ __device__ __forceinline__ SplitA l_fragment(L l, int lane) {
   return a;
 }
 
-template <bool kBLo>
+template <bool kBLo, int kPad>
 __device__ __forceinline__ SplitB b_fragments(const float (*B)[kPad], int d) {
   const int warp = d / 32, g = d % 32 / 4, t = d % 4;
   SplitB b;
@@ -147,6 +169,7 @@ __device__ __forceinline__ void for_each_entry(const float (&acc)[4][4], int d, 
   }
 }
 
+template <int kPad>
 __device__ __forceinline__ void store_tile(const float (&acc)[4][4], int d, float (*Z)[kPad]) {
   const int warp = d / 32, g = d % 32 / 4, t = d % 4;
 #pragma unroll
@@ -158,7 +181,7 @@ __device__ __forceinline__ void store_tile(const float (&acc)[4][4], int d, floa
 }
 
 // Z = L B, in place of B where Z is B.
-template <bool kBLo, typename L>
+template <bool kBLo, int kPad, typename L>
 __device__ __forceinline__ void left_product(L l, const float (*B)[kPad], float (*Z)[kPad], int d) {
   const SplitA a = l_fragment(l, d % 32);
   const SplitB b = b_fragments<kBLo>(B, d);
@@ -178,12 +201,12 @@ __device__ __forceinline__ void store_bf16(void* base, int64_t index, float x) {
 // fit), so that each row's address costs one multiply-add: a 64-bit index per
 // row and output costs about a dozen integer instructions, and integer work is a
 // third of this kernel's issue.
-template <typename T = __nv_bfloat16>
+template <int D, typename T = __nv_bfloat16>
 struct ChunkColumn {
   T* first;
   int stride;
   __device__ __forceinline__ ChunkColumn(void* base, const ChunkPlace& c, int64_t H, int d)
-      : first(static_cast<T*>(base) + (c.bos * H + c.h) * kHeadDim + d), stride(static_cast<int>(H) * kHeadDim) {}
+      : first(static_cast<T*>(base) + (c.bos * H + c.h) * D + d), stride(static_cast<int>(H) * D) {}
   __device__ __forceinline__ void store(int i, float x) const {
     if constexpr (std::is_same_v<T, float>) {
       first[i * stride] = x;
@@ -216,17 +239,17 @@ __device__ __forceinline__ void level_factors(int h, const float (&alpha)[kChunk
 }
 
 // P = (k^ exp(G)) (k^ exp(-G))^T, strictly lower, into sP, and A = diag(beta)
-// P into sA: thread d forms entries (d / 16, d % 16) and (d / 16 + 8, d % 16)
-// from the column sums of two tiles (rows_times_rows). The softplus gate sums
-// P over the levels of (k^ f_h) (k^ f_h)^T, each entry from the level of its
-// highest differing bit (the others are finite and unread). Waits for the
-// record gradients' copies before its last barrier.
-template <bool kSoftplus>
+// P into sA: thread d forms entries (entry_row(d, e), d % 16) from the column
+// sums of two tiles (rows_times_rows). The softplus gate sums P over the
+// levels of (k^ f_h) (k^ f_h)^T, each entry from the level of its highest
+// differing bit (the others are finite and unread). Waits for the record
+// gradients' copies before its last barrier.
+template <int D, bool kSoftplus>
 __device__ __forceinline__ void form_p_and_a(int d, const float (&kn)[C], const float (&E)[C], const float (&alpha)[C],
-                                             float (*sT0)[kPad], float (*sT1)[kPad], float (*sP)[C + 1],
-                                             float (*sA)[C + 1], const float* sBeta, ProductParts& sParts) {
-  const int j = d % C, i0 = d / C, i1 = i0 + C / 2;
-  float p0 = 0.f, p1 = 0.f;  // P's entries (i0, j), (i1, j)
+                                             float (*sT0)[kPadOf<D>], float (*sT1)[kPadOf<D>], float (*sP)[C + 1],
+                                             float (*sA)[C + 1], const float* sBeta, ProductParts<D>& sParts) {
+  const int j = d % C;
+  float pe[kEntries<D>] = {};  // P's entries (entry_row(d, e), j)
   if constexpr (kSoftplus) {
     auto level_of = [](int x) { return x >= 8 ? 8 : x >= 4 ? 4 : x >= 2 ? 2 : 1; };
     cp_async_wait<0>();  // the record gradients: every thread's copies are in before the barrier
@@ -239,10 +262,12 @@ __device__ __forceinline__ void form_p_and_a(int d, const float (&kn)[C], const 
         sT0[i][d] = kn[i] * f[i];
       }
       __syncthreads();
-      float r0, r1;
-      rows_times_rows(sT0, sT0, d, r0, r1, sParts);
-      p0 = level_of(i0 ^ j) == h ? r0 : p0;
-      p1 = level_of(i1 ^ j) == h ? r1 : p1;
+      float r[kEntries<D>];
+      rows_times_rows<D>(sT0, sT0, d, r, sParts);
+#pragma unroll
+      for (int e = 0; e < kEntries<D>; ++e) {
+        pe[e] = level_of(entry_row<D>(d, e) ^ j) == h ? r[e] : pe[e];
+      }
     };
     level(8);
     level(4);
@@ -260,23 +285,29 @@ __device__ __forceinline__ void form_p_and_a(int d, const float (&kn)[C], const 
     }
     cp_async_wait<0>();  // the record gradients: every thread's copies are in before the barrier
     __syncthreads();
-    rows_times_rows(sT0, sT1, d, p0, p1, sParts);
+    rows_times_rows<D>(sT0, sT1, d, pe, sParts);
   }
-  sP[i0][j] = j < i0 ? p0 : 0.f;
-  sP[i1][j] = j < i1 ? p1 : 0.f;
-  sA[i0][j] = j < i0 ? sBeta[i0] * p0 : 0.f;
-  sA[i1][j] = j < i1 ? sBeta[i1] * p1 : 0.f;
+#pragma unroll
+  for (int e = 0; e < kEntries<D>; ++e) {
+    const int i = entry_row<D>(d, e);
+    sP[i][j] = j < i ? pe[e] : 0.f;
+  }
+#pragma unroll
+  for (int e = 0; e < kEntries<D>; ++e) {
+    const int i = entry_row<D>(d, e);
+    sA[i][j] = j < i ? sBeta[i] * pe[e] : 0.f;
+  }
 }
 
 // The per-column sums of the softplus gate (prepare_backward_kernel), with
 // exp(G_i - G_j) as products of decays: along row i (j from i down) and along
 // column i (j from i up), whose last product is exp(G_last - G_i), Kd's decay.
 // Row i of dRw is read before put(i), which may write dq^ over it.
-template <class Put>
+template <int D, class Put>
 __device__ __forceinline__ void softplus_column_sums(const FwdParams& p, int d, const float (*sQs)[D],
                                                      const float (*sKd)[D], const float (&qn)[C],
                                                      const float (&kn)[C], const float (&E)[C],
-                                                     const float (&alpha)[C], const float (*sRW)[kPad],
+                                                     const float (&alpha)[C], const float (*sRW)[kPadOf<D>],
                                                      const float (*sDAb)[C + 1],
                                                      const float (*sDPq)[C + 1], const float* sBeta, float gl,
                                                      float dgl, float (&dG)[C], Put&& put) {
@@ -316,13 +347,13 @@ __device__ __forceinline__ void softplus_column_sums(const FwdParams& p, int d, 
 // ddt_bias and dA_log) or to those of lambda and sigmoid(beta) (the private
 // test op). dq, dk of every row wait in sDq, sDk and their products with qn,
 // kn in sT0, sT1 (the tiles' last use).
-template <bool kChain, bool kSoftplus, bool kGiven>
+template <int D, bool kChain, bool kSoftplus, bool kGiven>
 __device__ __forceinline__ void activation_gradients(const PrepareBwdParams& bp, const ChunkPlace& c, int d,
                                                      const float (&dG)[C], const float (&lam2)[C],
                                                      const float (&qn)[C], const float (&kn)[C],
-                                                     float (*sT0)[kPad], float (*sT1)[kPad], float (*sDot)[C],
-                                                     float* sDA_part, const float (*sDq)[kPad],
-                                                     const float (*sDk)[kPad],
+                                                     float (*sT0)[kPadOf<D>], float (*sT1)[kPadOf<D>],
+                                                     float (*sDot)[C], float* sDA_part,
+                                                     const float (*sDq)[kPadOf<D>], const float (*sDk)[kPadOf<D>],
                                                      const float (*sG)[D], const float (*sInvNorm)[C],
                                                      const float* sDb, const float* sBeta) {
   const FwdParams& p = bp.fwd;
@@ -335,9 +366,9 @@ __device__ __forceinline__ void activation_gradients(const PrepareBwdParams& bp,
     // x = g + dt_bias: dg = dlambda (-A) sigmoid(x), ddt_bias sums dg and
     // dA_log sums dlambda lambda. A precomputed gate: dg = dlambda.
     float tail = 0.f, ddt = 0.f, dA = 0.f;
-    const ChunkColumn<> dg(bp.grads.dg, c, H, d);
+    const ChunkColumn<D> dg(bp.grads.dg, c, H, d);
     if constexpr (kGiven) {
-      const ChunkColumn<float> dg32(bp.grads.dg, c, H, d);
+      const ChunkColumn<D, float> dg32(bp.grads.dg, c, H, d);
 #pragma unroll
       for (int i = C - 1; i >= 0; --i) {
         tail += dG[i];
@@ -389,12 +420,12 @@ __device__ __forceinline__ void activation_gradients(const PrepareBwdParams& bp,
       }
     }
     __syncthreads();
-    reduce_rows32<kPad>(
+    reduce_rows32<D, kPadOf<D>>(
         sT0, sT1, [](float4 x) { return x.x + x.y + x.z + x.w; }, [](float s) { return s; }, sDot);
     if (d == 0 && !kGiven) {
       float a = 0.f;
 #pragma unroll
-      for (int w = 0; w < kThreads / 32; ++w) {
+      for (int w = 0; w < D / 32; ++w) {
         a += sDA_part[w];
       }
       bp.grads.dA_log_part[part] = a;
@@ -402,8 +433,8 @@ __device__ __forceinline__ void activation_gradients(const PrepareBwdParams& bp,
     __syncthreads();
     // The L2 norm's backward: dx = (dxn - xn (xn . dxn)) / ||x||. With grouped
     // value heads, this value head's part in fp32 (the host sums the group's).
-    const ChunkColumn<> dq(bp.grads.dq, c, H, d), dk(bp.grads.dk, c, H, d);
-    const ChunkColumn<float> dq32(bp.grads.dq, c, H, d), dk32(bp.grads.dk, c, H, d);
+    const ChunkColumn<D> dq(bp.grads.dq, c, H, d), dk(bp.grads.dk, c, H, d);
+    const ChunkColumn<D, float> dq32(bp.grads.dq, c, H, d), dk32(bp.grads.dk, c, H, d);
 #pragma unroll
     for (int i = 0; i < C; ++i) {
       if (i < c.len) {
@@ -436,9 +467,11 @@ __device__ __forceinline__ void activation_gradients(const PrepareBwdParams& bp,
   }
 }
 
-// The block's shared memory (over the 48 KB of static shared memory, so
-// dynamic): 70.9 KB, three blocks an SM.
+// The block's shared memory (over the 48 KB of static shared memory at D =
+// 128, so dynamic): 70.9 KB there, three blocks an SM; 39 KB at D = 64, five.
+template <int D>
 struct Smem {
+  static constexpr int kPad = kPadOf<D>;
   // The tiles, [token][channel], each thread writing its own column outside
   // the products, in turn (bounded gate / softplus gate where they differ):
   //   T0: raw q; P's factors; k^ exp(G), then W; dbeta's terms; Ki, then dPq Ki
@@ -470,26 +503,35 @@ struct Smem {
   float Beta[C];
   float Db[C];
   float Dot[2][C];  // qn . dqn and kn . dkn per row (kChain)
-  float DA_part[kThreads / 32];
-  ProductParts parts;
+  float DA_part[D / 32];
+  ProductParts<D> parts;
 };
-static_assert(3 * (sizeof(Smem) + 1024) <= 228 * 1024, "three blocks an SM (1 KB of each reserved)");
+
+// Blocks an SM, as many as the shared memory admits, which cap the registers
+// (__launch_bounds__): 170 a thread at D = 128, 204 at 64.
+template <int D>
+constexpr int kMinBlocks = D == 64 ? 5 : 3;
+template <int D>
+constexpr bool kSmemFits = kMinBlocks<D> * (sizeof(Smem<D>) + 1024) <= 228 * 1024;  // 1 KB of each reserved
+static_assert(kSmemFits<64> && kSmemFits<128>, "the blocks an SM that the registers are capped for");
 
 // The record gradients into shared memory by cp.async (one group): dW and dU0
 // into the padded tiles that the products read, the rest as they lie.
-__device__ __forceinline__ void copy_record_gradients(const float* src, Smem& sm, int d) {
+template <int D>
+__device__ __forceinline__ void copy_record_gradients(const float* src, Smem<D>& sm, int d) {
+  using DR = RecordGradLayout<D>;
   constexpr int kRowPieces = D / 4;  // 16-byte pieces a row
-  for (int e = d; e < C * kRowPieces; e += kThreads) {
+  for (int e = d; e < C * kRowPieces; e += D) {
     const int i = e / kRowPieces, col = 4 * (e % kRowPieces);
-    cp_async_16(smem_u32(&sm.RW[i][col]), src + kDRecW + i * D + col);
-    cp_async_16(smem_u32(&sm.RU[i][col]), src + kDRecU0 + i * D + col);
-    cp_async_16(smem_u32(&sm.Qs[i][col]), src + kDRecQs + i * D + col);
-    cp_async_16(smem_u32(&sm.Kd[i][col]), src + kDRecKd + i * D + col);
+    cp_async_16(smem_u32(&sm.RW[i][col]), src + DR::kW + i * D + col);
+    cp_async_16(smem_u32(&sm.RU[i][col]), src + DR::kU0 + i * D + col);
+    cp_async_16(smem_u32(&sm.Qs[i][col]), src + DR::kQs + i * D + col);
+    cp_async_16(smem_u32(&sm.Kd[i][col]), src + DR::kKd + i * D + col);
   }
-  for (int e = d; e < (C * C + D) / 4; e += kThreads) {
+  for (int e = d; e < (C * C + D) / 4; e += D) {
     const bool aqk = e < C * C / 4;
     cp_async_16(aqk ? smem_u32(&sm.Aqk[4 * e]) : smem_u32(&sm.gl[4 * e - C * C]),
-                src + (aqk ? kDRecAqk + 4 * e : kDRecGl + 4 * e - C * C));
+                src + (aqk ? DR::kAqk + 4 * e : DR::kGl + 4 * e - C * C));
   }
   cp_async_commit();
 }
@@ -499,12 +541,13 @@ __device__ __forceinline__ void copy_record_gradients(const float* src, Smem& sm
 // kSoftplus: the softplus gate (FwdParams::softplus), whose pairs' decays are
 // products of the tokens' decays (level_factors) instead of exp(G_i) exp(-G_j).
 // kGiven: a precomputed gate (FwdParams::gate_given), dg = dlambda.
-template <bool kChain, bool kSoftplus, bool kGiven>
-__global__ void __launch_bounds__(kThreads, 3) prepare_backward_kernel(const PrepareBwdParams bp) {
+template <int D, bool kChain, bool kSoftplus, bool kGiven>
+__global__ void __launch_bounds__(D, kMinBlocks<D>) prepare_backward_kernel(const PrepareBwdParams bp) {
   static_assert(kChain || (!kSoftplus && !kGiven), "the private test op serves the bounded gate only");
+  constexpr int kThreads = D;
   const FwdParams& p = bp.fwd;
   extern __shared__ __align__(16) unsigned char smem_raw[];
-  Smem& sm = *reinterpret_cast<Smem*>(smem_raw);
+  Smem<D>& sm = *reinterpret_cast<Smem<D>*>(smem_raw);
 
   ChunkPlace c;
   if (!place_chunk(p, c)) {
@@ -514,9 +557,11 @@ __global__ void __launch_bounds__(kThreads, 3) prepare_backward_kernel(const Pre
   const int d = threadIdx.x;
   float G2[C], lam2[C], v[C];
   // The record gradients are read from the products on; the inputs first.
-  load_chunk_inputs<kPad, kSoftplus, kGiven>(
-      p, c, sm.T0, sm.T1, sm.Beta, sm.InvNorm, G2, lam2, v, kChain ? sm.G : nullptr,
-      [&] { copy_record_gradients(bp.d_record + ((c.slot - p.slot_begin) * H + c.h) * kDRecFloats, sm, d); });
+  load_chunk_inputs<D, kPadOf<D>, kSoftplus, kGiven>(
+      p, c, sm.T0, sm.T1, sm.Beta, sm.InvNorm, G2, lam2, v, kChain ? sm.G : nullptr, [&] {
+        copy_record_gradients(bp.d_record + ((c.slot - p.slot_begin) * H + c.h) * RecordGradLayout<D>::kFloats, sm,
+                              d);
+      });
 
   float qn[C], kn[C], E[C];
 #pragma unroll
@@ -533,7 +578,7 @@ __global__ void __launch_bounds__(kThreads, 3) prepare_backward_kernel(const Pre
   for (int i = 0; i < C; ++i) {
     alpha[i] = kSoftplus ? fast_exp2(lam2[i]) : 0.f;
   }
-  form_p_and_a<kSoftplus>(d, kn, E, alpha, sm.T0, sm.T1, sm.P, sm.A, sm.Beta, sm.parts);
+  form_p_and_a<D, kSoftplus>(d, kn, E, alpha, sm.T0, sm.T1, sm.P, sm.A, sm.Beta, sm.parts);
   // The operands of W and U0 (the tiles' last readers passed form_p_and_a's
   // last barrier), and dAqk, scaled and masked.
 #pragma unroll
@@ -570,13 +615,19 @@ __global__ void __launch_bounds__(kThreads, 3) prepare_backward_kernel(const Pre
 
   // dA = -strict_lower(dRw W^T + dRu U0^T): sums over the columns.
   {
-    float da0, da1;
-    rows_times_rows(sm.RW, sm.T0, d, da0, da1, sm.parts, sm.RU, sm.T1);
-    const int j = d % C, i0 = d / C, i1 = i0 + C / 2;
-    sm.DA[i0][j] = j < i0 ? -da0 : 0.f;
-    sm.DA[i1][j] = j < i1 ? -da1 : 0.f;
-    sm.DAb[i0][j] = j < i0 ? sm.Beta[i0] * -da0 : 0.f;
-    sm.DAb[i1][j] = j < i1 ? sm.Beta[i1] * -da1 : 0.f;
+    float da[kEntries<D>];
+    rows_times_rows<D>(sm.RW, sm.T0, d, da, sm.parts, sm.RU, sm.T1);
+    const int j = d % C;
+#pragma unroll
+    for (int e = 0; e < kEntries<D>; ++e) {
+      const int i = entry_row<D>(d, e);
+      sm.DA[i][j] = j < i ? -da[e] : 0.f;
+    }
+#pragma unroll
+    for (int e = 0; e < kEntries<D>; ++e) {
+      const int i = entry_row<D>(d, e);
+      sm.DAb[i][j] = j < i ? sm.Beta[i] * -da[e] : 0.f;
+    }
     __syncthreads();
   }
 
@@ -610,7 +661,7 @@ __global__ void __launch_bounds__(kThreads, 3) prepare_backward_kernel(const Pre
 
   // v's gradient now: dRu is not read past here (its tile takes dk^ below).
   if constexpr (kChain) {
-    const ChunkColumn<> dv(bp.grads.dv, c, H, d);
+    const ChunkColumn<D> dv(bp.grads.dv, c, H, d);
 #pragma unroll
     for (int i = 0; i < C; ++i) {
       if (i < c.len) {
@@ -692,8 +743,34 @@ __global__ void __launch_bounds__(kThreads, 3) prepare_backward_kernel(const Pre
     }
     dG[C - 1] += gl * dgl;
   }
-  activation_gradients<kChain, kSoftplus, kGiven>(bp, c, d, dG, lam2, qn, kn, sm.T0, sm.T1, sm.Dot, sm.DA_part,
+  activation_gradients<D, kChain, kSoftplus, kGiven>(bp, c, d, dG, lam2, qn, kn, sm.T0, sm.T1, sm.Dot, sm.DA_part,
                                                   sm.RW, sm.RU, sm.G, sm.InvNorm, sm.Db, sm.Beta);
+}
+
+template <int D>
+void launch_prepare_backward_at(const PrepareBwdParams& bp, int64_t blocks, cudaStream_t stream) {
+  TORCH_CHECK(bp.fwd.H <= INT32_MAX / (C * D), "kda.bwd: H = ", std::to_string(bp.fwd.H),
+              " heads (q's dimension 2) put a chunk's rows further apart than the kernel's 32-bit steps reach; ",
+              "at most ", std::to_string(INT32_MAX / (C * D)));
+  constexpr int kSmem = sizeof(Smem<D>);
+  // The private test op's instance (no chain rule) is 128 wide, as the op.
+  TORCH_CHECK(bp.chain || (D == kHeadDim && !bp.fwd.softplus && !bp.fwd.gate_given),
+              "kda: the activation gradients alone serve the bounded formula gate at head size ", kHeadDim, " only");
+  auto* kernel = bp.fwd.gate_given ? (bp.fwd.softplus ? prepare_backward_kernel<D, true, true, true>
+                                                      : prepare_backward_kernel<D, true, false, true>)
+                 : bp.fwd.softplus ? prepare_backward_kernel<D, true, true, false>
+                                   : prepare_backward_kernel<D, true, false, false>;
+  if constexpr (D == kHeadDim) {
+    if (!bp.chain) {
+      kernel = prepare_backward_kernel<D, false, false, false>;
+    }
+  }
+  C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem));
+  // Several blocks an SM need the largest carveout.
+  C10_CUDA_CHECK(
+      cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout, cudaSharedmemCarveoutMaxShared));
+  kernel<<<static_cast<unsigned int>(blocks), D, kSmem, stream>>>(bp);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
 }  // namespace
@@ -703,28 +780,11 @@ void launch_prepare_backward(const PrepareBwdParams& bp, cudaStream_t stream) {
   if (slots <= 0 || bp.fwd.H == 0) {
     return;
   }
-  // A thread a channel, and the 16 x 16 products' entries two a thread: built for D = 128 alone.
-  TORCH_INTERNAL_ASSERT(bp.fwd.head_size == D, "K1's backward: no kernels for head size ", bp.fwd.head_size);
   const int64_t blocks = slots * bp.fwd.H;
   TORCH_CHECK(blocks <= INT32_MAX, "kda.bwd: ", std::to_string(slots), " chunks x ", std::to_string(bp.fwd.H),
               " heads is more blocks than one launch takes");
-  TORCH_CHECK(bp.fwd.H <= INT32_MAX / (C * D), "kda.bwd: H = ", std::to_string(bp.fwd.H),
-              " heads (q's dimension 2) put a chunk's rows further apart than the kernel's 32-bit steps reach; ",
-              "at most ", std::to_string(INT32_MAX / (C * D)));
-  constexpr int kSmem = sizeof(Smem);
-  TORCH_CHECK(bp.chain || !(bp.fwd.softplus || bp.fwd.gate_given),
-              "kda: the activation gradients alone serve the bounded formula gate only");
-  auto* kernel = bp.fwd.gate_given ? (bp.fwd.softplus ? prepare_backward_kernel<true, true, true>
-                                                      : prepare_backward_kernel<true, false, true>)
-                 : bp.fwd.softplus ? prepare_backward_kernel<true, true, false>
-                 : bp.chain        ? prepare_backward_kernel<true, false, false>
-                                   : prepare_backward_kernel<false, false, false>;
-  C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem));
-  // Three blocks an SM need the largest carveout.
-  C10_CUDA_CHECK(
-      cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout, cudaSharedmemCarveoutMaxShared));
-  kernel<<<static_cast<unsigned int>(blocks), kThreads, kSmem, stream>>>(bp);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  BackwardHeadSizes::dispatch(bp.fwd.head_size,
+                              [&](auto head_size) { launch_prepare_backward_at<head_size.value>(bp, blocks, stream); });
 }
 
 }  // namespace kda::cuda

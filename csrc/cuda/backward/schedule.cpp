@@ -9,21 +9,17 @@
 #include "cuda/launch.h"
 
 namespace kda::cuda {
-namespace {
-
-// One fp32 state (the checkpoints and the carries; the scratch states are bf16).
-constexpr int64_t kFp32StateBytes = kHeadDim * kHeadDim * 4;
-
-}  // namespace
 
 void run_backward(const BackwardCall& call, const at::Tensor& like, const BackwardPlan& plan,
                   const void* saved_states, const float* saved_records) {
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(like.device().index()).stream();
   const auto f32 = like.options().dtype(at::kFloat);
   FwdParams p = call.fwd;
-  // K1's backward is built for 128 alone (a thread a channel); the sizes below are its.
-  TORCH_INTERNAL_ASSERT(p.head_size == kHeadDim, "the backward: no kernels for head size ", p.head_size);
-  const int64_t S = p.num_slots, H = p.H, N = p.N, D = kHeadDim;
+  TORCH_INTERNAL_ASSERT(BackwardHeadSizes::contains(p.head_size), "the backward: no kernels for head size ",
+                        p.head_size);
+  const int64_t S = p.num_slots, H = p.H, N = p.N, D = p.head_size;
+  // One fp32 state (the checkpoints and the carries; the scratch states are bf16).
+  const int64_t fp32_state_bytes = D * D * 4;
   int64_t window = plan.window;
   if (window <= 0 || window > S) {
     window = S;
@@ -38,7 +34,7 @@ void run_backward(const BackwardCall& call, const at::Tensor& like, const Backwa
   const auto bf16 = like.options().dtype(at::kBFloat16);
   at::Tensor states = recur ? at::empty({window, H, D, D}, bf16) : at::Tensor();
   at::Tensor d_states = at::empty({window, H, D, D}, bf16);
-  at::Tensor d_record = at::empty({window, H, kDRecFloats}, f32);
+  at::Tensor d_record = at::empty({window, H, record_grad_floats(D)}, f32);
   p.out = nullptr;
   p.final_state = nullptr;
   p.workspace = workspace.defined() ? workspace.data_ptr<float>() : nullptr;
@@ -59,7 +55,7 @@ void run_backward(const BackwardCall& call, const at::Tensor& like, const Backwa
       p.slot_end = std::min(S, p.slot_begin + window);
       launch_prepare(p, stream);
       launch_recurrence(p, stream, plan.recurrence);
-      C10_CUDA_CHECK(cudaMemcpyAsync(checkpoints[w].data_ptr(), p.carry, N * H * kFp32StateBytes,
+      C10_CUDA_CHECK(cudaMemcpyAsync(checkpoints[w].data_ptr(), p.carry, N * H * fp32_state_bytes,
                                      cudaMemcpyDeviceToDevice, stream));
     }
   }
@@ -89,7 +85,7 @@ void run_backward(const BackwardCall& call, const at::Tensor& like, const Backwa
     SweepBwdParams sp;
     sp.fwd = p;
     sp.states = recur ? states.data_ptr()
-                      : static_cast<const unsigned char*>(saved_states) + p.slot_begin * H * kBwdStateBytes;
+                      : static_cast<const unsigned char*>(saved_states) + p.slot_begin * H * bwd_state_bytes(D);
     sp.grad_out = call.grad_out;
     sp.grad_out_fp32 = call.grad_out_fp32;
     sp.grad_final = call.grad_final;

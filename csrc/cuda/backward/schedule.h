@@ -1,10 +1,11 @@
 // How one backward call's kernels are enqueued, and the memory between them.
 //
-// Per chunk slot and head the backward's kernels pass each other the record
-// (27,136 bytes), the state at the chunk's start and dS at its end (32,768
-// bytes each, bf16: they reach only the record gradients' products) and the
-// record's gradients (34,304 bytes): 7.75 KB per (token, head), 1.94 GiB for one
-// pass at 8192 tokens x 32 heads. The chunk-start states and the records come
+// Per chunk slot and head the backward's kernels pass each other (at D = 128)
+// the record (27,136 bytes), the state at the chunk's start and dS at its end
+// (32,768 bytes each, bf16: they reach only the record gradients' products)
+// and the record's gradients (34,304 bytes): 7.75 KB per (token, head), 1.94
+// GiB for one pass at 8192 tokens x 32 heads; at D = 64, 3,040 bytes per
+// (token, head). The chunk-start states and the records come
 // from the forward (kda._fwd_checkpointed keeps them, checkpoints.h) or else
 // from K2's and K1's passes here. Where one pass would hold too much
 // (heuristics.cpp), the slots are cut into windows, run from the last to
@@ -35,7 +36,7 @@ struct BackwardCall {
   const float* grad_final = nullptr;
   float* d_initial = nullptr;
   // The gradients, by token; the parts of ddt_bias and dA_log by absolute slot
-  // ([num_slots, H, 128] and [num_slots, H]).
+  // ([num_slots, H, D] and [num_slots, H]).
   PrepareBwdParams::Grads grads;
 };
 
@@ -43,10 +44,11 @@ struct BackwardCall {
 // the stream) and enqueues every kernel of the backward on the
 // current stream of its device, as `plan` says (heuristics.h).
 // saved_states: null, or the state at the start of every chunk slot, bf16
-// [num_slots, H, 128, 128] (kda._fwd_checkpointed's): K2 then does not run.
-// saved_records: null, or (only with saved_states) the record of every chunk
-// slot, with the lo planes, fp32 [num_slots, H, record_floats(kHeadDim)]
-// (kda._fwd_checkpointed's): K1 then runs only for its backward.
+// [num_slots, H, D, D] at the call's head size D (kda._fwd_checkpointed's): K2
+// then does not run. saved_records: null, or (only with saved_states) the
+// record of every chunk slot, with the lo planes, fp32 [num_slots, H,
+// record_floats(D)] (kda._fwd_checkpointed's): K1 then runs only for its
+// backward.
 void run_backward(const BackwardCall& call, const at::Tensor& like, const BackwardPlan& plan,
                   const void* saved_states = nullptr, const float* saved_records = nullptr);
 

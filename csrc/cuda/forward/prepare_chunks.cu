@@ -968,7 +968,7 @@ PrepareInstance prepare_instance_for_products(const FwdParams& p) {
 
 template <int D, bool kSoftplus, bool kGiven>
 PrepareInstance prepare_instance_for(const FwdParams& p) {
-  if constexpr (D == kHeadDim) {
+  if constexpr (BackwardHeadSizes::contains(D)) {
     if (p.lo_for_backward) {
       return prepare_instance_for_products<D, true, kSoftplus, kGiven>(p);
     }

@@ -129,7 +129,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> prepare_bwd(const Tensor& q, 
   check_kernels_head_size(op, p);
   const int64_t B = concrete(p.B), T = concrete(p.T), H = concrete(p.H);
   const int64_t slots = concrete(chunk_slots(p.B, p.T, p.N, false));
-  check_scratch_input(op, "d_record", d_record, q, {slots, H, kDRecFloats});
+  check_scratch_input(op, "d_record", d_record, q, {slots, H, record_grad_floats(kHeadDim)});
   c10::cuda::CUDAGuard guard(q.device());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(q.device().index()).stream();
   CallInputs in = call_inputs(p, q, k, v, g, beta, A_log, dt_bias, sequence_boundaries(op, p, q, std::nullopt, stream));
@@ -179,7 +179,7 @@ std::tuple<Tensor, Tensor, Tensor> sweep_bwd(const Tensor& q, const Tensor& k, c
   Tensor go = sweep_grad_out(grad_out);
   const auto f32 = q.options().dtype(at::kFloat);
   Tensor workspace = at::empty({slots, H, record_floats(kHeadDim)}, f32);
-  Tensor d_record = at::empty({slots, H, kDRecFloats}, f32);
+  Tensor d_record = at::empty({slots, H, record_grad_floats(kHeadDim)}, f32);
   Tensor d_initial = at::empty({B, H, kHeadDim, kHeadDim}, f32);
   Tensor d_states = at::empty({slots, H, kHeadDim, kHeadDim}, q.options().dtype(at::kBFloat16));
   SweepBwdParams bp;
