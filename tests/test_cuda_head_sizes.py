@@ -2,7 +2,8 @@
 and V each from 1 to 256, K != V allowed. The forward runs the 64-, 128- or
 256-wide kernels, the smallest that hold K and V, zero-padded to that size;
 the backward the 64- or 128-wide ones, and refuses wider heads; the decode
-kernel and the state pool run 128 wide and refuse wider heads. Which kernels
+kernel runs 128 wide, and the state pool takes wider heads through the
+chunked forward (but speculative decoding, which it refuses). Which kernels
 run at which size; the forward against the float64 reference (fixed length
 and varlen with empty and odd sequences, both gates, both state dtypes, hard
 cases, K2's block shapes and segments at 64 and 256), the gradients against
@@ -10,7 +11,7 @@ the float64 CPU kernels (at 64 also hard cases, the dS recurrence's block
 shapes, windows, grouped value heads and a precomputed gate), what the forward
 keeps for the backward and the same bits with and without it, kda::fwd_ into
 poisoned buffers on both its paths, CUDA graphs, torch.compile and opcheck;
-the state pool at its own sizes; what wider heads raise.
+the state pool at its own sizes, also wider than 128; what wider heads raise.
 """
 import pytest
 import torch
@@ -386,7 +387,8 @@ def test_opcheck(K, V):
 
 
 def test_what_wider_heads_raise():
-    """Past 128 the backward and the state pool raise, naming the sizes; past 256 every op."""
+    """Past 128 the backward and speculative decoding from the pool raise, naming
+    the sizes; past 256 every op."""
     _, g = cuda_inputs(state_dtype=F32, K=256, V=128, B=1, T=4, H=1)
     grad_out = torch.randn(g["v"].shape, device=DEV).to(BF16)
     with pytest.raises(RuntimeError, match=r"kda.bwd: on CUDA, the backward takes q and k with a head size K \(dim 3\) "
@@ -394,9 +396,11 @@ def test_what_wider_heads_raise():
                                            r"any\)"):
         torch.ops.kda.bwd(grad_out, None, *positional(g), lower_bound=-5.0)
     pool = torch.zeros(2, 1, 128, 256, device=DEV)
-    with pytest.raises(RuntimeError, match=r"on CUDA, the state pool takes q and k with a head size K \(dim 3\) of "
-                                           r"at most 128, got K = 256"):
-        torch_kda.kda_pool(*positional(g), pool, torch.tensor([1], device=DEV), lower_bound=-5.0)
+    with pytest.raises(RuntimeError, match=r"on CUDA, speculative decoding \(num_accepted_tokens\) from the state pool "
+                                           r"takes q and k with a head size K \(dim 3\) of at most 128, got K = 256 "
+                                           r"\(the pool without num_accepted_tokens takes up to 256"):
+        torch_kda.kda_pool(*positional(g), pool, torch.tensor([[1, 0, -1, -1]], device=DEV),
+                           num_accepted_tokens=torch.tensor([2], device=DEV), lower_bound=-5.0)
     _, g = cuda_inputs(state_dtype=F32, K=64, V=200, B=1, T=4, H=1)
     grad_out = torch.randn(g["v"].shape, device=DEV).to(BF16)
     with pytest.raises(RuntimeError, match=r"kda.bwd: on CUDA, the backward takes v with a head size V \(dim 3\) of "
@@ -456,17 +460,45 @@ def test_pool_decode_speculative_and_prefill(K, V, pool_dtype):
     assert torch.equal(cache[:, 0], other)
 
 
+@pytest.mark.parametrize("pool_dtype", [F32, BF16], ids=["fp32_pool", "bf16_pool"])
+@pytest.mark.parametrize("K,V", [(256, 256), (129, 64), (64, 200)], ids=lambda x: str(x))
+def test_pool_wider_than_128(K, V, pool_dtype):
+    """Heads wider than 128 take the chunked forward (256 wide) between the pool's
+    copies at every request length: one token (a padding row, whose out rows are
+    zeros), four tokens, and a varlen prefill with an empty request, against float64;
+    the pool a view of a larger cache whose other half stays as it was."""
+    slots, H = 10, 2
+    cache = torch.randn(slots, 2, H, V, K, device=DEV).to(pool_dtype)
+    other = cache[:, 0].clone()
+    pool = cache[:, 1]
+    pool[9] = float("nan")  # named by no request: must be neither read nor written
+    _, d = cuda_inputs(K=K, V=V, B=4, T=1, H=H)
+    out, names = launched_kernels(
+        lambda: pool_against_the_cpu(d, pool, torch.tensor([3, -1, 7, 0], device=DEV), [3, 7, 0]))
+    assert not out[1].any()
+    assert not any("pool_decode_kernel" in n for n in names)
+    assert set(kernel_head_sizes(names, "recurrence_kernel")) == {256}
+    _, d = cuda_inputs(K=K, V=V, B=2, T=4, H=H)
+    pool_against_the_cpu(d, pool, torch.tensor([1, 2], device=DEV), [1, 2], lower_bound=None)
+    _, d = cuda_inputs(K=K, V=V, seqlens=[40, 0, 17], H=H)
+    pool_against_the_cpu(d, pool, torch.tensor([5, 4, 8], device=DEV), [5, 4, 8])
+    assert torch.equal(cache[:, 0], other)
+
+
+@pytest.mark.parametrize("K,V", [(60, 100), (256, 200)], ids=lambda x: str(x))
 @pytest.mark.parametrize("T", [1, 20], ids=["decode", "chunked"])
-def test_pool_graph_replay_with_new_inputs(T):
-    """kda_pool at K = 60, V = 100 captured in a CUDA graph (the inputs' padding
-    and, at T = 20, the copies around the chunked forward inside it), replayed
-    with new tokens and indices: bitwise an eager call from the same pool."""
+def test_pool_graph_replay_with_new_inputs(T, K, V):
+    """kda_pool at K = 60, V = 100 (the decode kernel at T = 1) and K = 256, V =
+    200 (the chunked forward at any length) captured in a CUDA graph (the
+    inputs' padding and the copies around the chunked forward inside it),
+    replayed with new tokens and indices: bitwise an eager call from the same
+    pool."""
     slots, H = 8, 2
 
     def tokens():
-        return cuda_inputs(K=60, V=100, B=3, T=T, H=H)[1]
+        return cuda_inputs(K=K, V=V, B=3, T=T, H=H)[1]
 
-    pool = torch.randn(slots, H, 100, 60, device=DEV)
+    pool = torch.randn(slots, H, V, K, device=DEV)
     x, idx = tokens(), torch.tensor([0, -1, 5], device=DEV)
     out = torch.empty_like(x["v"])
     graph, _ = capture_graph(lambda: torch_kda.kda_pool(*positional(x), pool, idx, lower_bound=-5.0, out=out))

@@ -7,7 +7,7 @@ decode: kda_pool's decode kernel (fp32 and bf16 pools; one token, a varlen batch
 with a padding row and a request past a tile of tokens, speculative decoding, several
 waves of blocks), kda::fwd_ with decode shapes (with and without an initial
 state), grouped value heads, a precomputed fp32 gate's one token and speculative calls,
-and a pool of head sizes below 128.
+and pools of head sizes below 128 and above (the chunked path's copies at 200 x 256).
 segments: a forward over forced segments (K1, three K2 passes, the scan).
 head_sizes: the 64- and 256-wide forwards (K1, K2's 2x2 and 4x4, the segments'
 passes and scan): both gates, fp32 and bf16 states, K = V = 64, K = 48, V = 64 and
@@ -107,6 +107,17 @@ def decode():
                    else torch.tensor([3, -1], device="cuda"))
             x = [t[:, :2 * T].reshape(2, T, *t.shape[2:]) for t in (q, k, v, g, beta)]
             out = torch_kda.kda_pool(*x, A_log, dt, pool, idx, lower_bound=-5.0, **extra)
+            assert torch.isfinite(out).all() and torch.isfinite(pool.float()).all()
+    # Heads wider than 128 (K = 200, V = 256: the chunked forward at any length):
+    # one token with a padding row, and a prefill
+    K, V = 200, 256
+    dt = torch.rand(H, K, device="cuda", generator=gen)
+    for pool_dtype in (torch.float32, torch.bfloat16):
+        pool = torch.randn(5, H, V, K, device="cuda", generator=gen).to(pool_dtype)
+        for T in (1, 20):
+            x = [torch.randn(2, T, H, n, device="cuda", generator=gen).to(torch.bfloat16) for n in (K, K, V, K)]
+            beta = torch.randn(2, T, H, device="cuda", generator=gen).to(torch.bfloat16)
+            out = torch_kda.kda_pool(*x, beta, A_log, dt, pool, torch.tensor([3, -1], device="cuda"), lower_bound=-5.0)
             assert torch.isfinite(out).all() and torch.isfinite(pool.float()).all()
     torch.cuda.synchronize()
 

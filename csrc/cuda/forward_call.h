@@ -26,6 +26,18 @@ void forward_into(const char* op, const Problem& p, const at::Tensor& q, const a
                   const at::Tensor& chunk_states = at::Tensor(), const at::Tensor& records = at::Tensor(),
                   bool decode = false);
 
+// forward_into for any head size the CUDA ops take (1 to 256): the chunked
+// kernels of forward_head_size (64, 128 or 256), or the decode kernel's 128
+// where decode_short_requests and the requests average a few tokens (kda::fwd_,
+// heuristics.h pool_by_decode). chunk_states and records are kept only where
+// the forward runs at the backward's head size (checkpoints.h: forward_keeps).
+void forward_served(const char* op, const Problem& p, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                    const at::Tensor& g, const at::Tensor& beta, const at::Tensor& A_log, const at::Tensor& dt_bias,
+                    const std::optional<at::Tensor>& initial_state, const std::optional<at::Tensor>& cu_seqlens,
+                    const at::Tensor& out, const std::optional<at::Tensor>& final_state,
+                    const at::Tensor& chunk_states = at::Tensor(), const at::Tensor& records = at::Tensor(),
+                    bool decode_short_requests = false);
+
 // The decode kernel (pool.cu) over params' requests, each from its initial
 // state (zeros where undefined) to its final state (not stored where
 // undefined), both [N, H, V, K] contiguous in the states' dtype.

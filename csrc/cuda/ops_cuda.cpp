@@ -151,20 +151,14 @@ void forward_into(const char* op, const Problem& p, const Tensor& q, const Tenso
   }
 }
 
-namespace {
-
-// forward_into for any head size the CUDA ops take: the chunked kernels of
-// forward_head_size (64, 128 or 256), the decode kernel's 128; sizes without
-// kernels of their own run padded (padded_heads.h) into padded outputs, whose
-// leading blocks are then copied out. chunk_states and records are kept only
-// where the forward runs at the backward's head size (checkpoints.h:
-// forward_keeps), and keep the padded sizes, which are the sizes kda.bwd
-// checks them against.
+// Sizes without kernels of their own run padded (padded_heads.h) into padded
+// outputs, whose leading blocks are then copied out. chunk_states and records
+// keep the padded sizes, which are the sizes kda.bwd checks them against.
 void forward_served(const char* op, const Problem& p, const Tensor& q, const Tensor& k, const Tensor& v,
                     const Tensor& g, const Tensor& beta, const Tensor& A_log, const Tensor& dt_bias,
                     const optional<Tensor>& initial_state, const optional<Tensor>& cu_seqlens, const Tensor& out,
-                    const optional<Tensor>& final_state, const Tensor& chunk_states = Tensor(),
-                    const Tensor& records = Tensor(), bool decode_short_requests = false) {
+                    const optional<Tensor>& final_state, const Tensor& chunk_states, const Tensor& records,
+                    bool decode_short_requests) {
   const bool decode = takes_decode_kernel(p, decode_short_requests, chunk_states, records);
   const int64_t D = decode ? kHeadDim : forward_head_size(concrete(p.K), concrete(p.V));
   const auto kept = [](const Tensor& t) { return t.defined() && t.numel() > 0; };
@@ -192,6 +186,8 @@ void forward_served(const char* op, const Problem& p, const Tensor& q, const Ten
     final_state->copy_(final_p->narrow(-2, 0, V).narrow(-1, 0, K));
   }
 }
+
+namespace {
 
 std::tuple<Tensor, Tensor> fwd(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g, const Tensor& beta,
                                const optional<Tensor>& A_log_, const optional<Tensor>& dt_bias_, optional<double> scale,

@@ -5,7 +5,8 @@
 // The decode is bound by the state's bytes: each (request, head) reads its
 // 128 x 128 state once and writes it once (after every token with
 // speculative decoding), while a token's arithmetic is 4 * 128 * 128 FMAs.
-// Smaller head sizes run in the same 128 x 128 tile, zero-padded (kNarrow).
+// Smaller head sizes run in the same 128 x 128 tile, zero-padded (kNarrow);
+// wider ones take the chunked forward (pool_ops.cpp) between the copies.
 // With the V-first layout the state's rows (value channels) evolve
 // independently given the token's activations:
 //   s <- s * alpha;  w = s . k^;  u = beta (v - w);  s <- s + u k^;  o = s . (scale q^)
@@ -34,6 +35,7 @@ namespace {
 
 constexpr int D = kHeadDim;
 constexpr int kThreads = 256;  // the copy kernels
+static_assert(kThreads >= kMaxHeadSize, "the padding rows' zeros: a thread a value channel");
 constexpr int kDecodeThreads = 128;
 constexpr int kDecodeWarps = kDecodeThreads / 32;
 constexpr int kSlabRows = 32;                            // value rows a decode block carries
@@ -83,12 +85,13 @@ __device__ __forceinline__ Request request_of(const PoolParams& p, int64_t n) {
   return r;
 }
 
-// Zeros in out for `rows` value channels from `first`, at every token of r.
-__device__ __forceinline__ void zero_out_rows(const PoolParams& p, const Request& r, int64_t h, int first, int rows,
-                                              int tid) {
+// Zeros in out (rows of `width` value channels) for `rows` channels from
+// `first`, at every token of r.
+__device__ __forceinline__ void zero_out_rows(const PoolParams& p, const Request& r, int64_t h, int width, int first,
+                                              int rows, int tid) {
   if (tid < rows) {
     for (int64_t t = r.bos; t < r.eos; ++t) {
-      static_cast<__nv_bfloat16*>(p.fwd.out)[(t * p.fwd.H + h) * D + first + tid] = __float2bfloat16_rn(0.f);
+      static_cast<__nv_bfloat16*>(p.fwd.out)[(t * p.fwd.H + h) * width + first + tid] = __float2bfloat16_rn(0.f);
     }
   }
 }
@@ -450,7 +453,7 @@ __global__ void __launch_bounds__(kDecodeThreads, kDecodeBlocksPerSm) pool_decod
   }
   if (r.slot < 0) {
     cp_async_wait<0>();  // no copy may still be landing once the block has exited
-    zero_out_rows(p, r, h, slab * kSlabRows, kSlabRows, tid);
+    zero_out_rows(p, r, h, D, slab * kSlabRows, kSlabRows, tid);
     return;
   }
   const int group = tid / kRowLanes, c = tid % kRowLanes;
@@ -533,11 +536,12 @@ __global__ void __launch_bounds__(kThreads) pool_copy_kernel(const PoolParams p)
   }
 }
 
+// out's rows are p.fwd.head_size wide (at most kThreads).
 __global__ void __launch_bounds__(kThreads) pool_zero_padding_kernel(const PoolParams p) {
   const int64_t n = blockIdx.x / p.fwd.H, h = blockIdx.x % p.fwd.H;
   const Request r = request_of(p, n);
   if (r.slot < 0) {
-    zero_out_rows(p, r, h, 0, D, threadIdx.x);
+    zero_out_rows(p, r, h, p.fwd.head_size, 0, p.fwd.head_size, threadIdx.x);
   }
 }
 

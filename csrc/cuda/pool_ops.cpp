@@ -36,9 +36,12 @@ namespace {
 
 // kda::fwd_pool_: the decode kernel (pool.cu) for speculative calls and short
 // requests, else the chunked forward from the pool's states, copied out first,
-// with the final states copied back (heuristics.h, pool_by_decode). Nothing
-// waits on the host: padding rows and indices past the pool are found on the
-// device (checked under TORCH_KDA_CHECK=1, which reads them).
+// with the final states copied back (heuristics.h, pool_by_decode). The decode
+// kernel's tile is 128 x 128: heads wider than 128 (K or V) always take the
+// chunked forward (its 256-wide kernels), and speculative decoding, which only
+// the decode kernel does, is refused for them. Nothing waits on the host:
+// padding rows and indices past the pool are found on the device (checked
+// under TORCH_KDA_CHECK=1, which reads them).
 void fwd_pool(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g, const Tensor& beta,
               const optional<Tensor>& A_log_, const optional<Tensor>& dt_bias_,
               Tensor& state_pool, const Tensor& state_indices, Tensor& out,
@@ -47,29 +50,37 @@ void fwd_pool(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g
   const Tensor A_log = or_undefined(A_log_), dt_bias = or_undefined(dt_bias_);
   const char* op = "kda.fwd_pool_";
   Problem p = check_all(op, q, k, v, g, beta, A_log, dt_bias, scale, lower_bound, std::nullopt, cu_seqlens);
-  check_head_sizes_of_128_wide_kernels(op, p, "the state pool");
+  const int64_t K = concrete(p.K), V = concrete(p.V);
+  const bool wide = K > kHeadDim || V > kHeadDim;
+  if (num_accepted_tokens.has_value()) {
+    check_head_sizes_of_128_wide_kernels(op, p, "speculative decoding (num_accepted_tokens) from the state pool",
+                                         "the pool without num_accepted_tokens takes");
+  }
   check_pool_args(op, p, q, cu_seqlens.has_value(), state_pool, state_indices, num_accepted_tokens, out);
   TORCH_CHECK(p.state_dtype == at::kBFloat16 || p.state_dtype == at::kFloat,
               op, ": on CUDA, state_pool must have dtype bfloat16 or float32, got ", dtype_name(p.state_dtype));
-  // Head sizes below 128 (padded_heads.h): the kernels read zero-padded copies
-  // of the tokens' inputs and write a padded out, while the pool is read and
-  // written in place at its own sizes (PoolParams::K, V), element by element.
-  const bool narrow = pads_heads(p, kHeadDim);
+  const int64_t N = concrete(p.N), H = concrete(p.H), tokens = concrete(p.B) * concrete(p.T);
+  const bool by_decode = !wide && pool_by_decode(tokens, N, num_accepted_tokens.has_value());
+  // Head sizes below 128 on the decode kernel (padded_heads.h): it reads
+  // zero-padded copies of the tokens' inputs and writes a padded out, while the
+  // pool is read and written in place at its own sizes (PoolParams::K, V),
+  // element by element; so do the chunked path's copies at any size.
+  const bool narrow = !wide && pads_heads(p, kHeadDim);
   const int64_t elem = state_pool.element_size();
-  TORCH_CHECK(narrow || (aligned16(state_pool) && (state_pool.size(0) <= 1 || state_pool.stride(0) * elem % 16 == 0)),
-              op, ": on CUDA, state_pool's slots must start on 16-byte boundaries (its data and its slot stride "
-              "in bytes multiples of 16)");
+  // The decode kernel's 16-byte rows at 128 x 128 (the copies take any alignment).
+  const bool slots_aligned =
+      aligned16(state_pool) && (state_pool.size(0) <= 1 || state_pool.stride(0) * elem % 16 == 0);
+  TORCH_CHECK(narrow || wide || slots_aligned, op, ": on CUDA, state_pool's slots must start on 16-byte boundaries "
+              "(its data and its slot stride in bytes multiples of 16)");
   check_pool_disjoint(op, out, state_pool);
   if (debug_checks_enabled()) {
     check_pool_indices(op, state_indices, num_accepted_tokens, state_pool.size(0));
   }
   c10::cuda::CUDAGuard guard(q.device());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(q.device().index()).stream();
-  const int64_t N = concrete(p.N), H = concrete(p.H), tokens = concrete(p.B) * concrete(p.T);
-  const int64_t K = concrete(p.K), V = concrete(p.V);
   std::vector<int64_t> padded_out = out.sizes().vec();
   padded_out.back() = kHeadDim;
-  Tensor out_c = narrow ? at::empty(padded_out, out.options())
+  Tensor out_c = by_decode && narrow ? at::empty(padded_out, out.options())
                  : out.is_contiguous() && aligned16(out) ? out
                                                          : at::empty_like(out, at::MemoryFormat::Contiguous);
   // What the kernels read while they write the pool and out comes from a copy
@@ -113,11 +124,13 @@ void fwd_pool(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g
   pp.fwd.N = N;
   pp.fwd.H = H;
   pp.fwd.group = value_head_group(p);
-  pp.fwd.head_size = kHeadDim;  // the decode kernel's tile (narrow pools sit inside it)
+  // The decode kernel's tile (narrow pools sit inside it); else out's rows,
+  // which the padding rows' zeros cover.
+  pp.fwd.head_size = by_decode ? kHeadDim : static_cast<int>(V);
   pp.fwd.scale = static_cast<float>(resolved_scale(p));
   set_gate(pp.fwd, p, g);
 
-  if (pool_by_decode(tokens, N, accepted.defined())) {
+  if (by_decode) {
     const PaddedInputs x = narrow ? padded_inputs(p, kHeadDim, q, k, v, g, dt_bias, std::nullopt)
                                   : PaddedInputs{p, q, k, v, g, dt_bias, std::nullopt};
     const Tensor qc = read_safely(x.q), kc = read_safely(x.k), vc = read_safely(x.v), gc = read_safely(x.g);
@@ -135,20 +148,13 @@ void fwd_pool(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g
     Tensor final_states = at::empty_like(states);
     pp.states = states.data_ptr();
     launch_pool_gather(pp, stream);
-    if (!narrow) {
-      forward_into(op, p, q, k, v, g, beta, A_log, dt_bias, states, cu_seqlens, out_c, final_states);
-    } else {
-      const PaddedInputs x = padded_inputs(p, kHeadDim, q, k, v, g, dt_bias, states);
-      const Tensor final_p = at::empty({N, H, kHeadDim, kHeadDim}, states.options());
-      forward_into(op, x.p, x.q, x.k, x.v, x.g, beta, A_log, x.dt_bias, x.initial_state, cu_seqlens, out_c, final_p);
-      final_states.copy_(final_p.narrow(-2, 0, V).narrow(-1, 0, K));
-    }
+    forward_served(op, p, q, k, v, g, beta, A_log, dt_bias, states, cu_seqlens, out_c, final_states);
     pp.states = final_states.data_ptr();
     launch_pool_scatter(pp, stream);
     launch_pool_zero_padding(pp, stream);
   }
   if (!out_c.is_same(out)) {
-    out.copy_(narrow ? out_c.narrow(-1, 0, V) : out_c);
+    out.copy_(out_c.size(-1) != V ? out_c.narrow(-1, 0, V) : out_c);
   }
 }
 

@@ -63,13 +63,13 @@ void check_grid_sizes(const char* op, const Problem& p, int64_t num_slots) {
 
 }  // namespace
 
-void check_head_sizes_of_128_wide_kernels(const char* op, const Problem& p, const char* what) {
+void check_head_sizes_of_128_wide_kernels(const char* op, const Problem& p, const char* what, const char* wider) {
   const int64_t K = concrete(p.K), V = concrete(p.V);
   TORCH_CHECK(K <= kHeadDim, op, ": on CUDA, ", what, " takes q and k with a head size K (dim 3) of at most ",
-              int_str(kHeadDim), ", got K = ", int_str(K), " (the forward takes up to ", int_str(kMaxHeadSize),
+              int_str(kHeadDim), ", got K = ", int_str(K), " (", wider, " up to ", int_str(kMaxHeadSize),
               "; the CPU kernels any)");
   TORCH_CHECK(V <= kHeadDim, op, ": on CUDA, ", what, " takes v with a head size V (dim 3) of at most ",
-              int_str(kHeadDim), ", got V = ", int_str(V), " (the forward takes up to ", int_str(kMaxHeadSize),
+              int_str(kHeadDim), ", got V = ", int_str(V), " (", wider, " up to ", int_str(kMaxHeadSize),
               "; the CPU kernels any)");
 }
 
