@@ -18,7 +18,8 @@ precomputed gate's fp32 one), fp32 A_log and dt_bias, lower_bound in [-5, 0) or
 None. fla's rows are fp16 (or fp32), so none is served as given: each is also
 run in bf16, and those are served. The rows it does not serve must be refused
 by the host checks (csrc/cuda/staging.cpp, before any launch) with an error
-naming the argument at fault.
+naming the argument at fault. The CUDA backward takes K and V up to 128: the
+chunk and varlen rows' gradients in bf16 against float64, the wider row's refusal.
 """
 import dataclasses
 
@@ -334,3 +335,44 @@ def test_rows_on_cuda(row, as_bf16):
     assert out.dtype == BF16 and final.dtype == F32
     assert e_out <= 5e-3
     assert e_state <= 1e-4
+
+
+# The CUDA backward's gradient names, in kda.bwd's order, by the inputs' names.
+BWD_NAMES = TOKEN_NAMES + PARAM_NAMES + ("initial_state",)
+
+
+def float64_cpu_grads(x, scale, do, dht):
+    """kda.bwd on the CPU in float64 from the values of x (on any device)."""
+    f = {n: (t.detach().cpu().double() if t.is_floating_point() else t.cpu()) if isinstance(t, torch.Tensor) else t
+         for n, t in x.items()}
+    grads = torch.ops.kda.bwd(do.cpu().double(), dht.cpu().double(), *(f[n] for n in TOKEN_NAMES + PARAM_NAMES),
+                              scale=scale, lower_bound=None, initial_state=f["initial_state"],
+                              cu_seqlens=f["cu_seqlens"])
+    return dict(zip(BWD_NAMES, grads))
+
+
+@pytest.mark.cuda
+@requires_cuda
+@pytest.mark.skipif(not torch_kda.cuda_built(), reason="needs a CUDA build of torch_kda")
+@rows(CHUNK_ROWS + VARLEN_ROWS)
+def test_row_gradients_on_cuda(row):
+    """Each chunk and varlen row in bf16 through torch_kda.kda's autograd on CUDA
+    (every input's gradient, the final state's cotangent too) against kda.bwd in
+    float64 on the CPU, at the CUDA backward's tolerances (cuda_helpers.GRAD_TOL);
+    the rows wider than 128 are refused by the backward, naming the size."""
+    from cuda_helpers import check_grads
+
+    x = {n: (t.cuda() if t is not None else None) for n, t in make_row_inputs(row, BF16).items()}
+    do = torch.randn(x["v"].shape, device="cuda").to(BF16)
+    dht = torch.randn(x["initial_state"].shape, device="cuda")
+    if row.D > 128:
+        with pytest.raises(RuntimeError, match=rf"kda.bwd: on CUDA, the backward takes q and k with a head size K "
+                                               rf"\(dim 3\) of at most 128, got K = {row.D}"):
+            ours_with_grads(x, row.scale, do, dht)
+        return
+    _, _, got = ours_with_grads(x, row.scale, do, dht)
+    want = float64_cpu_grads(x, row.scale, do, dht)
+    for n in got:
+        assert got[n].shape == x[n].shape and got[n].dtype == x[n].dtype, n
+    none = torch.empty(0)
+    check_grads(row.id, [got.get(n, none) for n in BWD_NAMES], [want[n] for n in BWD_NAMES])
