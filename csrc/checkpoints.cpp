@@ -23,13 +23,14 @@ Save parse_save(const char* op, c10::string_view save) {
 
 namespace {
 
-// The shapes of the two outputs for `slots` chunk slots: what the forward
-// allocates is what the backward accepts.
-// Concrete sizes (a compiled graph specialises on them): the shapes follow from the head size.
+// The kept states' head size, from concrete sizes (a compiled graph
+// specialises on them).
 int64_t saved_head_size(const Problem& p) {
-  return backward_head_size(p.K.guard_int(__FILE__, __LINE__), p.V.guard_int(__FILE__, __LINE__));
+  return chunked_head_size(p.K.guard_int(__FILE__, __LINE__), p.V.guard_int(__FILE__, __LINE__));
 }
 
+// The shapes of the two outputs for `slots` chunk slots: what the forward
+// allocates is what the backward accepts.
 std::vector<c10::SymInt> checkpoints_shape(const Problem& p, const c10::SymInt& slots) {
   const int64_t D = saved_head_size(p);
   return {slots, p.H, D, D};
@@ -55,13 +56,8 @@ bool given(const std::optional<at::Tensor>& t) {
 
 }  // namespace
 
-bool forward_keeps(const Problem& p) {
-  return forward_head_size(p.K.guard_int(__FILE__, __LINE__), p.V.guard_int(__FILE__, __LINE__)) ==
-         saved_head_size(p);
-}
-
 SavedForBackward allocate_saved(const Problem& p, const at::Tensor& q, bool varlen, Save save) {
-  const bool states = save != Save::kNone && forward_keeps(p);
+  const bool states = save != Save::kNone;
   const bool records = save == Save::kStatesAndRecords;
   const c10::SymInt slots = states ? chunk_slots(p.B, p.T, p.N, varlen) : c10::SymInt(0);  // records only with states
   return {at::empty_symint(checkpoints_shape(p, slots), q.options().dtype(at::kBFloat16)),

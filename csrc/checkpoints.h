@@ -28,21 +28,15 @@ enum class Save { kStatesAndRecords, kStates, kNone };
 // `save` as the enum; any other string raises, naming `op` and the choices.
 Save parse_save(const char* op, c10::string_view save);
 
-// Whether the CUDA forward of p keeps anything for the backward: where it runs
-// at the backward's head size (backward_head_size in constants.h: 64 or 128,
-// zero-padded, cuda/padded_heads.h), whose checkpoints and records these are.
-// Heads wider than 128 run the 256-wide forward and have no CUDA backward.
-bool forward_keeps(const Problem& p);
-
-// kda._fwd_checkpointed's two extra outputs, as `save` asks where the forward
-// keeps anything (forward_keeps), else both empty; functions of the shapes and
-// `save` alone.
-//   checkpoints: bf16 [slots, H, D, D] on q's device at the backward's head
-//     size D (128 or 64), slot s the state at the start of chunk slot s
+// kda._fwd_checkpointed's two extra outputs, as `save` asks; functions of the
+// shapes and `save` alone.
+//   checkpoints: bf16 [slots, H, D, D] on q's device at the chunked kernels'
+//     head size D (chunked_head_size in constants.h: 64, 128 or 256; other
+//     sizes zero-padded, cuda/padded_heads.h), slot s the state at the start of chunk slot s
 //     (slots: chunk_slots in kda.h; the slots past a varlen batch's chunks are
 //     not written), or [0, H, D, D] when the states are not saved.
 //   records: fp32 [slots, H, record_bytes(D) / 4] (6784 at D = 128, 3648 at
-//     64) on q's device, the slots as for the checkpoints, or [0, H, ...] when
+//     64, 13056 at 256) on q's device, the slots as for the checkpoints, or [0, H, ...] when
 //     the records are not kept.
 struct SavedForBackward {
   at::Tensor checkpoints;

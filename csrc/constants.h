@@ -15,29 +15,22 @@ constexpr int kMaxHeadSize = 256;
 
 // The CUDA kernels' sizes, which also shape what every backend allocates for
 // them (checkpoints.h) and where segments may start (segments.h).
-// The head size of the decode kernel's and the state pool's kernels (smaller
-// ones run zero-padded to it), and the widest of the backward's; the forward's
-// kernels also come 64 and 256 wide, the backward's 64 (cuda/launch.h).
+// The head size of the decode kernel (smaller ones run zero-padded to it); the
+// chunked kernels, forward and backward, also come 64 and 256 wide
+// (cuda/launch.h).
 constexpr int kHeadDim = 128;
-// Heads of at most this many channels (K and V) run the forward's and the
-// backward's 64-wide kernels, zero-padded to 64 (cuda/padded_heads.h).
+// Heads of at most this many channels (K and V) run the 64-wide chunked
+// kernels, zero-padded to 64 (cuda/padded_heads.h).
 constexpr int kForwardNarrowHead = 64;
 constexpr int kChunk = 16;     // tokens per chunk
 
-// The head size of the CUDA forward's kernels for K and V (1 to kMaxHeadSize):
-// the smallest of 64, 128 and 256 that holds both (the kernels take K = V).
-// What the forward keeps for the backward follows from it (checkpoints.h).
-constexpr int64_t forward_head_size(int64_t K, int64_t V) {
+// The head size of the CUDA chunked kernels, forward and backward, for K and V
+// (1 to kMaxHeadSize): the smallest of 64, 128 and 256 that holds both (the
+// kernels take K = V). What the forward keeps for the backward has this size
+// (checkpoints.h).
+constexpr int64_t chunked_head_size(int64_t K, int64_t V) {
   const int64_t size = K > V ? K : V;
   return size <= kForwardNarrowHead ? kForwardNarrowHead : size <= kHeadDim ? kHeadDim : kMaxHeadSize;
-}
-
-// The head size of the CUDA backward's kernels for K and V (1 to kHeadDim):
-// the smallest of 64 and 128 that holds both. The forward keeps its
-// checkpoints where it runs at this size (checkpoints.h).
-constexpr int64_t backward_head_size(int64_t K, int64_t V) {
-  const int64_t size = K > V ? K : V;
-  return size <= kForwardNarrowHead ? kForwardNarrowHead : kHeadDim;
 }
 
 // The bytes of one record, K1's output per (chunk slot, head), at head size D:

@@ -54,13 +54,12 @@ def test_save_argument(save, kept):
     assert ckpt.shape == (kept[0], 2, 128, 128) and rec.shape == (kept[1], 2, RECORD_FLOATS)
 
 
-# Heads of at most 64 channels keep the 64-wide states and records, the others
-# up to 128 the 128-wide ones, each of the zero-padded problem (300 tokens: 19
-# slots); those wider than 128 run the 256-wide forward, which has no CUDA
-# backward and keeps nothing (csrc/checkpoints.h: forward_keeps).
+# The states and records of the chunked kernels' head size D, 64, 128 or 256,
+# the smallest holding K and V, of the zero-padded problem (300 tokens: 19
+# slots; csrc/constants.h chunked_head_size).
 @pytest.mark.parametrize("K,V,kept,D", [(64, 64, 19, 64), (48, 64, 19, 64), (1, 17, 19, 64), (64, 65, 19, 128),
-                                        (100, 60, 19, 128), (128, 128, 19, 128), (129, 64, 0, 128),
-                                        (256, 256, 0, 128)], ids=lambda x: str(x))
+                                        (100, 60, 19, 128), (128, 128, 19, 128), (129, 64, 19, 256),
+                                        (256, 256, 19, 256)], ids=lambda x: str(x))
 def test_kept_by_head_size(K, V, kept, D):
     d = {n: (t.to(META) if t is not None else t) for n, t in make_inputs(K=K, V=V, B=1, T=300, H=2).items()}
     ckpt, rec = _saved(d)

@@ -1,15 +1,15 @@
 """Head sizes other than 128 on the CUDA kernels (csrc/cuda/padded_heads.h): K
 and V each from 1 to 256, K != V allowed. The forward runs the 64-, 128- or
-256-wide kernels, the smallest that hold K and V, zero-padded to that size;
-the backward the 64- or 128-wide ones, and refuses wider heads; the decode
-kernel runs 128 wide, and the state pool takes wider heads through the
-chunked forward (but speculative decoding, which it refuses). Which kernels
-run at which size; the forward against the float64 reference (fixed length
-and varlen with empty and odd sequences, both gates, both state dtypes, hard
-cases, K2's block shapes and segments at 64 and 256), the gradients against
-the float64 CPU kernels (at 64 also hard cases, the dS recurrence's block
-shapes, windows, grouped value heads and a precomputed gate), what the forward
-keeps for the backward and the same bits with and without it, kda::fwd_ into
+256-wide kernels, the smallest that hold K and V, zero-padded to that size,
+and so does the backward; the decode kernel runs 128 wide, and the state pool
+takes wider heads through the chunked forward (but speculative decoding,
+which it refuses). Which kernels run at which size; the forward against the
+float64 reference (fixed length and varlen with empty and odd sequences, both
+gates, both state dtypes, hard cases, K2's block shapes and segments at 64
+and 256), the gradients against the float64 CPU kernels (at 64 and 256 also
+hard cases, the dS recurrence's block shapes, windows, grouped value heads
+and a precomputed gate), what the forward keeps for the backward and the
+same bits with and without it, kda::fwd_ into
 poisoned buffers on both its paths, CUDA graphs, torch.compile and opcheck;
 the state pool at its own sizes, also wider than 128; what wider heads raise.
 """
@@ -64,8 +64,7 @@ def kernel_head_sizes(names, kernel):
                                    (128, 128, 128), (129, 17, 256), (256, 256, 256)], ids=lambda x: str(x))
 def test_forward_kernels_by_head_size(K, V, D):
     """The chunked forward runs K1 and K2 at the smallest served size that holds
-    K and V; its backward runs every kernel at the same size (64 or 128), and
-    refuses wider heads."""
+    K and V; its backward runs every kernel at the same size."""
     _, g = cuda_inputs(K=K, V=V, B=1, T=40, H=2)
     leaves = {n: g[n].detach().clone().requires_grad_(True) for n in ("q", "k", "v")}
     (out, _), names = launched_kernels(lambda: run_cuda({**g, **leaves}))
@@ -73,11 +72,6 @@ def test_forward_kernels_by_head_size(K, V, D):
     assert kernel_head_sizes(names, "recurrence_kernel") == [D]
     if D != 128:  # K2's automatic shape away from 128 (csrc/cuda/heuristics.cpp)
         assert [s for s, _, _ in k2_launches(names)] == [K2_SPLIT["2x2" if D == 64 else "4x4"]]
-    if D > 128:
-        with pytest.raises(RuntimeError, match=rf"kda.bwd: on CUDA, the backward takes q and k with a head size K "
-                                               rf"\(dim 3\) of at most 128, got K = {K} \(the forward takes up to 256"):
-            out.float().sum().backward()
-        return
     _, names = launched_kernels(lambda: out.float().sum().backward())
     for kernel in ("ds_recurrence_kernel", "record_grads_kernel", "prepare_backward_kernel"):
         assert set(kernel_head_sizes(names, kernel)) == {D}, kernel
@@ -136,9 +130,9 @@ def test_segments_at_64_and_256(segments, lower_bound, D):
 
 @GATES
 @pytest.mark.parametrize("K,V", [(256, 256), (129, 64)], ids=lambda x: str(x))
-def test_forward_at_256_keeps_nothing_and_gives_the_same_bits(K, V, lower_bound):
-    """torch_kda.kda with and without a gradient: the same bits from the
-    256-wide forward, which keeps no states or records (its backward raises)."""
+def test_forward_at_256_gives_the_same_bits_with_a_gradient(K, V, lower_bound):
+    """torch_kda.kda with and without a gradient (the latter keeping the
+    256-wide states and records): the same bits."""
     _, g = cuda_inputs(state_dtype=F32, K=K, V=V, seqlens=[50, 0, 17], H=2)
     out0, final0 = run_cuda(g, lower_bound=lower_bound)
     leaves = {n: g[n].detach().clone().requires_grad_(True) for n in ("q", "k", "v", "g")}
@@ -146,7 +140,7 @@ def test_forward_at_256_keeps_nothing_and_gives_the_same_bits(K, V, lower_bound)
     assert torch.equal(out0, out1) and torch.equal(final0, final1.detach())
     kept = torch.ops.kda._fwd_checkpointed(*positional(g), None, lower_bound, g["initial_state"], True,
                                            g["cu_seqlens"])
-    assert torch.equal(kept[0], out0) and kept[2].numel() == 0 and kept[3].numel() == 0
+    assert torch.equal(kept[0], out0) and kept[2].shape == (8, 2, 256, 256) and kept[3].shape == (8, 2, 13056)
 
 
 @pytest.mark.parametrize("case", ["weak_decay", "small_beta"])
@@ -173,7 +167,7 @@ def cuda_grads(g, grad_out, grad_final, lower_bound, **kw):
 
 
 @GATES
-@pytest.mark.parametrize("K,V", [(64, 64), (17, 40), (100, 60)], ids=lambda x: str(x))
+@pytest.mark.parametrize("K,V", [(64, 64), (17, 40), (100, 60), (256, 256), (129, 200)], ids=lambda x: str(x))
 @pytest.mark.parametrize("shape", [dict(B=2, T=45, H=2), dict(seqlens=[17, 0, 40, 1], H=2)], ids=["fixed", "varlen"])
 def test_backward_matches_the_cpu_kernels(K, V, lower_bound, shape):
     """kda.bwd against float64, and the autograd step (the forward's kept padded
@@ -200,38 +194,46 @@ def test_backward_without_final_gradient():
 
 @GATES
 @pytest.mark.parametrize("case", ["weak_decay", "strong_decay", "small_beta"])
-@pytest.mark.parametrize("ds_block", ["auto", "4x1", "4x2", "2x2"])
-def test_backward_at_64_hard_cases_and_block_shapes(case, ds_block, lower_bound):
-    """The 64-wide backward against float64 with weak and strong decay and a tiny
-    beta, varlen with empty, one-token and odd sequences, each of the dS
-    recurrence's block shapes, its scratch and outputs allocated NaN-filled."""
+@pytest.mark.parametrize("D,ds_block", [(64, "auto"), (64, "4x1"), (64, "4x2"), (64, "2x2"), (256, "auto"),
+                                        (256, "4x2"), (256, "2x2")], ids=lambda x: str(x))
+def test_backward_at_64_and_256_hard_cases_and_block_shapes(case, D, ds_block, lower_bound):
+    """The 64- and 256-wide backwards against float64 with weak and strong decay
+    and a tiny beta, varlen with empty, one-token and odd sequences, each of the
+    dS recurrence's block shapes (at 256 the split ones), its scratch and
+    outputs allocated NaN-filled."""
     from conftest import nan_filled_empty
 
-    d, g = cuda_inputs(state_dtype=F32, K=64, V=64, seqlens=[45, 0, 16, 1, 70], H=3)
+    d, g = cuda_inputs(state_dtype=F32, K=D, V=D, seqlens=[45, 0, 16, 1, 70], H=3)
     hard_case(case, d, g)
     grad_out = torch.randn(g["v"].shape, device=DEV).to(BF16)
     grad_final = torch.randn(g["initial_state"].shape, device=DEV)
     with forced(ds_block=ds_block), nan_filled_empty():
         got, names = launched_kernels(lambda: cuda_grads(g, grad_out, grad_final, lower_bound))
-    assert set(kernel_head_sizes(names, "ds_recurrence_kernel")) == {64}
+    for kernel in ("ds_recurrence_kernel", "record_grads_kernel", "prepare_backward_kernel"):
+        assert set(kernel_head_sizes(names, kernel)) == {D}, kernel
     check_grads(f"{case} {ds_block}", got, float64_grads(g, grad_out, grad_final, lower_bound))
 
 
-RECORD_FLOATS_64 = 3648  # a record's 14,592 bytes at head size 64 (csrc/constants.h record_bytes)
+def record_floats(D):
+    """A record's fp32 elements at head size D: six [16][D] bf16 planes, D fp32
+    decays, four [16][16] bf16 planes (csrc/constants.h record_bytes)."""
+    return (6 * 16 * D * 2 + D * 4 + 4 * 16 * 16 * 2) // 4
 
 
 @pytest.mark.parametrize("state_dtype", [F32, BF16], ids=["fp32_state", "bf16_state"])
-def test_backward_at_64_from_what_the_forward_keeps_and_in_windows_is_bitwise(state_dtype):
-    """At K = 48, V = 64 (64 wide): kda._fwd_checkpointed returns fwd's outputs
-    bit for bit and keeps 64-wide chunk-start states and records (14 slots for 3
-    + 7 + 1 chunks and 4 sequences); kda.bwd given them, and in windows of 1, 3
-    and 5 slots, gives the one-pass gradients bit for bit."""
-    _, g = cuda_inputs(state_dtype=state_dtype, K=48, V=64, seqlens=[37, 0, 100, 16], H=3)
+@pytest.mark.parametrize("K,V,D", [(48, 64, 64), (256, 200, 256)], ids=lambda x: str(x))
+def test_backward_from_what_the_forward_keeps_and_in_windows_is_bitwise(K, V, D, state_dtype):
+    """At K = 48, V = 64 (64 wide) and K = 256, V = 200 (256 wide):
+    kda._fwd_checkpointed returns fwd's outputs bit for bit and keeps D-wide
+    chunk-start states and records (14 slots for 3 + 7 + 1 chunks and 4
+    sequences); kda.bwd given them, and in windows of 1, 3 and 5 slots, gives
+    the one-pass gradients bit for bit."""
+    _, g = cuda_inputs(state_dtype=state_dtype, K=K, V=V, seqlens=[37, 0, 100, 16], H=3)
     init, cu = g["initial_state"], g["cu_seqlens"]
     out, final, ckpt, records = torch.ops.kda._fwd_checkpointed(*positional(g), None, -5.0, init, True, cu)
     want_out, want_final = torch.ops.kda.fwd(*positional(g), None, -5.0, init, True, cu)
     assert torch.equal(out, want_out) and torch.equal(final, want_final)
-    assert ckpt.shape == (14, 3, 64, 64) and records.shape == (14, 3, RECORD_FLOATS_64)
+    assert ckpt.shape == (14, 3, D, D) and records.shape == (14, 3, record_floats(D))
     grad_out = torch.randn(g["v"].shape, device=DEV).to(BF16)
     grad_final = torch.randn(init.shape, device=DEV)
     want = cuda_grads(g, grad_out, grad_final, -5.0)
@@ -250,17 +252,19 @@ def test_backward_at_64_from_what_the_forward_keeps_and_in_windows_is_bitwise(st
 
 
 @pytest.mark.parametrize("gate", ["formula", "given_bf16", "given_fp32"])
-def test_backward_at_64_with_grouped_heads(gate):
-    """Grouped value heads (HV = 2 H) at K = V = 64 with the gate's formula or a
-    precomputed log decay (bf16 or fp32, gradients to g itself) against float64."""
-    _, g = cuda_inputs(state_dtype=F32, K=64, V=64, B=2, T=40, H=2, HV=4)
+@pytest.mark.parametrize("D", [64, 256])
+def test_backward_with_grouped_heads(gate, D):
+    """Grouped value heads (HV = 2 H) at K = V = 64 and 256 with the gate's
+    formula or a precomputed log decay (bf16 or fp32, gradients to g itself)
+    against float64."""
+    _, g = cuda_inputs(state_dtype=F32, K=D, V=D, B=2, T=40, H=2, HV=4)
     if gate != "formula":
         g_dtype = BF16 if gate == "given_bf16" else F32
         g = {**g, "g": (-5.0 * torch.sigmoid(g["g"].float())).to(g_dtype), "A_log": None, "dt_bias": None}
     grad_out = torch.randn(g["v"].shape, device=DEV).to(BF16)
     grad_final = torch.randn(g["initial_state"].shape, device=DEV)
     got, names = launched_kernels(lambda: cuda_grads(g, grad_out, grad_final, -5.0))
-    assert set(kernel_head_sizes(names, "prepare_backward_kernel")) == {64}
+    assert set(kernel_head_sizes(names, "prepare_backward_kernel")) == {D}
     assert got[3].dtype == g["g"].dtype
     check_grads(gate, got, float64_grads(g, grad_out, grad_final, -5.0))
 
@@ -338,7 +342,7 @@ def test_segmented_forward_graph_replay_with_new_inputs(D):
 
 
 def test_compile_fullgraph_forward_at_256():
-    """The 256-wide forward (no CUDA backward) compiled whole, with grouped value
+    """The 256-wide forward without a gradient compiled whole, with grouped value
     heads and a varlen batch with an empty sequence: bitwise the eager call."""
     _, g = cuda_inputs(state_dtype=F32, K=256, V=200, seqlens=[40, 0, 23], H=2, HV=4)
 
@@ -355,9 +359,9 @@ def test_compile_fullgraph_forward_at_256():
     assert rel(got[0], ref_out) <= 5e-3 and rel(got[1], ref_final) <= 1e-4
 
 
-@pytest.mark.parametrize("K,V", [(64, 100), (48, 64)], ids=lambda x: str(x))
+@pytest.mark.parametrize("K,V", [(64, 100), (48, 64), (256, 200)], ids=lambda x: str(x))
 def test_compile_fullgraph_forward_and_backward(K, V):
-    """Grouped value heads (HV = 2 H), on the 128-wide and the 64-wide forward."""
+    """Grouped value heads (HV = 2 H), on the 128-, 64- and 256-wide kernels."""
     _, g = cuda_inputs(state_dtype=F32, K=K, V=V, B=2, T=40, H=2, HV=4)
 
     def step(q, k, v, gate, beta, A_log, dt_bias, h0):
@@ -375,7 +379,7 @@ def test_compile_fullgraph_forward_and_backward(K, V):
         assert a.shape == g[n].shape and torch.equal(a, b), n
 
 
-@pytest.mark.parametrize("K,V", [(60, 64), (60, 100)], ids=lambda x: str(x))
+@pytest.mark.parametrize("K,V", [(60, 64), (60, 100), (200, 256)], ids=lambda x: str(x))
 def test_opcheck(K, V):
     _, g = cuda_inputs(state_dtype=F32, K=K, V=V, seqlens=[10, 0, 33], H=2)
     kw = {"lower_bound": -5.0, "initial_state": g["initial_state"], "cu_seqlens": g["cu_seqlens"]}
@@ -387,13 +391,12 @@ def test_opcheck(K, V):
 
 
 def test_what_wider_heads_raise():
-    """Past 128 the backward and speculative decoding from the pool raise, naming
-    the sizes; past 256 every op."""
+    """Past 128 speculative decoding from the pool and a forced 4x1 dS recurrence
+    raise, naming the sizes; past 256 every op."""
     _, g = cuda_inputs(state_dtype=F32, K=256, V=128, B=1, T=4, H=1)
     grad_out = torch.randn(g["v"].shape, device=DEV).to(BF16)
-    with pytest.raises(RuntimeError, match=r"kda.bwd: on CUDA, the backward takes q and k with a head size K \(dim 3\) "
-                                           r"of at most 128, got K = 256 \(the forward takes up to 256; the CPU kernels "
-                                           r"any\)"):
+    with forced(ds_block="4x1"), pytest.raises(
+            RuntimeError, match=r"ds_block '4x1' is at most 128 wide; head size 256 runs '4x2' or '2x2'"):
         torch.ops.kda.bwd(grad_out, None, *positional(g), lower_bound=-5.0)
     pool = torch.zeros(2, 1, 128, 256, device=DEV)
     with pytest.raises(RuntimeError, match=r"on CUDA, speculative decoding \(num_accepted_tokens\) from the state pool "
@@ -401,11 +404,6 @@ def test_what_wider_heads_raise():
                                            r"\(the pool without num_accepted_tokens takes up to 256"):
         torch_kda.kda_pool(*positional(g), pool, torch.tensor([[1, 0, -1, -1]], device=DEV),
                            num_accepted_tokens=torch.tensor([2], device=DEV), lower_bound=-5.0)
-    _, g = cuda_inputs(state_dtype=F32, K=64, V=200, B=1, T=4, H=1)
-    grad_out = torch.randn(g["v"].shape, device=DEV).to(BF16)
-    with pytest.raises(RuntimeError, match=r"kda.bwd: on CUDA, the backward takes v with a head size V \(dim 3\) of "
-                                           r"at most 128, got V = 200"):
-        torch.ops.kda.bwd(grad_out, None, *positional(g), lower_bound=-5.0)
     _, g = cuda_inputs(K=128, V=257, B=1, T=4, H=1)
     with pytest.raises(RuntimeError, match=r"v must have a head size V \(dim 3\) of at most 256, got shape"):
         run_cuda(g)
@@ -435,6 +433,16 @@ def pool_against_the_cpu(d, pool, indices, named, accepted=None, lower_bound=-5.
     return out
 
 
+def pool_in_a_cache(slots, H, V, K, dtype):
+    """A random cache of two pools a slot, a copy of its first half, and its second
+    half as the pool, whose last slot is NaN: named by no request, it must be
+    neither read nor written."""
+    cache = torch.randn(slots, 2, H, V, K, device=DEV).to(dtype)
+    pool = cache[:, 1]
+    pool[-1] = float("nan")
+    return cache, cache[:, 0].clone(), pool
+
+
 @pytest.mark.parametrize("pool_dtype", [F32, BF16], ids=["fp32_pool", "bf16_pool"])
 @pytest.mark.parametrize("K,V", [(64, 64), (60, 100), (17, 5), (128, 48), (40, 128)], ids=lambda x: str(x))
 def test_pool_decode_speculative_and_prefill(K, V, pool_dtype):
@@ -443,11 +451,8 @@ def test_pool_decode_speculative_and_prefill(K, V, pool_dtype):
     (the chunked forward between the pool's copies). The pool is a view of a larger
     cache (a slot stride of two slots; at K = 17, V = 5 its rows and slots off
     16-byte boundaries), whose other half stays as it was."""
-    slots, H = 12, 2
-    cache = torch.randn(slots, 2, H, V, K, device=DEV).to(pool_dtype)
-    other = cache[:, 0].clone()
-    pool = cache[:, 1]
-    pool[11] = float("nan")  # named by no request: must be neither read nor written
+    H = 2
+    cache, other, pool = pool_in_a_cache(12, H, V, K, pool_dtype)
     _, d = cuda_inputs(K=K, V=V, B=4, T=1, H=H)
     out = pool_against_the_cpu(d, pool, torch.tensor([3, -1, 7, 0], device=DEV), [3, 7, 0])
     assert not out[1].any()
@@ -467,11 +472,8 @@ def test_pool_wider_than_128(K, V, pool_dtype):
     copies at every request length: one token (a padding row, whose out rows are
     zeros), four tokens, and a varlen prefill with an empty request, against float64;
     the pool a view of a larger cache whose other half stays as it was."""
-    slots, H = 10, 2
-    cache = torch.randn(slots, 2, H, V, K, device=DEV).to(pool_dtype)
-    other = cache[:, 0].clone()
-    pool = cache[:, 1]
-    pool[9] = float("nan")  # named by no request: must be neither read nor written
+    H = 2
+    cache, other, pool = pool_in_a_cache(10, H, V, K, pool_dtype)
     _, d = cuda_inputs(K=K, V=V, B=4, T=1, H=H)
     out, names = launched_kernels(
         lambda: pool_against_the_cpu(d, pool, torch.tensor([3, -1, 7, 0], device=DEV), [3, 7, 0]))

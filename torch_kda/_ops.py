@@ -68,12 +68,11 @@ def kda(
     save_for_backward (CUDA, when a gradient is wanted): what the forward keeps
     for the backward. "states_and_records" (the fastest backward) keeps the
     state at every 16-token chunk's start (2 KiB per token and head at head
-    size 128, 0.5 KiB at 64) and the chunks' prepared operands (1.66 KiB, 0.89
-    KiB); "states" the states alone (the backward recomputes the operands);
-    "none" neither (the least memory). The results are the same bits with each.
-    Heads wider than 128 (K or V) keep nothing whatever this says: their
-    forward runs 256 wide and they have no CUDA backward. The CPU backward
-    recomputes from the inputs whatever this says.
+    size 128, 0.5 KiB at 64, 8 KiB at 256) and the chunks' prepared operands
+    (1.66 KiB, 0.89 KiB, 3.19 KiB); "states" the states alone (the backward
+    recomputes the operands); "none" neither (the least memory). The results
+    are the same bits with each. The CPU backward recomputes from the inputs
+    whatever this says.
     """
     if not isinstance(output_final_state, bool):
         raise TypeError(f"torch_kda.kda: output_final_state must be a bool, got {type(output_final_state).__name__}")

@@ -296,8 +296,7 @@ class KimiDeltaAttention(nn.Module):
     Args:
         hidden_size: model width.
         num_heads: H, the heads of q and k.
-        head_dim: d (K = V = d; 128 in the released models; on CUDA the forward and the state pool take up to
-            256, training and speculative decoding up to 128).
+        head_dim: d (K = V = d; 128 in the released models; on CUDA up to 256, speculative decoding up to 128).
         conv_size: W, the short convolutions' width (4).
         lower_bound: None for Kimi-Linear's softplus gate, lambda = -exp(A_log)
             softplus(g + dt_bias); a negative number for the bounded gate, lambda =

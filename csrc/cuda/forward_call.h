@@ -27,10 +27,9 @@ void forward_into(const char* op, const Problem& p, const at::Tensor& q, const a
                   bool decode = false);
 
 // forward_into for any head size the CUDA ops take (1 to 256): the chunked
-// kernels of forward_head_size (64, 128 or 256), or the decode kernel's 128
+// kernels of chunked_head_size (64, 128 or 256), or the decode kernel's 128
 // where decode_short_requests and the requests average a few tokens (kda::fwd_,
-// heuristics.h pool_by_decode). chunk_states and records are kept only where
-// the forward runs at the backward's head size (checkpoints.h: forward_keeps).
+// heuristics.h pool_by_decode), which keeps no chunk_states or records.
 void forward_served(const char* op, const Problem& p, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                     const at::Tensor& g, const at::Tensor& beta, const at::Tensor& A_log, const at::Tensor& dt_bias,
                     const std::optional<at::Tensor>& initial_state, const std::optional<at::Tensor>& cu_seqlens,

@@ -148,10 +148,14 @@ RecurrenceShape recurrence_shape(const FwdParams& p, const Forced& f) {
 // The dS recurrence, by the same count: four full-width warps a block where
 // each SM runs more than two row groups; else the key columns over two warps,
 // in four-warp blocks (two row groups) where it runs two, two-warp blocks
-// where it runs one.
+// where it runs one. At 256 the full-width warps would spill: the split
+// shapes by the same count (not measured).
 DsBlock automatic_ds_block(const FwdParams& p) {
   const int64_t warps_per_sm = recurrence_warps_per_sm(p);
-  return warps_per_sm > 2 ? DsBlock::k4x1 : warps_per_sm > 1 ? DsBlock::k4x2 : DsBlock::k2x2;
+  if (warps_per_sm > 2 && p.head_size <= kHeadDim) {
+    return DsBlock::k4x1;
+  }
+  return warps_per_sm > 1 ? DsBlock::k4x2 : DsBlock::k2x2;
 }
 
 // The backward's windows when the call is long enough to need them: as few
@@ -215,6 +219,8 @@ BackwardPlan backward_plan(const FwdParams& p, int64_t device_memory, bool saved
   const Forced f = forced();
   BackwardPlan plan;
   plan.recurrence = recurrence_shape(p, f);
+  TORCH_CHECK(f.ds_block != DsBlock::k4x1 || p.head_size <= kHeadDim, "torch_kda.testing.forced: ds_block '4x1' "
+              "is at most ", kHeadDim, " wide; head size ", p.head_size, " runs '4x2' or '2x2'");
   plan.ds_block = f.ds_block.value_or(automatic_ds_block(p));
   plan.window = f.window_slots.has_value() ? forced_window(*f.window_slots, p.num_slots)
                                            : backward_window(p, device_memory, saved_states, saved_records);

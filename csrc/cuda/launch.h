@@ -17,11 +17,11 @@ namespace kda::cuda {
 // The one place where a launcher turns FwdParams::head_size into the template
 // argument D of its kernels' instances: Sizes::dispatch calls launch with
 // std::integral_constant<int, D> for the size it lists. A new head size is an
-// entry of a list here and the instances it brings. The forward's kernels (K1,
-// K2's split shapes, the segment scan) serve 64, 128 and 256; the backward's
-// (K1's backward records, the dS recurrence, the record gradients, K1's
-// backward) 64 and 128; K2's 4x1w and the decode kernel 128 (heads of other
-// sizes up to 128 run zero-padded there: padded_heads.h; wider ones raise).
+// entry of a list here and the instances it brings. The chunked kernels,
+// forward (K1, K2's split shapes, the segment scan) and backward (K1's backward
+// records, the dS recurrence, the record gradients, K1's backward), serve 64,
+// 128 and 256; K2's 4x1w, the dS recurrence's 4x1 and the decode kernel 128
+// (heads of other sizes up to 128 run zero-padded there: padded_heads.h).
 template <int... Sizes>
 struct HeadSizes {
   static constexpr bool contains(int head_size) { return ((head_size == Sizes) || ...); }
@@ -31,8 +31,7 @@ struct HeadSizes {
     TORCH_INTERNAL_ASSERT(served, "no CUDA kernels for head size ", head_size);
   }
 };
-using ForwardHeadSizes = HeadSizes<kForwardNarrowHead, kHeadDim, kMaxHeadSize>;
-using BackwardHeadSizes = HeadSizes<kForwardNarrowHead, kHeadDim>;
+using ChunkedHeadSizes = HeadSizes<kForwardNarrowHead, kHeadDim, kMaxHeadSize>;
 
 // Varlen only, before K1: seq[0..N] and chunks[0..N] (params.h) from
 // cu_seqlens (int32 or int64, N + 1 entries, on the device), and order[0..N)

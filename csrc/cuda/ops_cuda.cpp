@@ -160,11 +160,7 @@ void forward_served(const char* op, const Problem& p, const Tensor& q, const Ten
                     const optional<Tensor>& final_state, const Tensor& chunk_states, const Tensor& records,
                     bool decode_short_requests) {
   const bool decode = takes_decode_kernel(p, decode_short_requests, chunk_states, records);
-  const int64_t D = decode ? kHeadDim : forward_head_size(concrete(p.K), concrete(p.V));
-  const auto kept = [](const Tensor& t) { return t.defined() && t.numel() > 0; };
-  TORCH_INTERNAL_ASSERT(D == backward_head_size(concrete(p.K), concrete(p.V)) ||
-                            (!kept(chunk_states) && !kept(records)),
-                        "the backward's checkpoints are kept only from a forward at the backward's head size");
+  const int64_t D = decode ? kHeadDim : chunked_head_size(concrete(p.K), concrete(p.V));
   if (!pads_heads(p, D)) {
     forward_into(op, p, q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, out, final_state, chunk_states,
                  records, decode);
@@ -347,11 +343,10 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> bwd(
     const optional<Tensor>& cu_seqlens, const optional<Tensor>& checkpoints, const optional<Tensor>& records) {
   const Tensor A_log = or_undefined(A_log_), dt_bias = or_undefined(dt_bias_);
   Problem p = check_all("kda.bwd", q, k, v, g, beta, A_log, dt_bias, scale, lower_bound, initial_state, cu_seqlens);
-  check_head_sizes_of_128_wide_kernels("kda.bwd", p, "the backward");
   check_backward_grads("kda.bwd", p, q, grad_out, grad_final_state);
   check_saved("kda.bwd", p, cu_seqlens.has_value(), q, checkpoints, records);
   c10::cuda::CUDAGuard guard(q.device());
-  const int64_t D = backward_head_size(concrete(p.K), concrete(p.V));
+  const int64_t D = chunked_head_size(concrete(p.K), concrete(p.V));
   if (!pads_heads(p, D)) {
     return backward_by_kernels(p, grad_out, grad_final_state, q, k, v, g, beta, A_log, dt_bias, initial_state,
                                cu_seqlens, checkpoints.value_or(Tensor()), records.value_or(Tensor()));

@@ -1,7 +1,6 @@
 // Head sizes the kernels have no instances for, served by zero padding: K and
-// V run on the kernels of one served size D (the forward's: forward_head_size
-// in constants.h; the backward's: backward_head_size there; the decode
-// kernel's and the pool's: 128)
+// V run on the kernels of one served size D (the chunked kernels':
+// chunked_head_size in constants.h; the decode kernel's: 128)
 // over zero-padded copies of the inputs, and the outputs are the leading block
 // of the padded ones.
 //

@@ -23,9 +23,9 @@ Problem check_all(const char* op, const at::Tensor& q, const at::Tensor& k, cons
                   std::optional<double> scale, std::optional<double> lower_bound,
                   const std::optional<at::Tensor>& initial_state, const std::optional<at::Tensor>& cu_seqlens);
 
-// What runs on kernels of at most 128 channels (the backward; speculative
-// decoding from the state pool), named by `what` in the message, with `wider`
-// the nearest thing that takes up to 256: q and k's K and v's V at most 128.
+// What runs on kernels of at most 128 channels (speculative decoding from the
+// state pool), named by `what` in the message, with `wider` the nearest thing
+// that takes up to 256: q and k's K and v's V at most 128.
 void check_head_sizes_of_128_wide_kernels(const char* op, const Problem& p, const char* what,
                                           const char* wider = "the forward takes");
 

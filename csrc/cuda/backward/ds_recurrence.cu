@@ -428,7 +428,12 @@ template <int D, bool kDoutFp32>
 void launch_ds_for(const SweepBwdParams& bp, cudaStream_t stream, DsBlock block) {
   switch (block) {
     case DsBlock::k4x1:
-      launch_ds<D, 4, 1, kDoutFp32>(bp, stream);
+      // Full-width warps of 256 columns would carry 128 accumulators each (and spill).
+      if constexpr (D <= kHeadDim) {
+        launch_ds<D, 4, 1, kDoutFp32>(bp, stream);
+      } else {
+        TORCH_INTERNAL_ASSERT(false, "the dS recurrence: no 4x1 at head size ", D);
+      }
       break;
     case DsBlock::k4x2:
       launch_ds<D, 4, 2, kDoutFp32>(bp, stream);
@@ -447,7 +452,7 @@ void launch_ds_recurrence(const SweepBwdParams& bp, cudaStream_t stream, DsBlock
   if (bp.fwd.N == 0 || bp.fwd.H == 0) {
     return;
   }
-  BackwardHeadSizes::dispatch(bp.fwd.head_size, [&](auto head_size) {
+  ChunkedHeadSizes::dispatch(bp.fwd.head_size, [&](auto head_size) {
     constexpr int D = decltype(head_size)::value;
     if (bp.grad_out_fp32) {
       launch_ds_for<D, true>(bp, stream, block);

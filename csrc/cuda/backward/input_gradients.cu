@@ -510,10 +510,10 @@ struct Smem {
 // Blocks an SM, as many as the shared memory admits, which cap the registers
 // (__launch_bounds__): 170 a thread at D = 128, 204 at 64.
 template <int D>
-constexpr int kMinBlocks = D == 64 ? 5 : 3;
+constexpr int kMinBlocks = D == 64 ? 5 : D == 128 ? 3 : 1;
 template <int D>
 constexpr bool kSmemFits = kMinBlocks<D> * (sizeof(Smem<D>) + 1024) <= 228 * 1024;  // 1 KB of each reserved
-static_assert(kSmemFits<64> && kSmemFits<128>, "the blocks an SM that the registers are capped for");
+static_assert(kSmemFits<64> && kSmemFits<128> && kSmemFits<256>, "the blocks an SM that the registers are capped for");
 
 // The record gradients into shared memory by cp.async (one group): dW and dU0
 // into the padded tiles that the products read, the rest as they lie.
@@ -783,7 +783,7 @@ void launch_prepare_backward(const PrepareBwdParams& bp, cudaStream_t stream) {
   const int64_t blocks = slots * bp.fwd.H;
   TORCH_CHECK(blocks <= INT32_MAX, "kda.bwd: ", std::to_string(slots), " chunks x ", std::to_string(bp.fwd.H),
               " heads is more blocks than one launch takes");
-  BackwardHeadSizes::dispatch(bp.fwd.head_size,
+  ChunkedHeadSizes::dispatch(bp.fwd.head_size,
                               [&](auto head_size) { launch_prepare_backward_at<head_size.value>(bp, blocks, stream); });
 }
 

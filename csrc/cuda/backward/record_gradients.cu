@@ -7,9 +7,13 @@
 // that K2's state passes, the dS recurrence and this kernel move per chunk);
 // only the fp32 side of each product is split (dU, U, and dO when it is fp32).
 //
+// At D = 256 the two planes alone would take 256 KB: two blocks a (chunk
+// slot, head) take 128 value rows each (8 warps, each two key slices), and add
+// their partial sums into zeros (rec_grad_add), the same bits in either order.
+//
 // S0 and dS1 (bf16, as stored) each have a plane, and of the record only W and
 // M are loaded, with v, for U = M v - W S0^T: 105 KB of shared memory at D =
-// 128, two blocks per SM. Every load is issued
+// 128, two blocks per SM; 181 KB at 256, one. Every load is issued
 // at the block's start, dS1's in a copy group of its own that the products
 // reading S0 do not wait for: the kernel moves ~118 KB per chunk and head, and
 // dS1's loads then overlap those products instead of following them.
@@ -26,25 +30,47 @@
 namespace kda::cuda {
 namespace {
 
-// A block's warps at head size D: each takes 16 value rows, and 16 key columns of the record gradients.
+// A block's value rows at head size D: all D up to 128; at 256, S0 and dS1
+// whole would take 256 KB, so two blocks a (chunk slot, head) take 128 rows
+// each, and their partial sums meet in the record gradients (rec_grad_add).
 template <int D>
-constexpr int kGradWarps = D / 16;
+constexpr int kGradRows = D < 128 ? D : 128;
+template <int D>
+constexpr int kVParts = D / kGradRows<D>;
+// A block's warps: each takes 16 of its value rows, and D / kGradRows key
+// slices of 16 columns of the record gradients.
+template <int D>
+constexpr int kGradWarps = kGradRows<D> / 16;
 template <int D>
 constexpr int kGradThreads = 32 * kGradWarps<D>;
 
 template <int D>
 struct __align__(16) GradSmem {
-  __nv_bfloat16 mat[D * D];      // S0 [v][k], as stored; swizzled D-wide rows (plane_index)
-  __nv_bfloat16 ds1[D * D];      // dS1 [v][k], the same way
-  __nv_bfloat16 w[2][C * D];     // the record's W planes, verbatim
-  __nv_bfloat16 v[C][D + 8];     // v [t][v] (zero past the sequence's end), for U0 = M v
-  __nv_bfloat16 m[2][C * C];     // the record's M planes, verbatim
-  __nv_bfloat16 dout[2][C * D];  // dO [t][v], hi and lo (lo read only for an fp32 dO)
-  __nv_bfloat16 u[2][C * D];     // U [t][v]
-  __nv_bfloat16 du[2][C * D];    // dU [t][v]
-  float dgl[kGradWarps<D>][D];   // per warp: the sum over its rows of S0 * dS1
+  static constexpr int Dv = kGradRows<D>;
+  __nv_bfloat16 mat[Dv * D];      // S0 [v][k], the block's rows as stored; swizzled D-wide rows (plane_index)
+  __nv_bfloat16 ds1[Dv * D];      // dS1 [v][k], the same way
+  __nv_bfloat16 w[2][C * D];      // the record's W planes, verbatim
+  __nv_bfloat16 v[C][Dv + 8];     // v [t][v] (zero past the sequence's end), for U0 = M v
+  __nv_bfloat16 m[2][C * C];      // the record's M planes, verbatim
+  __nv_bfloat16 dout[2][C * Dv];  // dO [t][v], hi and lo (lo read only for an fp32 dO); Dv-wide rows
+  __nv_bfloat16 u[2][C * Dv];     // U [t][v]
+  __nv_bfloat16 du[2][C * Dv];    // dU [t][v]
+  float dgl[kGradWarps<D>][D];    // per warp: the sum over its rows of S0 * dS1
   static_assert(RecordLayout<D>::kW % 16 == 0 && RecordLayout<D>::kM % 16 == 0, "16-byte copies");
 };
+
+// A record gradient's entry: stored where one block sums over every value
+// row; else added to the zeros the schedule left (backward/schedule.cpp), by
+// exactly kVParts = 2 blocks, so that the sum is the same bits in either order.
+template <int D>
+__device__ __forceinline__ void rec_grad_add(float* at, float x) {
+  if constexpr (kVParts<D> == 1) {
+    *at = x;
+  } else {
+    static_assert(kVParts<D> == 2, "two addends to zero: a sum independent of their order");
+    atomicAdd(at, x);
+  }
+}
 
 // Four consecutive values of one row into the hi and lo planes at idx (a multiple of 4).
 __device__ __forceinline__ void store_split4(__nv_bfloat16* hi, __nv_bfloat16* lo, int idx, float4 x) {
@@ -69,30 +95,32 @@ __device__ __forceinline__ float4 load_dout4(const void* base, int64_t idx) {
   }
 }
 
-// Piece e (8 consecutive values) of a stored [D][D] matrix: row e / (D / 8), columns 8 (e % (D / 8))..
+// Piece e (8 consecutive values) of a stored [rows][D] matrix: row e / (D / 8), columns 8 (e % (D / 8))..
 template <int D>
 __device__ __forceinline__ int matrix_piece_index(int e) {
   return plane_index<D>(e / (D / 8), 8 * (e % (D / 8)));
 }
 
-// S0 or dS1 into its plane, verbatim (cp.async, in the caller's commit group).
+// The block's rows of S0 or dS1 (from src, its first) into their plane,
+// verbatim (cp.async, in the caller's commit group).
 template <int D>
 __device__ __forceinline__ void copy_matrix(__nv_bfloat16* plane, const __nv_bfloat16* src, int tid) {
   const uint32_t base = smem_u32(plane);
 #pragma unroll
-  for (int it = 0; it < D * D / 8 / kGradThreads<D>; ++it) {
+  for (int it = 0; it < kGradRows<D> * D / 8 / kGradThreads<D>; ++it) {
     const int e = tid + it * kGradThreads<D>;
     cp_async_16(base + matrix_piece_index<D>(e) * 2, src + e * 8);
   }
 }
 
-// dgl = sum_v S0 * dS1 (fp32, from the bf16 values), the part of thread tid:
-// key columns 8 (tid % (D / 8)).. +8 of rows tid / (D / 8) + (D / 8) it.
+// dgl = sum_v S0 * dS1 over the block's rows (fp32, from the bf16 values), the
+// part of thread tid: key columns 8 (tid % (D / 8)).. +8 of rows tid / (D / 8)
+// + (D / 8) it.
 template <int D>
 __device__ __forceinline__ void sum_dgl(const GradSmem<D>& sm, int tid, float (&gsum)[8]) {
   auto bf16_pair = [](uint32_t x) { return __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&x)); };
 #pragma unroll
-  for (int it = 0; it < D * D / 8 / kGradThreads<D>; ++it) {
+  for (int it = 0; it < kGradRows<D> * D / 8 / kGradThreads<D>; ++it) {
     const int idx = matrix_piece_index<D>(tid + it * kGradThreads<D>);
     const uint4 s0 = *reinterpret_cast<const uint4*>(sm.mat + idx);
     const uint4 d1 = *reinterpret_cast<const uint4*>(sm.ds1 + idx);
@@ -106,27 +134,37 @@ __device__ __forceinline__ void sum_dgl(const GradSmem<D>& sm, int tid, float (&
   }
 }
 
-// The warp's slice of a record gradient, tokens [16] x key columns v0.. +16,
+// The warp's slice of a record gradient, tokens [16] x key columns k0.. +16,
 // from its split accumulators (C fragments), into the row-major [16][D] at dst.
 template <int D, bool kNegate, int kTerms>
-__device__ __forceinline__ void store_slice(float* dst, const float (&acc)[kTerms][2][4], int v0, int g, int t4) {
+__device__ __forceinline__ void store_slice(float* dst, const float (&acc)[kTerms][2][4], int k0, int g, int t4) {
 #pragma unroll
   for (int nt = 0; nt < 2; ++nt) {
-    const int k = v0 + 8 * nt + 2 * t4;
+    const int k = k0 + 8 * nt + 2 * t4;
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
       const int t = g + 8 * half, e = 2 * half;
       const float x = sum_terms(acc, nt, e), y = sum_terms(acc, nt, e + 1);
-      *reinterpret_cast<float2*>(dst + t * D + k) = kNegate ? make_float2(-x, -y) : make_float2(x, y);
+      if constexpr (kVParts<D> == 1) {
+        *reinterpret_cast<float2*>(dst + t * D + k) = kNegate ? make_float2(-x, -y) : make_float2(x, y);
+      } else {
+        rec_grad_add<D>(dst + t * D + k, kNegate ? -x : x);
+        rec_grad_add<D>(dst + t * D + k + 1, kNegate ? -y : y);
+      }
     }
   }
 }
 
+// Blocks an SM: two up to D = 128; one at 256 (181 KB).
+template <int D>
+constexpr int kGradBlocksPerSm = kVParts<D> == 1 ? 2 : 1;
+
 template <int D, bool kDoutFp32>
-__global__ void __launch_bounds__(kGradThreads<D>, 2) record_grads_kernel(const SweepBwdParams bp) {
+__global__ void __launch_bounds__(kGradThreads<D>, kGradBlocksPerSm<D>) record_grads_kernel(const SweepBwdParams bp) {
   using R = RecordLayout<D>;
   using DR = RecordGradLayout<D>;
   constexpr int kWarps = kGradWarps<D>, kThreads = kGradThreads<D>;
+  constexpr int Dv = kGradRows<D>, kKeySlices = D / Dv;  // the block's value rows; a warp's key slices
   static_assert(D / 8 <= 32 && 32 % (D / 8) == 0, "the dgl sums: a column's lanes D / 8 apart within a warp");
   const FwdParams& p = bp.fwd;
   extern __shared__ __align__(16) unsigned char smem_raw[];
@@ -136,8 +174,10 @@ __global__ void __launch_bounds__(kGradThreads<D>, 2) record_grads_kernel(const 
   constexpr bool kDoLo = kDoutFp32;
 
   const int64_t H = p.H;
-  const int64_t h = blockIdx.x % H;
-  const int64_t wslot = blockIdx.x / H;  // per-slot buffers are indexed from the window's first slot
+  const int vbase = Dv * static_cast<int>(blockIdx.x % kVParts<D>);  // the block's first value row
+  const int64_t pair = blockIdx.x / kVParts<D>;
+  const int64_t h = pair % H;
+  const int64_t wslot = pair / H;  // per-slot buffers are indexed from the window's first slot
   const int64_t slot = p.slot_begin + wslot;
   if (slot >= chunk_offset(p, p.N)) {
     return;  // a varlen call's capacity past its live chunks: nothing wrote states or dS there
@@ -145,13 +185,13 @@ __global__ void __launch_bounds__(kGradThreads<D>, 2) record_grads_kernel(const 
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   const int g = lane / 4, t4 = lane % 4;
   const int mi = lane / 8, mr = lane % 8;
-  const int v0 = 16 * warp;  // the warp's rows of U, and key columns of the record gradients
+  const int v0 = 16 * warp;  // the warp's rows of U (within the block's), and first key columns of the sums
   const int64_t n = sequence_of_slot(p, slot);
   const int64_t bos = seq_offset(p, n) + (slot - chunk_offset(p, n)) * C;
   const int len = static_cast<int>(min64(C, seq_offset(p, n + 1) - bos));
   float* dr = bp.d_record + (wslot * H + h) * DR::kFloats;
-  const __nv_bfloat16* s0g = static_cast<const __nv_bfloat16*>(bp.states) + (wslot * H + h) * D * D;
-  const __nv_bfloat16* dsg = static_cast<const __nv_bfloat16*>(bp.d_states) + (wslot * H + h) * D * D;
+  const __nv_bfloat16* s0g = static_cast<const __nv_bfloat16*>(bp.states) + ((wslot * H + h) * D + vbase) * D;
+  const __nv_bfloat16* dsg = static_cast<const __nv_bfloat16*>(bp.d_states) + ((wslot * H + h) * D + vbase) * D;
 
   {  // W's and M's planes of the record, verbatim; v; S0
     const unsigned char* rec = reinterpret_cast<const unsigned char*>(p.workspace) + (wslot * H + h) * R::kBytes;
@@ -164,11 +204,12 @@ __global__ void __launch_bounds__(kGradThreads<D>, 2) record_grads_kernel(const 
     if (tid < 2 * R::kAqkPlaneBytes / 16) {
       cp_async_16(smem_u32(&sm.m[0][0]) + tid * 16, rec + R::kM + tid * 16);
     }
-    static_assert(C * D / 8 == kThreads, "one 16-byte piece of v a thread");
+    static_assert(C * Dv / 8 == kThreads, "one 16-byte piece of v a thread");
     {
-      const int t = tid / (D / 8), col = (tid % (D / 8)) * 8;
+      const int t = tid / (Dv / 8), col = (tid % (Dv / 8)) * 8;
       if (t < len) {
-        cp_async_16(smem_u32(&sm.v[t][col]), static_cast<const __nv_bfloat16*>(p.v) + ((bos + t) * H + h) * D + col);
+        cp_async_16(smem_u32(&sm.v[t][col]),
+                    static_cast<const __nv_bfloat16*>(p.v) + ((bos + t) * H + h) * D + vbase + col);
       } else {
         *reinterpret_cast<uint4*>(&sm.v[t][col]) = make_uint4(0u, 0u, 0u, 0u);
       }
@@ -178,22 +219,23 @@ __global__ void __launch_bounds__(kGradThreads<D>, 2) record_grads_kernel(const 
     copy_matrix<D>(sm.ds1, dsg, tid);
     cp_async_commit();
   }
-  // dO (bf16 or fp32; zero past the sequence's end) and dU (the dS recurrence's) as planes.
+  // dO (bf16 or fp32; zero past the sequence's end) and dU (the dS recurrence's)
+  // of the block's value rows as planes.
   {
-    constexpr int kIt = C * D / 4 / kThreads;
+    constexpr int kIt = C * Dv / 4 / kThreads;
     float4 o[kIt], d[kIt];
 #pragma unroll
     for (int it = 0; it < kIt; ++it) {
-      const int e = (tid + it * kThreads) * 4, t = e / D;
-      o[it] = t < len ? load_dout4<kDoutFp32>(bp.grad_out, ((bos + t) * H + h) * D + e % D)
+      const int e = (tid + it * kThreads) * 4, t = e / Dv, col = vbase + e % Dv;
+      o[it] = t < len ? load_dout4<kDoutFp32>(bp.grad_out, ((bos + t) * H + h) * D + col)
                       : make_float4(0.f, 0.f, 0.f, 0.f);
-      d[it] = *reinterpret_cast<const float4*>(dr + DR::kU0 + e);
+      d[it] = *reinterpret_cast<const float4*>(dr + DR::kU0 + t * D + col);
     }
 #pragma unroll
     for (int it = 0; it < kIt; ++it) {
       const int e = (tid + it * kThreads) * 4;
-      store_split4(sm.dout[0], sm.dout[1], plane_index<D>(e / D, e % D), o[it]);
-      store_split4(sm.du[0], sm.du[1], plane_index<D>(e / D, e % D), d[it]);
+      store_split4(sm.dout[0], sm.dout[1], plane_index<Dv>(e / Dv, e % Dv), o[it]);
+      store_split4(sm.du[0], sm.du[1], plane_index<Dv>(e / Dv, e % Dv), d[it]);
     }
   }
   cp_async_wait<1>();  // all but dS1
@@ -227,54 +269,57 @@ __global__ void __launch_bounds__(kGradThreads<D>, 2) record_grads_kernel(const 
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int t = 8 * nt + 2 * t4 + (e & 1), v = v0 + g + 8 * (e >> 1);
-        store_split(reinterpret_cast<unsigned char*>(sm.u[0]), R::kPlaneBytes, plane_index<D>(t, v),
+        store_split(reinterpret_cast<unsigned char*>(sm.u[0]), C * Dv * 2, plane_index<Dv>(t, v),
                     u0[nt][e] - sum_terms(acc_u, nt, e));
       }
     }
   }
   __syncthreads();  // U's planes complete
 
-  // The record gradients [t][k] for key columns v0.. +16, summed over all value
-  // rows: A = dO, dU, U [t][v] (rows t), B = S0, then dS1 [v][k] (k dimension v).
-  // First dQs = dO S0 and dW = -dU S0.
-  {
+  // The record gradients [t][k] for key columns k0.. +16 (k0 = v0 + Dv s for
+  // the warp's key slices s), summed over the block's value rows: A = dO, dU, U
+  // [t][v] (rows t), B = S0, then dS1 [v][k] (k dimension v). First dQs = dO
+  // S0 and dW = -dU S0.
+#pragma unroll
+  for (int ks = 0; ks < kKeySlices; ++ks) {
+    const int k0 = v0 + Dv * ks;
     float aq[1 + kDoLo][2][4], aw[2][2][4];  // written first by the kv = 0 products
 #pragma unroll
-    for (int kv = 0; kv < D / 16; ++kv) {
+    for (int kv = 0; kv < Dv / 16; ++kv) {
       const int arow = (mi % 2) * 8 + mr, apiece = 2 * kv + mi / 2;
       uint32_t doh[4], dol[4], duh[4], dul[4];
-      ldmatrix_x4(doh, plane_piece<D>(sm.dout[0], arow, apiece));
+      ldmatrix_x4(doh, plane_piece<Dv>(sm.dout[0], arow, apiece));
       if constexpr (kDoLo) {
-        ldmatrix_x4(dol, plane_piece<D>(sm.dout[1], arow, apiece));
+        ldmatrix_x4(dol, plane_piece<Dv>(sm.dout[1], arow, apiece));
       }
-      ldmatrix_x4(duh, plane_piece<D>(sm.du[0], arow, apiece));
-      ldmatrix_x4(dul, plane_piece<D>(sm.du[1], arow, apiece));
+      ldmatrix_x4(duh, plane_piece<Dv>(sm.du[0], arow, apiece));
+      ldmatrix_x4(dul, plane_piece<Dv>(sm.du[1], arow, apiece));
       uint32_t sh[4];
-      ldmatrix_x4_trans(sh, plane_piece<D>(sm.mat, 16 * kv + (mi % 2) * 8 + mr, v0 / 8 + mi / 2));
+      ldmatrix_x4_trans(sh, plane_piece<D>(sm.mat, 16 * kv + (mi % 2) * 8 + mr, k0 / 8 + mi / 2));
 #pragma unroll
       for (int nt = 0; nt < 2; ++nt) {
         mma_split<kDoLo, false>(aq, nt, doh, dol, sh[2 * nt], sh[2 * nt + 1], sh[2 * nt], sh[2 * nt + 1], kv == 0);
         mma_split<true, false>(aw, nt, duh, dul, sh[2 * nt], sh[2 * nt + 1], sh[2 * nt], sh[2 * nt + 1], kv == 0);
       }
     }
-    store_slice<D, false>(dr + DR::kQs, aq, v0, g, t4);
-    store_slice<D, true>(dr + DR::kW, aw, v0, g, t4);
+    store_slice<D, false>(dr + DR::kQs, aq, k0, g, t4);
+    store_slice<D, true>(dr + DR::kW, aw, k0, g, t4);
   }
   if (warp == kWarps - 1) {
     // dAqk [i][j] = sum_v dO[i][v] U[j][v]: B (k = v, n = j) is U's plane as it
     // stands. One warp's extra work.
     float aa[2 + kDoLo][2][4];  // written first by the kv = 0 products
 #pragma unroll
-    for (int kv = 0; kv < D / 16; ++kv) {
+    for (int kv = 0; kv < Dv / 16; ++kv) {
       const int arow = (mi % 2) * 8 + mr, apiece = 2 * kv + mi / 2;
       const int brow = (mi / 2) * 8 + mr, bpiece = 2 * kv + mi % 2;
       uint32_t doh[4], dol[4], bh[4], bl[4];
-      ldmatrix_x4(doh, plane_piece<D>(sm.dout[0], arow, apiece));
+      ldmatrix_x4(doh, plane_piece<Dv>(sm.dout[0], arow, apiece));
       if constexpr (kDoLo) {
-        ldmatrix_x4(dol, plane_piece<D>(sm.dout[1], arow, apiece));
+        ldmatrix_x4(dol, plane_piece<Dv>(sm.dout[1], arow, apiece));
       }
-      ldmatrix_x4(bh, plane_piece<D>(sm.u[0], brow, bpiece));
-      ldmatrix_x4(bl, plane_piece<D>(sm.u[1], brow, bpiece));
+      ldmatrix_x4(bh, plane_piece<Dv>(sm.u[0], brow, bpiece));
+      ldmatrix_x4(bl, plane_piece<Dv>(sm.u[1], brow, bpiece));
 #pragma unroll
       for (int nt = 0; nt < 2; ++nt) {
         mma_split<kDoLo, true>(aa, nt, doh, dol, bh[2 * nt], bh[2 * nt + 1], bl[2 * nt], bl[2 * nt + 1], kv == 0);
@@ -283,9 +328,17 @@ __global__ void __launch_bounds__(kGradThreads<D>, 2) record_grads_kernel(const 
 #pragma unroll
     for (int nt = 0; nt < 2; ++nt) {
       const int j = 8 * nt + 2 * t4;
-      *reinterpret_cast<float2*>(dr + DR::kAqk + g * C + j) = make_float2(sum_terms(aa, nt, 0), sum_terms(aa, nt, 1));
-      *reinterpret_cast<float2*>(dr + DR::kAqk + (g + 8) * C + j) =
-          make_float2(sum_terms(aa, nt, 2), sum_terms(aa, nt, 3));
+      if constexpr (kVParts<D> == 1) {
+        *reinterpret_cast<float2*>(dr + DR::kAqk + g * C + j) =
+            make_float2(sum_terms(aa, nt, 0), sum_terms(aa, nt, 1));
+        *reinterpret_cast<float2*>(dr + DR::kAqk + (g + 8) * C + j) =
+            make_float2(sum_terms(aa, nt, 2), sum_terms(aa, nt, 3));
+      } else {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          rec_grad_add<D>(dr + DR::kAqk + (g + 8 * (e / 2)) * C + j + e % 2, sum_terms(aa, nt, e));
+        }
+      }
     }
   }
   cp_async_wait<0>();
@@ -309,30 +362,33 @@ __global__ void __launch_bounds__(kGradThreads<D>, 2) record_grads_kernel(const 
     }
   }
   __syncthreads();
-  {
+#pragma unroll
+  for (int ks = 0; ks < kKeySlices; ++ks) {
+    const int k0 = v0 + Dv * ks;
     float ak[2][2][4];  // written first by the kv = 0 products
 #pragma unroll
-    for (int kv = 0; kv < D / 16; ++kv) {
+    for (int kv = 0; kv < Dv / 16; ++kv) {
       const int arow = (mi % 2) * 8 + mr, apiece = 2 * kv + mi / 2;
       uint32_t uh[4], ul[4];
-      ldmatrix_x4(uh, plane_piece<D>(sm.u[0], arow, apiece));
-      ldmatrix_x4(ul, plane_piece<D>(sm.u[1], arow, apiece));
+      ldmatrix_x4(uh, plane_piece<Dv>(sm.u[0], arow, apiece));
+      ldmatrix_x4(ul, plane_piece<Dv>(sm.u[1], arow, apiece));
       uint32_t dh[4];
-      ldmatrix_x4_trans(dh, plane_piece<D>(sm.ds1, 16 * kv + (mi % 2) * 8 + mr, v0 / 8 + mi / 2));
+      ldmatrix_x4_trans(dh, plane_piece<D>(sm.ds1, 16 * kv + (mi % 2) * 8 + mr, k0 / 8 + mi / 2));
 #pragma unroll
       for (int nt = 0; nt < 2; ++nt) {
         mma_split<true, false>(ak, nt, uh, ul, dh[2 * nt], dh[2 * nt + 1], dh[2 * nt], dh[2 * nt + 1], kv == 0);
       }
     }
-    store_slice<D, false>(dr + DR::kKd, ak, v0, g, t4);
+    store_slice<D, false>(dr + DR::kKd, ak, k0, g, t4);
   }
+  static_assert(D <= kThreads, "dgl: a thread a key column");
   if (tid < D) {
     float a = 0.f;
 #pragma unroll
     for (int w = 0; w < kWarps; ++w) {
       a += sm.dgl[w][tid];
     }
-    dr[DR::kGl + tid] = a;
+    rec_grad_add<D>(dr + DR::kGl + tid, a);
   }
 }
 
@@ -340,11 +396,13 @@ template <int D, bool kDoutFp32>
 void launch_record_grads(const SweepBwdParams& bp, int64_t blocks, cudaStream_t stream) {
   constexpr size_t kSmem = sizeof(GradSmem<D>);
   static_assert(kSmem <= 227 * 1024, "over the per-block shared memory of sm_90");
-  static_assert(2 * (kSmem + 1024) <= 228 * 1024, "two blocks per SM");
+  static_assert(kGradBlocksPerSm<D> * (kSmem + 1024) <= 228 * 1024, "the blocks an SM of __launch_bounds__");
   auto* kernel = record_grads_kernel<D, kDoutFp32>;
   C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(kSmem)));
   C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout, cudaSharedmemCarveoutMaxShared));
-  kernel<<<static_cast<unsigned int>(blocks), kGradThreads<D>, kSmem, stream>>>(bp);
+  TORCH_CHECK(blocks <= INT32_MAX / kVParts<D>, "kda.bwd: ", std::to_string(bp.fwd.slot_end - bp.fwd.slot_begin),
+              " chunks x ", std::to_string(bp.fwd.H), " heads is more blocks than one launch takes");
+  kernel<<<static_cast<unsigned int>(blocks * kVParts<D>), kGradThreads<D>, kSmem, stream>>>(bp);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
@@ -357,7 +415,7 @@ void launch_record_gradients(const SweepBwdParams& bp, cudaStream_t stream) {
   }
   TORCH_CHECK(blocks <= INT32_MAX, "kda.bwd: ", std::to_string(bp.fwd.slot_end - bp.fwd.slot_begin), " chunks x ",
               std::to_string(bp.fwd.H), " heads is more blocks than one launch takes");
-  BackwardHeadSizes::dispatch(bp.fwd.head_size, [&](auto head_size) {
+  ChunkedHeadSizes::dispatch(bp.fwd.head_size, [&](auto head_size) {
     constexpr int D = decltype(head_size)::value;
     if (bp.grad_out_fp32) {
       launch_record_grads<D, true>(bp, blocks, stream);

@@ -15,7 +15,7 @@ void run_backward(const BackwardCall& call, const at::Tensor& like, const Backwa
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(like.device().index()).stream();
   const auto f32 = like.options().dtype(at::kFloat);
   FwdParams p = call.fwd;
-  TORCH_INTERNAL_ASSERT(BackwardHeadSizes::contains(p.head_size), "the backward: no kernels for head size ",
+  TORCH_INTERNAL_ASSERT(ChunkedHeadSizes::contains(p.head_size), "the backward: no kernels for head size ",
                         p.head_size);
   const int64_t S = p.num_slots, H = p.H, N = p.N, D = p.head_size;
   // One fp32 state (the checkpoints and the carries; the scratch states are bf16).
@@ -93,6 +93,11 @@ void run_backward(const BackwardCall& call, const at::Tensor& like, const Backwa
     sp.d_record = d_record.data_ptr<float>();
     sp.d_carry = d_carry.defined() ? d_carry.data_ptr<float>() : nullptr;
     sp.d_initial = call.d_initial;
+    if (D > kHeadDim) {
+      // The record gradients' two blocks a (slot, head) add their sums into zeros
+      // (backward/record_gradients.cu); the dS recurrence writes dU0 among them.
+      C10_CUDA_CHECK(cudaMemsetAsync(d_record.data_ptr(), 0, d_record.nbytes(), stream));
+    }
     launch_ds_recurrence(sp, stream, plan.ds_block);
     launch_record_gradients(sp, stream);
 

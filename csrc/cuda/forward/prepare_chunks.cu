@@ -958,8 +958,7 @@ PrepareInstance prepare_instance() {
   }
 }
 
-// The instance for the record's planes and the products' precision. The
-// backward's records only at its own head size (launch.h).
+// The instance for the record's planes and the products' precision.
 template <int D, bool kForBackward, bool kSoftplus, bool kGiven>
 PrepareInstance prepare_instance_for_products(const FwdParams& p) {
   return p.bf16_products ? prepare_instance<D, kForBackward, true, kSoftplus, kGiven>()
@@ -968,13 +967,8 @@ PrepareInstance prepare_instance_for_products(const FwdParams& p) {
 
 template <int D, bool kSoftplus, bool kGiven>
 PrepareInstance prepare_instance_for(const FwdParams& p) {
-  if constexpr (BackwardHeadSizes::contains(D)) {
-    if (p.lo_for_backward) {
-      return prepare_instance_for_products<D, true, kSoftplus, kGiven>(p);
-    }
-  }
-  TORCH_INTERNAL_ASSERT(!p.lo_for_backward, "K1: no backward records at head size ", D);
-  return prepare_instance_for_products<D, false, kSoftplus, kGiven>(p);
+  return p.lo_for_backward ? prepare_instance_for_products<D, true, kSoftplus, kGiven>(p)
+                           : prepare_instance_for_products<D, false, kSoftplus, kGiven>(p);
 }
 
 }  // namespace
@@ -987,7 +981,7 @@ void launch_prepare(const FwdParams& p, cudaStream_t stream) {
   const int64_t blocks = slots * p.H;
   TORCH_CHECK(blocks <= INT32_MAX, "kda.fwd: ", std::to_string(slots), " chunks x ", std::to_string(p.H),
               " heads is more blocks than one launch takes");
-  ForwardHeadSizes::dispatch(p.head_size, [&](auto head_size) {
+  ChunkedHeadSizes::dispatch(p.head_size, [&](auto head_size) {
     constexpr int D = decltype(head_size)::value;
     const PrepareInstance k =
         p.gate_given ? (p.softplus ? prepare_instance_for<D, true, true>(p) : prepare_instance_for<D, false, true>(p))

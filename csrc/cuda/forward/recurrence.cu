@@ -1023,7 +1023,7 @@ void launch_recurrence(const FwdParams& p, cudaStream_t stream, const Recurrence
   if (p.N == 0 || p.H == 0) {
     return;
   }
-  ForwardHeadSizes::dispatch(p.head_size, [&](auto head_size) {
+  ChunkedHeadSizes::dispatch(p.head_size, [&](auto head_size) {
     constexpr int D = decltype(head_size)::value;
     switch (shape.block) {
       case RecurrenceBlock::k4x1w:

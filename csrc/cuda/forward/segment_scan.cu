@@ -71,7 +71,7 @@ __global__ void __launch_bounds__(D)
 
 void launch_segment_scan(const float* maps, const float* ends, const void* initial, bool initial_fp32, float* starts,
                          int64_t N, int64_t P, int64_t H, int head_size, cudaStream_t stream) {
-  ForwardHeadSizes::dispatch(head_size, [&](auto size) {
+  ChunkedHeadSizes::dispatch(head_size, [&](auto size) {
     constexpr int D = decltype(size)::value;
     const int64_t blocks = N * H * (D / kRows);
     if (blocks == 0) {
