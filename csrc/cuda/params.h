@@ -178,7 +178,16 @@ constexpr int64_t record_grad_floats(int64_t D) {
   return 4 * kChunk * D + kChunk * kChunk + D;
 }
 static_assert(record_grad_floats(64) == RecordGradLayout<64>::kFloats &&
-              record_grad_floats(kHeadDim) == RecordGradLayout<kHeadDim>::kFloats);
+              record_grad_floats(kHeadDim) == RecordGradLayout<kHeadDim>::kFloats &&
+              record_grad_floats(kMaxHeadSize) == RecordGradLayout<kMaxHeadSize>::kFloats);
+
+// The blocks that share a (chunk slot, head) of the record gradients at head
+// size D (backward/record_gradients.cu): two at 256, whose S0 and dS1 no block
+// holds whole, each adding its value rows' sums into zeros that the schedule
+// writes first (backward/schedule.cpp); one below.
+constexpr int record_gradient_parts(int64_t D) {
+  return D > kHeadDim ? 2 : 1;
+}
 
 // What the backward's kernels pass each other per (chunk slot, head) at head
 // size D: the record, the state at the chunk's start and dS at its end (bf16:
@@ -196,7 +205,7 @@ struct PrepareBwdParams {
   // [slot_end - slot_begin, H, record_grad_floats(head_size)]: indexed from the window's first slot.
   const float* d_record = nullptr;
   // Outputs, fp32, written for the chunks' real tokens only: the gradients of
-  // q^ and k^ (L2-normalised), v and the log decays lambda, [tokens, H, 128]
+  // q^ and k^ (L2-normalised), v and the log decays lambda, [tokens, H, 128] (the private test op's size)
   // each, and of sigmoid(beta), [tokens, H].
   float* dqn = nullptr;
   float* dkn = nullptr;
@@ -241,7 +250,7 @@ struct SweepBwdParams {
   bool grad_out_fp32 = false;
   const float* grad_final = nullptr;  // [N, H, V, K] fp32, or null (zero)
   void* d_states = nullptr;      // [window slots, H, V, K] bf16 scratch: dS at each chunk's end
-  float* d_record = nullptr;     // [window slots, H, kDRecFloats]
+  float* d_record = nullptr;     // [window slots, H, record_grad_floats(head_size)]
   float* d_carry = nullptr;      // [N, H, V, K] fp32: dS between windows; null with one window
   float* d_initial = nullptr;    // [N, H, V, K] fp32, or null (not wanted)
 };

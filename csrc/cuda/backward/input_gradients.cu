@@ -1,15 +1,15 @@
 // K1's backward: from the gradients of a chunk's record (left by the backward
 // sweep), the gradients of the chunk's q^, k^, v, log decays and sigmoid(beta);
 // torch_kda/reference.py chunk_record_backward is the same math in float64. One
-// block of D threads per (chunk slot, head) at head size D (64 or 128), thread
-// d owns key channel d and value channel d: it recomputes what K1 computed (G,
-// the norms, A = diag(beta) P), inverts I + A once (T, 16 threads), and forms
-// W, U0 and the transposed solves as products with T on the tensor cores, tile
-// by tile in shared memory; then the 16 x 16 dA from column-sum products, and
-// the rest per column; then, for kda.bwd, the chain rule through the L2 norms,
-// the gate and beta's sigmoid, so that no activation or activation gradient
-// goes through memory. Its products in bf16x3 (fp32-level accuracy), the rest
-// in fp32 FMAs.
+// block of D threads per (chunk slot, head) at head size D (64, 128 or 256),
+// thread d owns key channel d and value channel d: it recomputes what K1
+// computed (G, the norms, A = diag(beta) P), inverts I + A once (T, 16
+// threads), and forms W, U0 and the transposed solves as products with T on
+// the tensor cores, tile by tile in shared memory; then the 16 x 16 dA from
+// column-sum products, and the rest per column; then, for kda.bwd, the chain
+// rule through the L2 norms, the gate and beta's sigmoid, so that no
+// activation or activation gradient goes through memory. Its products in
+// bf16x3 (fp32-level accuracy), the rest in fp32 FMAs.
 #include <c10/cuda/CUDAException.h>
 
 #include <string>
@@ -468,7 +468,8 @@ __device__ __forceinline__ void activation_gradients(const PrepareBwdParams& bp,
 }
 
 // The block's shared memory (over the 48 KB of static shared memory at D =
-// 128, so dynamic): 70.9 KB there, three blocks an SM; 39 KB at D = 64, five.
+// 128, so dynamic): 70.9 KB there, three blocks an SM; 39 KB at D = 64, five;
+// 130 KB at 256, one.
 template <int D>
 struct Smem {
   static constexpr int kPad = kPadOf<D>;
@@ -508,7 +509,7 @@ struct Smem {
 };
 
 // Blocks an SM, as many as the shared memory admits, which cap the registers
-// (__launch_bounds__): 170 a thread at D = 128, 204 at 64.
+// (__launch_bounds__): 170 a thread at D = 128, 204 at 64, 255 at 256.
 template <int D>
 constexpr int kMinBlocks = D == 64 ? 5 : D == 128 ? 3 : 1;
 template <int D>

@@ -1,9 +1,9 @@
 // The backward sweep's record gradients (ds_recurrence.cu has the sweep's
-// equations): one block of D / 16 warps per (chunk slot, head), all chunks at
-// once. Warp w computes U for rows 16w.. and then takes key columns 16w.. of
-// the sums over all D value rows, reading every row of S0 and dS1 from
-// shared memory, so no partial sums cross warps but dgl's, added in a fixed
-// order (deterministic). S0 and dS1 come as stored, in bf16 (halving the bytes
+// equations): up to D = 128 one block of D / 16 warps per (chunk slot, head),
+// all chunks at once. Warp w computes U for rows 16w.. and then takes key
+// columns 16w.. of the sums over all D value rows, reading every row of S0 and
+// dS1 from shared memory, so no partial sums cross warps but dgl's, added in
+// a fixed order (deterministic). S0 and dS1 come as stored, in bf16 (halving the bytes
 // that K2's state passes, the dS recurrence and this kernel move per chunk);
 // only the fp32 side of each product is split (dU, U, and dO when it is fp32).
 //
@@ -34,9 +34,9 @@ namespace {
 // whole would take 256 KB, so two blocks a (chunk slot, head) take 128 rows
 // each, and their partial sums meet in the record gradients (rec_grad_add).
 template <int D>
-constexpr int kGradRows = D < 128 ? D : 128;
+constexpr int kVParts = record_gradient_parts(D);
 template <int D>
-constexpr int kVParts = D / kGradRows<D>;
+constexpr int kGradRows = D / kVParts<D>;
 // A block's warps: each takes 16 of its value rows, and D / kGradRows key
 // slices of 16 columns of the record gradients.
 template <int D>
