@@ -12,24 +12,14 @@
 
 namespace kda::cuda {
 
-// The forward of p into `out` and `final_state` (ops_cuda.cpp has the staging
-// rules). chunk_states and records: kept for the backward (kda._fwd_checkpointed).
-// decode: run the decode kernel instead of the chunked pair, at K = V = 128
-// and keeping nothing (ops_cuda.cpp chooses it for kda::fwd_ calls whose
-// sequences average a few tokens: torch_kda.kda gives the same bits with and
+// The forward of p into `out` and `final_state` for any head size the CUDA ops
+// take (1 to 256; ops_cuda.cpp has the staging rules): the chunked kernels of
+// chunked_head_size (64, 128 or 256), or the decode kernel's 128 where
+// decode_short_requests and the requests average a few tokens (kda::fwd_,
+// heuristics.h pool_by_decode: torch_kda.kda gives the same bits with and
 // without a gradient, so kda::fwd and kda::_fwd_checkpointed always take the
-// chunked kernels).
-void forward_into(const char* op, const Problem& p, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                  const at::Tensor& g, const at::Tensor& beta, const at::Tensor& A_log, const at::Tensor& dt_bias,
-                  const std::optional<at::Tensor>& initial_state, const std::optional<at::Tensor>& cu_seqlens,
-                  const at::Tensor& out, const std::optional<at::Tensor>& final_state,
-                  const at::Tensor& chunk_states = at::Tensor(), const at::Tensor& records = at::Tensor(),
-                  bool decode = false);
-
-// forward_into for any head size the CUDA ops take (1 to 256): the chunked
-// kernels of chunked_head_size (64, 128 or 256), or the decode kernel's 128
-// where decode_short_requests and the requests average a few tokens (kda::fwd_,
-// heuristics.h pool_by_decode), which keeps no chunk_states or records.
+// chunked kernels). chunk_states and records: kept for the backward
+// (kda._fwd_checkpointed); the decode kernel keeps none.
 void forward_served(const char* op, const Problem& p, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                     const at::Tensor& g, const at::Tensor& beta, const at::Tensor& A_log, const at::Tensor& dt_bias,
                     const std::optional<at::Tensor>& initial_state, const std::optional<at::Tensor>& cu_seqlens,

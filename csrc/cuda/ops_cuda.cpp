@@ -61,13 +61,12 @@ bool takes_decode_kernel(const Problem& p, bool decode_short_requests, const Ten
          concrete(p.V) <= kHeadDim && pool_by_decode(concrete(p.B) * concrete(p.T), concrete(p.N), false);
 }
 
-}  // namespace
-
-// Runs the forward into `out` / `final_state` (cuda/forward_call.h). Inputs are
-// made contiguous (copies only where the caller's tensors are not). An output
-// that is not contiguous or not 16-byte aligned, or a final_state whose dtype is
-// not the one the kernels write (p.state_dtype: the initial state's, else fp32),
-// gets a staging tensor that is copied back afterwards.
+// Runs the forward at a served head size (K = V = 64, 128 or 256) into `out` /
+// `final_state`; decode: the decode kernel instead of the chunked pair. Inputs
+// are made contiguous (copies only where the caller's tensors are not). An
+// output that is not contiguous or not 16-byte aligned, or a final_state whose
+// dtype is not the one the kernels write (p.state_dtype: the initial state's,
+// else fp32), gets a staging tensor that is copied back afterwards.
 void forward_into(const char* op, const Problem& p, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g,
                   const Tensor& beta, const Tensor& A_log, const Tensor& dt_bias,
                   const optional<Tensor>& initial_state, const optional<Tensor>& cu_seqlens, const Tensor& out,
@@ -150,6 +149,8 @@ void forward_into(const char* op, const Problem& p, const Tensor& q, const Tenso
     final_state->copy_(final_c);
   }
 }
+
+}  // namespace
 
 // Sizes without kernels of their own run padded (padded_heads.h) into padded
 // outputs, whose leading blocks are then copied out. chunk_states and records

@@ -34,6 +34,18 @@ void decode_forward(const FwdParams& params, const Tensor& initial_state, const 
 
 namespace {
 
+// Speculative decoding runs only on the decode kernel, 128 wide: K and V at most 128.
+void check_speculative_head_sizes(const char* op, const Problem& p) {
+  const int64_t K = concrete(p.K), V = concrete(p.V);
+  const auto message = [&](const char* what, const char* name, int64_t size) {
+    return c10::str(op, ": on CUDA, speculative decoding (num_accepted_tokens) from the state pool takes ", what,
+                    " with a head size ", name, " (dim 3) of at most ", kHeadDim, ", got ", name, " = ", size,
+                    " (the pool without num_accepted_tokens takes up to ", kMaxHeadSize, "; the CPU kernels any)");
+  };
+  TORCH_CHECK(K <= kHeadDim, message("q and k", "K", K));
+  TORCH_CHECK(V <= kHeadDim, message("v", "V", V));
+}
+
 // kda::fwd_pool_: the decode kernel (pool.cu) for speculative calls and short
 // requests, else the chunked forward from the pool's states, copied out first,
 // with the final states copied back (heuristics.h, pool_by_decode). The decode
@@ -53,8 +65,7 @@ void fwd_pool(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g
   const int64_t K = concrete(p.K), V = concrete(p.V);
   const bool wide = K > kHeadDim || V > kHeadDim;
   if (num_accepted_tokens.has_value()) {
-    check_head_sizes_of_128_wide_kernels(op, p, "speculative decoding (num_accepted_tokens) from the state pool",
-                                         "the pool without num_accepted_tokens takes");
+    check_speculative_head_sizes(op, p);
   }
   check_pool_args(op, p, q, cu_seqlens.has_value(), state_pool, state_indices, num_accepted_tokens, out);
   TORCH_CHECK(p.state_dtype == at::kBFloat16 || p.state_dtype == at::kFloat,

@@ -58,20 +58,11 @@ void check_grid_sizes(const char* op, const Problem& p, int64_t num_slots) {
               std::to_string(num_slots), " chunks of 16 tokens x ", std::to_string(H),
               " heads, more blocks than one launch takes");
   TORCH_CHECK(N <= INT32_MAX / std::max<int64_t>((kMaxHeadSize / 16) * H, 1), op,
-              ": q (with cu_seqlens, if given) makes ", std::to_string(N), " sequences x ", std::to_string(H), " heads, more blocks than one launch takes");
+              ": q (with cu_seqlens, if given) makes ", std::to_string(N), " sequences x ", std::to_string(H),
+              " heads, more blocks than one launch takes");
 }
 
 }  // namespace
-
-void check_head_sizes_of_128_wide_kernels(const char* op, const Problem& p, const char* what, const char* wider) {
-  const int64_t K = concrete(p.K), V = concrete(p.V);
-  TORCH_CHECK(K <= kHeadDim, op, ": on CUDA, ", what, " takes q and k with a head size K (dim 3) of at most ",
-              int_str(kHeadDim), ", got K = ", int_str(K), " (", wider, " up to ", int_str(kMaxHeadSize),
-              "; the CPU kernels any)");
-  TORCH_CHECK(V <= kHeadDim, op, ": on CUDA, ", what, " takes v with a head size V (dim 3) of at most ",
-              int_str(kHeadDim), ", got V = ", int_str(V), " (", wider, " up to ", int_str(kMaxHeadSize),
-              "; the CPU kernels any)");
-}
 
 Problem check_all(const char* op, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g,
                   const Tensor& beta, const Tensor& A_log, const Tensor& dt_bias, optional<double> scale,

@@ -23,12 +23,6 @@ Problem check_all(const char* op, const at::Tensor& q, const at::Tensor& k, cons
                   std::optional<double> scale, std::optional<double> lower_bound,
                   const std::optional<at::Tensor>& initial_state, const std::optional<at::Tensor>& cu_seqlens);
 
-// What runs on kernels of at most 128 channels (speculative decoding from the
-// state pool), named by `what` in the message, with `wider` the nearest thing
-// that takes up to 256: q and k's K and v's V at most 128.
-void check_head_sizes_of_128_wide_kernels(const char* op, const Problem& p, const char* what,
-                                          const char* wider = "the forward takes");
-
 // Sequence and chunk offsets of a varlen batch, built on the device by one
 // kernel (boundaries.cu: cu_seqlens clamped into [0, tokens] and made
 // non-decreasing, so a malformed one gives wrong numbers, never an access out
