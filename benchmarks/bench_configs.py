@@ -1,8 +1,8 @@
 """fla's other KDA configurations against fla's chunk_kda in the same run: head sizes
-64 and 128 (256 where torch_kda's CUDA path takes it) at 1 x 8192 and 8 x 1024 tokens
-with 32 heads, and grouped value heads (HV = 2 H) at 8192 tokens, 96 value heads:
+64, 128 and 256 at 1 x 8192 and 8 x 1024 tokens with 32 heads, and grouped value heads
+(HV = 2 H) at 8192 tokens, 96 value heads:
 
-    python3 benchmarks/bench_configs.py [--no-fla] [--fla-backward]
+    python3 benchmarks/bench_configs.py [--no-fla] [--fla-backward] [--only D256 ...]
 
 Bounded gate (lower_bound = -5), bf16 inputs, an fp32 initial state and the final
 state returned; medians of CUDA events (ms), eager calls. Forward: torch_kda.kda
@@ -28,6 +28,7 @@ CONFIGS = [
     ("1x8192 H32 D128", 1, 8192, 32, 32, 128),
     ("8x1024 H32 D128", 8, 1024, 32, 32, 128),
     ("1x8192 H32 D256", 1, 8192, 32, 32, 256),
+    ("8x1024 H32 D256", 8, 1024, 32, 32, 256),
     ("1x8192 H48 HV96 D128", 1, 8192, 48, 96, 128),
     ("1x8192 H96 D128", 1, 8192, 96, 96, 128),
 ]
@@ -98,10 +99,13 @@ def main():
     ap.add_argument("--no-fla", action="store_true")
     ap.add_argument("--fla-backward", action="store_true", help="also fla's step (autotunes at each new shape)")
     ap.add_argument("--repeats", type=int, default=10)
+    ap.add_argument("--only", nargs="+", default=[], help="the configs whose labels contain one of these")
     args = ap.parse_args()
     print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}")
     print(f"{'config':<22} {'fwd ms':>8} {'fla fwd':>8} {'speedup':>7} {'step ms':>8} {'fla step':>8} {'speedup':>7}")
     for label, N, T, H, HV, D in CONFIGS:
+        if args.only and not any(part in label for part in args.only):
+            continue
         c = inputs(N, T, H, HV, D)
         fwd, step = forward_and_step(torch_kda_call, c)
         ours = timed(fwd, 2 * args.repeats, f"torch_kda {label}"), timed(step, args.repeats, f"torch_kda {label}")

@@ -1,5 +1,6 @@
 """The CUDA forward at head sizes 64, 128 and 256 (K = V), against its HBM floor,
-with K2's block shape automatic and forced (2x2, 4x4; the 4x1w is 128 wide):
+with K2's block shape automatic and forced (2x2 and 4x4 at 64 and 128; 8x4 and 16x4,
+two and four 4x4 row groups a block, at 256; the 4x1w is 128 wide):
 
     python3 benchmarks/bench_head_sizes.py [--sizes 64 128 256] [--repeats 10]
 
@@ -23,7 +24,8 @@ from torch_kda.testing import forced  # noqa: E402
 
 # (sequences, tokens each, heads)
 SHAPES = [(1, 8192, 32), (8, 1024, 32), (1, 8192, 96), (1, 32768, 8)]
-BLOCKS = ("auto", "2x2", "4x4")
+BLOCKS = ("auto", "2x2", "4x4", "8x4", "16x4")
+WIDE_ONLY = ("8x4", "16x4")  # the only ones at 256
 
 
 def inputs(N, T, H, D, state_dtype):
@@ -66,10 +68,13 @@ def main():
 
                 times = []
                 for block in BLOCKS:
+                    if (block in WIDE_ONLY) != (D == 256) and block != "auto":
+                        times.append(None)
+                        continue
                     with forced(recurrence_block=block):
                         times.append(time_ms(forward, args.repeats))
                 floor = floor_bytes(N, T, H, D, c["h0"].element_size()) / bw * 1e3
-                print(f"{N}x{T} H{H:<5} {str(state_dtype)[-4:]:<5} {D:>4} " + " ".join(f"{t:8.3f}" for t in times)
+                print(f"{N}x{T} H{H:<5} {str(state_dtype)[-4:]:<5} {D:>4} " + " ".join(f"{t:8.3f}" if t is not None else "       -" for t in times)
                       + f" {floor:7.3f} {times[0] / floor:7.2f}", flush=True)
                 del c
                 torch.cuda.empty_cache()

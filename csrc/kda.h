@@ -111,9 +111,11 @@ std::vector<int64_t> read_and_check_cu_seqlens(const char* op, const at::Tensor&
 // and checked, a device sync on CUDA) or, for a fixed-length batch, b * T.
 std::vector<int64_t> sequence_offsets(const char* op, const Problem& p, const std::optional<at::Tensor>& cu_seqlens);
 
-// Numbers in error messages are formatted with these, never by inserting them
-// into a std::ostream: streaming a double from inside this extension can crash
-// in libstdc++'s locale code (torch 2.11, GCC 13).
+// Numbers in error messages are formatted with these (or std::to_string), never
+// by inserting them into a std::ostream, as TORCH_CHECK and c10::str do with
+// their arguments: streaming an int or a double from inside this extension
+// crashes in libstdc++'s locale code (torch 2.11, GCC 13).
+// tests/test_error_messages.py holds every message to this.
 std::string int_str(int64_t x);
 std::string float_str(double x);
 std::string sym_str(const c10::SymInt& x);

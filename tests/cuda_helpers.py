@@ -126,7 +126,9 @@ def cuda_and_reference_grads(d, g, with_final=True):
     return got, ref
 
 
-def check_grads(label, got, ref):
+def check_grads(label, got, ref, tol=None):
+    """Each gradient within GRAD_TOL of the reference, or within tol's entry for it."""
+    tol = {**GRAD_TOL, **(tol or {})}
     for name, x, r in zip(GRAD_NAMES, got, ref):
         if r.numel() == 0:
             assert x.numel() == 0, name
@@ -134,7 +136,7 @@ def check_grads(label, got, ref):
         e = rel(x.cpu(), r)
         print(f"\n{label} {name}: rel {e:.2e}", end="")
         assert torch.isfinite(x).all(), name
-        assert e <= GRAD_TOL[name], f"{name}: rel {e:.2e}"
+        assert e <= tol[name], f"{name}: rel {e:.2e}"
 
 
 # Slots of a backward window of ~1 GiB of scratch (csrc/checkpoints.cpp; 27136
@@ -157,17 +159,17 @@ def launched_kernels(fn):
 # The kernels' template arguments that name a block shape: K2's kSplit
 # (recurrence_kernel<D, kSplit, kOut, kX3, kLate>) and the dS recurrence's kWarps,
 # kSplit (ds_recurrence_kernel<D, kWarps, kSplit, ...>), D the head size.
-K2_SPLIT = {"4x1w": 1, "2x2": 2, "4x4": 4}
+K2_SHAPE = {"4x1w": (1, 4), "2x2": (2, 2), "4x4": (4, 4), "8x4": (4, 8), "16x4": (4, 16)}  # (kSplit, kWarps)
 DS_SHAPE = {"4x1": (4, 1), "4x2": (4, 2), "2x2": (2, 2)}
 
 
 def k2_launches(names):
-    """(kSplit, kOut, kLate) of every K2 launch among the kernel names."""
+    """((kSplit, kWarps), kOut, kLate) of every K2 launch among the kernel names."""
     import re
 
-    found = [re.search(r"recurrence_kernel<\d+, (\d+), (true|false), (?:true|false), (true|false)>", n) for n in names
-             if "ds_recurrence" not in n]
-    return [(int(m.group(1)), m.group(2) == "true", m.group(3) == "true") for m in found if m]
+    found = [re.search(r"recurrence_kernel<\d+, (\d+), (\d+), (true|false), (?:true|false), (true|false)>", n)
+             for n in names if "ds_recurrence" not in n]
+    return [((int(m.group(1)), int(m.group(2))), m.group(3) == "true", m.group(4) == "true") for m in found if m]
 
 
 def ds_launches(names):

@@ -16,7 +16,7 @@ from cuda_helpers import (
     CUDA_MARKS,
     DS_SHAPE,
     FP32_STATE_TOL,
-    K2_SPLIT,
+    K2_SHAPE,
     assert_checkpoints_are_prefix_states,
     assert_each_sequence_alone_is_bitwise,
     check_grads,
@@ -48,7 +48,7 @@ def test_forced_block_shapes_match_reference(shape, state_dtype):
         (e_out, e_state, _, _), names = launched_kernels(lambda: errors(d, g))
     print(f"block {shape} state {state_dtype}: out rel {e_out:.2e}, state rel {e_state:.2e}")
     assert e_out <= 5e-3 and e_state <= (FP32_STATE_TOL if state_dtype == torch.float32 else 5e-3)
-    assert {split for split, _, _ in k2_launches(names)} == {K2_SPLIT[shape]}  # the forced shape ran
+    assert {split for split, _, _ in k2_launches(names)} == {K2_SHAPE[shape]}  # the forced shape ran
 
 
 @pytest.mark.parametrize("name", ["random", "weak_decay", "small_beta"])
@@ -65,7 +65,7 @@ def test_wgmma_shape_keeps_the_fp32_state_over_long_sequences(name):
 
 
 @pytest.mark.parametrize("kw, message", [
-    (dict(recurrence_block="8x1"), "recurrence_block must be one of auto, 4x1w, 2x2, 4x4, got '8x1'"),
+    (dict(recurrence_block="8x1"), "recurrence_block must be one of auto, 4x1w, 2x2, 4x4, 8x4, 16x4, got '8x1'"),
     (dict(ds_block="1x1"), "ds_block must be one of auto, 4x1, 4x2, 2x2, got '1x1'"),
     (dict(window_slots=-2),
      "window_slots must be -1 (automatic), 0 (one pass) or a positive number of chunk slots, got -2"),

@@ -293,7 +293,8 @@ def test_cuda_limits_are_errors():
     with pytest.raises(RuntimeError, match="q, k, v, g and beta must have dtype bfloat16"):
         torch_kda.kda(*(a.float() if a.dtype == torch.bfloat16 else a for a in args), lower_bound=-5.0)
     wide = make_inputs(B=1, T=8, H=2, K=300, V=64, dtype=torch.bfloat16)
-    with pytest.raises(RuntimeError, match=r"q must have a head size K \(dim 3\) of at most 256, got K = 300"):
+    with pytest.raises(RuntimeError,
+                       match=r"q must have a head size K \(dim 3\) of at most 256, got shape \[1, 8, 2, 300\]"):
         torch_kda.kda(*(t.to(DEV) for t in positional(wide)), lower_bound=-5.0)
     with pytest.raises(RuntimeError, match="must be on the same device as q"):
         torch_kda.kda(*args[:5], g["A_log"].cpu(), g["dt_bias"], lower_bound=-5.0)

@@ -18,7 +18,7 @@ import torch
 
 import torch_kda
 from conftest import capture_graph, nan_like, positional, rel, run_reference
-from cuda_helpers import (CUDA_MARKS, DEV, K2_SPLIT, cuda_and_reference_grads, check_grads, cuda_inputs, hard_case,
+from cuda_helpers import (CUDA_MARKS, DEV, K2_SHAPE, cuda_and_reference_grads, check_grads, cuda_inputs, hard_case,
                           k2_launches, launched_kernels, run_cuda)
 from torch_kda.testing import forced
 
@@ -70,8 +70,8 @@ def test_forward_kernels_by_head_size(K, V, D):
     (out, _), names = launched_kernels(lambda: run_cuda({**g, **leaves}))
     assert kernel_head_sizes(names, "prepare_kernel") == [D]
     assert kernel_head_sizes(names, "recurrence_kernel") == [D]
-    if D != 128:  # K2's automatic shape away from 128 (csrc/cuda/heuristics.cpp)
-        assert [s for s, _, _ in k2_launches(names)] == [K2_SPLIT["2x2" if D == 64 else "4x4"]]
+    if D != 128:  # K2's automatic shape away from 128 (csrc/cuda/heuristics.cpp), fp32 state
+        assert [s for s, _, _ in k2_launches(names)] == [K2_SHAPE["2x2" if D == 64 else "16x4"]]
     _, names = launched_kernels(lambda: out.float().sum().backward())
     for kernel in ("ds_recurrence_kernel", "record_grads_kernel", "prepare_backward_kernel"):
         assert set(kernel_head_sizes(names, kernel)) == {D}, kernel
@@ -91,26 +91,29 @@ def test_decode_through_fwd_runs_the_128_wide_decode_kernel():
 
 
 @GATES
-@pytest.mark.parametrize("block", ["2x2", "4x4"])
 @pytest.mark.parametrize("state_dtype", [F32, BF16], ids=["fp32_state", "bf16_state"])
-@pytest.mark.parametrize("K,V,D", [(64, 48, 64), (256, 200, 256)], ids=lambda x: str(x))
+@pytest.mark.parametrize("K,V,D,block", [(64, 48, 64, "2x2"), (64, 48, 64, "4x4"), (256, 200, 256, "8x4"),
+                                         (256, 200, 256, "16x4")], ids=lambda x: str(x))
 def test_block_shapes_at_64_and_256(block, state_dtype, lower_bound, K, V, D):
-    """K2's split shapes at head sizes 64 and 256, forced, on a varlen batch with empty and one-token sequences."""
+    """K2's block shapes at head sizes 64 (2x2, 4x4) and 256 (two and four 4x4 row
+    groups a block), forced, on a varlen batch with empty and one-token sequences."""
     _, g = cuda_inputs(state_dtype=state_dtype, K=K, V=V, seqlens=[33, 0, 1, 64, 130], H=3)
     with forced(recurrence_block=block):
         (out, final), names = launched_kernels(lambda: run_cuda(g, lower_bound=lower_bound))
-    assert [s for s, _, _ in k2_launches(names)] == [K2_SPLIT[block]]
+    assert [s for s, _, _ in k2_launches(names)] == [K2_SHAPE[block]]
     assert kernel_head_sizes(names, "recurrence_kernel") == [D]
     ref_out, ref_final = run_reference(g, lower_bound=lower_bound)
     assert rel(out, ref_out) <= out_tol(state_dtype)
     assert rel(final, ref_final) <= (1e-4 if state_dtype == F32 else 1e-2)
 
 
-@pytest.mark.parametrize("D", [64, 256])
-def test_forward_at_64_and_256_refuses_the_128_wide_block(D):
+@pytest.mark.parametrize("D,block", [(64, "4x1w"), (64, "16x4"), (128, "8x4"), (256, "4x1w"), (256, "2x2"),
+                                     (256, "4x4")], ids=lambda x: str(x))
+def test_forced_block_without_kernels_at_the_head_size_raises(D, block):
     _, g = cuda_inputs(K=D, V=D, B=1, T=20, H=2)
-    with forced(recurrence_block="4x1w"), pytest.raises(
-            RuntimeError, match=rf"recurrence_block '4x1w' is 128 wide; head size {D} runs '2x2' or '4x4'"):
+    runs = {64: "'2x2' or '4x4'", 128: "'4x1w', '2x2' or '4x4'", 256: "'8x4' or '16x4'"}[D]
+    with forced(recurrence_block=block), pytest.raises(
+            RuntimeError, match=rf"recurrence_block '{block}' has no kernels at head size {D}, which runs {runs}"):
         run_cuda(g)
 
 
@@ -194,13 +197,14 @@ def test_backward_without_final_gradient():
 
 @GATES
 @pytest.mark.parametrize("case", ["weak_decay", "strong_decay", "small_beta"])
-@pytest.mark.parametrize("D,ds_block", [(64, "auto"), (64, "4x1"), (64, "4x2"), (64, "2x2"), (256, "auto"),
-                                        (256, "4x2"), (256, "2x2")], ids=lambda x: str(x))
+@pytest.mark.parametrize("D,ds_block", [(64, "auto"), (64, "4x1"), (64, "4x2"), (64, "2x2"), (128, "auto"),
+                                        (128, "4x1"), (256, "auto"), (256, "4x2"), (256, "2x2")],
+                         ids=lambda x: str(x))
 def test_backward_at_64_and_256_hard_cases_and_block_shapes(case, D, ds_block, lower_bound):
     """The 64- and 256-wide backwards against float64 with weak and strong decay
     and a tiny beta, varlen with empty, one-token and odd sequences, each of the
     dS recurrence's block shapes (at 256 the split ones), its scratch and
-    outputs allocated NaN-filled."""
+    outputs allocated NaN-filled; the 128-wide one alike, for comparison."""
     from conftest import nan_filled_empty
 
     d, g = cuda_inputs(state_dtype=F32, K=D, V=D, seqlens=[45, 0, 16, 1, 70], H=3)
@@ -211,7 +215,11 @@ def test_backward_at_64_and_256_hard_cases_and_block_shapes(case, D, ds_block, l
         got, names = launched_kernels(lambda: cuda_grads(g, grad_out, grad_final, lower_bound))
     for kernel in ("ds_recurrence_kernel", "record_grads_kernel", "prepare_backward_kernel"):
         assert set(kernel_head_sizes(names, kernel)) == {D}, kernel
-    check_grads(f"{case} {ds_block}", got, float64_grads(g, grad_out, grad_final, lower_bound))
+    # Under weak decay every chunk-start state's bf16 rounding stays in the decay
+    # gradient (docs/performance-notes.md, "Kept states"): on these inputs dg
+    # measured up to 7.9e-3 at every head size, 128 included (H100).
+    tol = {"dg": 1e-2} if case == "weak_decay" else None
+    check_grads(f"{case} D={D} {ds_block}", got, float64_grads(g, grad_out, grad_final, lower_bound), tol)
 
 
 def record_floats(D):

@@ -9,7 +9,7 @@ waves of blocks), kda::fwd_ with decode shapes (with and without an initial
 state), grouped value heads, a precomputed fp32 gate's one token and speculative calls,
 and pools of head sizes below 128 and above (the chunked path's copies at 200 x 256).
 segments: a forward over forced segments (K1, three K2 passes, the scan).
-head_sizes: the 64- and 256-wide forwards (K1, K2's 2x2 and 4x4, the segments'
+head_sizes: the 64- and 256-wide forwards (K1, K2's 2x2 and 4x4, at 256 its 8x4 and 16x4, the segments'
 passes and scan): both gates, fp32 and bf16 states, K = V = 64, K = 48, V = 64 and
 K = 256, V = 200 on a varlen batch; steps at 256 x 200 and 48 x 64 whose
 backward runs the 256- and 64-wide kernels on the padded problem, with each of
@@ -150,7 +150,7 @@ def head_sizes():
         for state_dtype in (torch.float32, torch.bfloat16):
             h0 = torch.randn(4, H, V, K, device="cuda", generator=gen).to(state_dtype)
             for lower_bound in (-5.0, None):
-                for block in ("2x2", "4x4"):
+                for block in ("8x4", "16x4") if K == 256 else ("2x2", "4x4"):
                     with forced(recurrence_block=block):
                         out, final = torch_kda.kda(q, k, v, g, beta, A_log, dt_bias, lower_bound=lower_bound,
                                                    initial_state=h0, output_final_state=True, cu_seqlens=cu)

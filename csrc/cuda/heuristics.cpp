@@ -2,6 +2,9 @@
 
 #include <algorithm>
 #include <cmath>
+#include <string>
+#include <utility>
+#include <vector>
 
 #include "testing/hook.h"
 
@@ -116,18 +119,45 @@ int64_t forced_window(int64_t n, int64_t num_slots) {
 // faster than blocks of eight or two). Two: each row group's key columns over
 // two warps, the 2x2. One: over four, the 4x4, or the 2x2 with bf16 products,
 // whose steps are a third shorter (docs/performance-notes.md has the figures).
-// The 4x1w is 128 wide. At 64 the 2x2 and at 256 the 4x4 measured fastest at
-// every shape and state dtype timed (H200: the 4x4 takes 2-26 % longer at
-// 64, the 2x2 8-45 % longer at 256).
+// The 4x1w is 128 wide. At 64 the 2x2 measured fastest at every shape and state
+// dtype timed (H200: the 4x4 2-26 % longer). At 256 a stage is 44 KB, so a
+// 4x4 or 2x2 runs alone on its SM; row groups sharing a block's stages measured
+// fastest everywhere timed (H100): four (16x4) for an fp32 state, 22-36 %
+// under the 4x4, two (8x4) with bf16 products, 13-22 % under it.
 RecurrenceBlock automatic_recurrence_block(const FwdParams& p) {
+  if (p.head_size == kMaxHeadSize) {
+    return p.bf16_products ? RecurrenceBlock::k8x4 : RecurrenceBlock::k16x4;
+  }
   if (p.head_size != kHeadDim) {
-    return p.head_size < kHeadDim ? RecurrenceBlock::k2x2 : RecurrenceBlock::k4x4;
+    return RecurrenceBlock::k2x2;
   }
   const int64_t warps_per_sm = recurrence_warps_per_sm(p);
   if (warps_per_sm > 2) {
     return RecurrenceBlock::k4x1w;
   }
   return warps_per_sm > 1 || p.bf16_products ? RecurrenceBlock::k2x2 : RecurrenceBlock::k4x4;
+}
+
+// The block shapes with kernels at head size D (forward/recurrence.cu), by name.
+std::vector<std::pair<const char*, RecurrenceBlock>> recurrence_blocks_at(int64_t D) {
+  if (D == kMaxHeadSize) {
+    return {{"8x4", RecurrenceBlock::k8x4}, {"16x4", RecurrenceBlock::k16x4}};
+  }
+  if (D == kHeadDim) {
+    return {{"4x1w", RecurrenceBlock::k4x1w}, {"2x2", RecurrenceBlock::k2x2}, {"4x4", RecurrenceBlock::k4x4}};
+  }
+  return {{"2x2", RecurrenceBlock::k2x2}, {"4x4", RecurrenceBlock::k4x4}};
+}
+
+const char* recurrence_block_name(RecurrenceBlock block) {
+  for (const int64_t D : {kHeadDim, kMaxHeadSize}) {
+    for (const auto& [name, b] : recurrence_blocks_at(D)) {
+      if (b == block) {
+        return name;
+      }
+    }
+  }
+  return "?";
 }
 
 // The 4x1w forward issues a step's copies after its first products where its
@@ -139,10 +169,19 @@ bool late_refill_pays(const FwdParams& p) {
 }
 
 RecurrenceShape recurrence_shape(const FwdParams& p, const Forced& f) {
-  TORCH_CHECK(f.recurrence_block != RecurrenceBlock::k4x1w || p.head_size == kHeadDim,
-              "torch_kda.testing.forced: recurrence_block '4x1w' is ", kHeadDim, " wide; head size ", p.head_size,
-              " runs '2x2' or '4x4'");
-  return {f.recurrence_block.value_or(automatic_recurrence_block(p)), late_refill_pays(p)};
+  if (f.recurrence_block.has_value()) {
+    const auto served = recurrence_blocks_at(p.head_size);
+    std::string names;
+    for (size_t i = 0; i < served.size(); ++i) {
+      if (served[i].second == *f.recurrence_block) {
+        return {*f.recurrence_block, late_refill_pays(p)};
+      }
+      names += std::string(i == 0 ? "'" : i + 1 == served.size() ? " or '" : ", '") + served[i].first + "'";
+    }
+    TORCH_CHECK(false, "torch_kda.testing.forced: recurrence_block '", recurrence_block_name(*f.recurrence_block),
+                "' has no kernels at head size ", std::to_string(p.head_size), ", which runs ", names);
+  }
+  return {automatic_recurrence_block(p), late_refill_pays(p)};
 }
 
 // The dS recurrence, by the same count: four full-width warps a block where
@@ -220,7 +259,8 @@ BackwardPlan backward_plan(const FwdParams& p, int64_t device_memory, bool saved
   BackwardPlan plan;
   plan.recurrence = recurrence_shape(p, f);
   TORCH_CHECK(f.ds_block != DsBlock::k4x1 || p.head_size <= kHeadDim, "torch_kda.testing.forced: ds_block '4x1' "
-              "is at most ", kHeadDim, " wide; head size ", p.head_size, " runs '4x2' or '2x2'");
+              "is at most ", std::to_string(kHeadDim), " wide; head size ", std::to_string(p.head_size),
+              " runs '4x2' or '2x2'");
   plan.ds_block = f.ds_block.value_or(automatic_ds_block(p));
   plan.window = f.window_slots.has_value() ? forced_window(*f.window_slots, p.num_slots)
                                            : backward_window(p, device_memory, saved_states, saved_records);

@@ -28,7 +28,7 @@ struct HeadSizes {
   template <class Launch>
   static void dispatch(int head_size, Launch&& launch) {
     const bool served = ((head_size == Sizes && (launch(std::integral_constant<int, Sizes>{}), true)) || ...);
-    TORCH_INTERNAL_ASSERT(served, "no CUDA kernels for head size ", head_size);
+    TORCH_INTERNAL_ASSERT(served, "no CUDA kernels for head size ", std::to_string(head_size));
   }
 };
 using ChunkedHeadSizes = HeadSizes<kForwardNarrowHead, kHeadDim, kMaxHeadSize>;
@@ -58,8 +58,10 @@ void launch_prepare(const FwdParams& params, cudaStream_t stream);
 
 // K2's block shapes (forward/recurrence.cu), WxS: W warps a block, S warps to
 // each 16 value rows (splitting their key columns). 4x1w: four full-width
-// warps as one warpgroup, state products on wgmma.
-enum class RecurrenceBlock { k4x1w, k2x2, k4x4 };
+// warps as one warpgroup, state products on wgmma (head size 128 only). 8x4 and
+// 16x4: two and four 4x4 row groups sharing one block's stages (head size 256
+// only, where the 2x2 and 4x4 have no kernels).
+enum class RecurrenceBlock { k4x1w, k2x2, k4x4, k8x4, k16x4 };
 
 // K2's shape for one launch (heuristics.h chooses it). late_refill: the 4x1w
 // forward issues a step's copies after its first products.

@@ -53,7 +53,7 @@ at::Tensor leading_block(const at::Tensor& t, std::initializer_list<int64_t> siz
 PaddedInputs padded_inputs(const Problem& p, int64_t D, const at::Tensor& q, const at::Tensor& k,
                            const at::Tensor& v, const at::Tensor& g, const at::Tensor& dt_bias,
                            const std::optional<at::Tensor>& initial_state) {
-  TORCH_INTERNAL_ASSERT(concrete(p.K) <= D && concrete(p.V) <= D, "padding to ", D, " would crop");
+  TORCH_INTERNAL_ASSERT(concrete(p.K) <= D && concrete(p.V) <= D, "padding to ", std::to_string(D), " would crop");
   const int64_t K = D, V = D;
   PaddedInputs x;
   x.p = p;

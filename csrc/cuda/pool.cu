@@ -559,7 +559,8 @@ void launch_pool_decode(const PoolParams& p, cudaStream_t stream) {
     return;
   }
   // 16 lanes a row of the tile, 8 columns each: built for D = 128 alone.
-  TORCH_INTERNAL_ASSERT(p.fwd.head_size == D, "the decode kernel: no tile for head size ", p.fwd.head_size);
+  TORCH_INTERNAL_ASSERT(p.fwd.head_size == D, "the decode kernel: no tile for head size ",
+                        std::to_string(p.fwd.head_size));
   using Kernel = void (*)(PoolParams);
   // [narrow][fp32 pool][speculative]
   constexpr Kernel kernels[2][2][2] = {

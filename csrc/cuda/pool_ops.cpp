@@ -38,9 +38,10 @@ namespace {
 void check_speculative_head_sizes(const char* op, const Problem& p) {
   const int64_t K = concrete(p.K), V = concrete(p.V);
   const auto message = [&](const char* what, const char* name, int64_t size) {
-    return c10::str(op, ": on CUDA, speculative decoding (num_accepted_tokens) from the state pool takes ", what,
-                    " with a head size ", name, " (dim 3) of at most ", kHeadDim, ", got ", name, " = ", size,
-                    " (the pool without num_accepted_tokens takes up to ", kMaxHeadSize, "; the CPU kernels any)");
+    return std::string(op) + ": on CUDA, speculative decoding (num_accepted_tokens) from the state pool takes " +
+           what + " with a head size " + name + " (dim 3) of at most " + int_str(kHeadDim) + ", got " + name +
+           " = " + int_str(size) + " (the pool without num_accepted_tokens takes up to " + int_str(kMaxHeadSize) +
+           "; the CPU kernels any)";
   };
   TORCH_CHECK(K <= kHeadDim, message("q and k", "K", K));
   TORCH_CHECK(V <= kHeadDim, message("v", "V", V));

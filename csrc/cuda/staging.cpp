@@ -136,8 +136,8 @@ CallInputs call_inputs(const Problem& p, const Tensor& q, const Tensor& k, const
                 beta.contiguous(), staged16(A_log), staged16(dt_bias), FwdParams{}};
   FwdParams& fp = in.params;
   // By now a served size (padded_heads.h), the same for K and V.
-  TORCH_INTERNAL_ASSERT(concrete(p.K) == concrete(p.V), "the kernels take K = V, got ", concrete(p.K), " and ",
-                        concrete(p.V));
+  TORCH_INTERNAL_ASSERT(concrete(p.K) == concrete(p.V), "the kernels take K = V, got ",
+                        std::to_string(concrete(p.K)), " and ", std::to_string(concrete(p.V)));
   fp.head_size = static_cast<int>(concrete(p.K));
   fp.H = concrete(p.H);
   fp.N = concrete(p.N);

@@ -432,7 +432,7 @@ void launch_ds_for(const SweepBwdParams& bp, cudaStream_t stream, DsBlock block)
       if constexpr (D <= kHeadDim) {
         launch_ds<D, 4, 1, kDoutFp32>(bp, stream);
       } else {
-        TORCH_INTERNAL_ASSERT(false, "the dS recurrence: no 4x1 at head size ", D);
+        TORCH_INTERNAL_ASSERT(false, "the dS recurrence: no 4x1 at head size ", std::to_string(D));
       }
       break;
     case DsBlock::k4x2:

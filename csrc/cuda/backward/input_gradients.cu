@@ -756,7 +756,8 @@ void launch_prepare_backward_at(const PrepareBwdParams& bp, int64_t blocks, cuda
   constexpr int kSmem = sizeof(Smem<D>);
   // The private test op's instance (no chain rule) is 128 wide, as the op.
   TORCH_CHECK(bp.chain || (D == kHeadDim && !bp.fwd.softplus && !bp.fwd.gate_given),
-              "kda: the activation gradients alone serve the bounded formula gate at head size ", kHeadDim, " only");
+              "kda: the activation gradients alone serve the bounded formula gate at head size ",
+              std::to_string(kHeadDim), " only");
   auto* kernel = bp.fwd.gate_given ? (bp.fwd.softplus ? prepare_backward_kernel<D, true, true, true>
                                                       : prepare_backward_kernel<D, true, false, true>)
                  : bp.fwd.softplus ? prepare_backward_kernel<D, true, true, false>

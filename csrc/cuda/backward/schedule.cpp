@@ -16,7 +16,7 @@ void run_backward(const BackwardCall& call, const at::Tensor& like, const Backwa
   const auto f32 = like.options().dtype(at::kFloat);
   FwdParams p = call.fwd;
   TORCH_INTERNAL_ASSERT(ChunkedHeadSizes::contains(p.head_size), "the backward: no kernels for head size ",
-                        p.head_size);
+                        std::to_string(p.head_size));
   const int64_t S = p.num_slots, H = p.H, N = p.N, D = p.head_size;
   // One fp32 state (the checkpoints and the carries; the scratch states are bf16).
   const int64_t fp32_state_bytes = D * D * 4;

@@ -70,14 +70,15 @@ struct alignas(kAlign) Stage {
 };
 
 // A block shape at head size D: kSplit warps to a row group (1: the 4x1w
-// warpgroup; 2: 2x2; 4: 4x4).
-template <int D, int kSplitArg, bool kX3Arg>
+// warpgroup; 2: 2x2; 4: 4x4, 8x4 and 16x4), kWarps a block. The row groups of
+// a block share its stages.
+template <int D, int kSplitArg, bool kX3Arg, int kWarpsArg = kSplitArg == 2 ? 2 : 4>
 struct Config {
   static constexpr int kD = D;
   static constexpr int kSplit = kSplitArg;
   static constexpr bool kX3 = kX3Arg;
   static constexpr bool kWg = kSplit == 1;
-  static constexpr int kWarps = kSplit == 2 ? 2 : 4;
+  static constexpr int kWarps = kWarpsArg;
   static constexpr int kThreads = 32 * kWarps;
   static constexpr int kRowGroups = kWarps / kSplit;
   static constexpr int kCols = 16 * kRowGroups;  // value channels of a block
@@ -92,7 +93,8 @@ struct Config {
   static constexpr int kRedFloats = kSplit > 1 ? 2 * 2 * 4 * 32 : 0;
   static constexpr size_t kSmem = kSt * sizeof(St) + kRowGroups * C * kOutPad * sizeof(__nv_bfloat16) +
                                   kWarps * kRedFloats * sizeof(float) + (kWg ? 1024 : 0);  // + the alignment's slack
-  static_assert(kSplit == 1 || kSplit == 2 || kSplit == 4, "the three block shapes");
+  static_assert(kSplit == 1 || kSplit == 2 || kSplit == 4, "the three splits");
+  static_assert(kWarps % kSplit == 0 && (kSplit > 1 || kWarps == 4), "whole row groups; the 4x1w one warpgroup");
   static_assert(kNt % 2 == 0, "each warp's key columns in whole 16-column k-steps");
   static_assert(D % kCols == 0, "a head's value rows in whole blocks");
 };
@@ -890,9 +892,9 @@ __device__ __forceinline__ void write_out_split(const St& st, __nv_bfloat16 (&ti
   }
 }
 
-template <int D, int kSplit, int kKs, bool kOut, bool kX3>
+template <int D, int kSplit, int kWarps, int kKs, bool kOut, bool kX3>
 __device__ __forceinline__ void split_body(const FwdParams& p) {
-  using Cfg = Config<D, kSplit, kX3>;
+  using Cfg = Config<D, kSplit, kX3, kWarps>;
   using St = typename Cfg::St;
   constexpr int kNt = Cfg::kNt;
   extern __shared__ __align__(16) unsigned char smem_raw[];
@@ -955,38 +957,38 @@ __device__ __forceinline__ void split_body(const FwdParams& p) {
   b.store_state(w, s);
 }
 
-template <int D, int kSplit, bool kOut, bool kX3, bool kLate>
-__global__ void __launch_bounds__(Config<D, kSplit, kX3>::kThreads) recurrence_kernel(const FwdParams p) {
+template <int D, int kSplit, int kWarps, bool kOut, bool kX3, bool kLate>
+__global__ void __launch_bounds__(Config<D, kSplit, kX3, kWarps>::kThreads) recurrence_kernel(const FwdParams p) {
   if constexpr (kSplit == 1) {
     wgmma_body<D, kOut, kX3, kLate>(p);
   } else if constexpr (kSplit == 2) {
-    split_body<D, 2, -1, kOut, kX3>(p);
+    split_body<D, 2, kWarps, -1, kOut, kX3>(p);
   } else {
     // The branch is uniform per warp, not per block: it relies on bar.sync
     // counting warps, and every copy meets the same barriers in the same order
     // (one per step, and the partial sums').
     switch ((threadIdx.x / 32) % 4) {
       case 0:
-        split_body<D, 4, 0, kOut, kX3>(p);
+        split_body<D, 4, kWarps, 0, kOut, kX3>(p);
         break;
       case 1:
-        split_body<D, 4, 1, kOut, kX3>(p);
+        split_body<D, 4, kWarps, 1, kOut, kX3>(p);
         break;
       case 2:
-        split_body<D, 4, 2, kOut, kX3>(p);
+        split_body<D, 4, kWarps, 2, kOut, kX3>(p);
         break;
       default:
-        split_body<D, 4, 3, kOut, kX3>(p);
+        split_body<D, 4, kWarps, 3, kOut, kX3>(p);
         break;
     }
   }
 }
 
-template <int D, int kSplit, bool kOut, bool kX3, bool kLate>
+template <int D, int kSplit, int kWarps, bool kOut, bool kX3, bool kLate>
 void launch_kernel(const FwdParams& p, cudaStream_t stream) {
-  using Cfg = Config<D, kSplit, kX3>;
+  using Cfg = Config<D, kSplit, kX3, kWarps>;
   static_assert(Cfg::kSmem <= 227 * 1024, "over the per-block shared memory of sm_90");
-  auto* kernel = recurrence_kernel<D, kSplit, kOut, kX3, kLate>;
+  auto* kernel = recurrence_kernel<D, kSplit, kWarps, kOut, kX3, kLate>;
   C10_CUDA_CHECK(
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(Cfg::kSmem)));
   const int64_t blocks = p.N * p.H * (D / Cfg::kCols);
@@ -997,23 +999,23 @@ void launch_kernel(const FwdParams& p, cudaStream_t stream) {
 }
 
 // The kernel for the state's dtype (bf16 or bf16x3 products).
-template <int D, int kSplit, bool kOut, bool kLate = false>
+template <int D, int kSplit, int kWarps, bool kOut, bool kLate = false>
 void launch_for_products(const FwdParams& p, cudaStream_t stream) {
   if (p.bf16_products) {
-    launch_kernel<D, kSplit, kOut, false, kLate>(p, stream);
+    launch_kernel<D, kSplit, kWarps, kOut, false, kLate>(p, stream);
   } else {
-    launch_kernel<D, kSplit, kOut, true, kLate>(p, stream);
+    launch_kernel<D, kSplit, kWarps, kOut, true, kLate>(p, stream);
   }
 }
 
-template <int D, int kSplit>
+template <int D, int kSplit, int kWarps = kSplit == 2 ? 2 : 4>
 void launch(const FwdParams& p, cudaStream_t stream, bool late_refill) {
   if (p.out == nullptr) {
-    launch_for_products<D, kSplit, false>(p, stream);
+    launch_for_products<D, kSplit, kWarps, false>(p, stream);
   } else if (kSplit == 1 && late_refill) {
-    launch_for_products<D, kSplit, true, kSplit == 1>(p, stream);
+    launch_for_products<D, kSplit, kWarps, true, kSplit == 1>(p, stream);
   } else {
-    launch_for_products<D, kSplit, true>(p, stream);
+    launch_for_products<D, kSplit, kWarps, true>(p, stream);
   }
 }
 
@@ -1031,14 +1033,33 @@ void launch_recurrence(const FwdParams& p, cudaStream_t stream, const Recurrence
         if constexpr (D == 128) {
           launch<D, 1>(p, stream, shape.late_refill);
         } else {
-          TORCH_INTERNAL_ASSERT(false, "K2: no 4x1w at head size ", D);
+          TORCH_INTERNAL_ASSERT(false, "K2: no 4x1w at head size ", std::to_string(D));
         }
         break;
       case RecurrenceBlock::k2x2:
-        launch<D, 2>(p, stream, false);
-        break;
       case RecurrenceBlock::k4x4:
-        launch<D, 4>(p, stream, false);
+        // At 256 a stage (44 KB) would leave one such block an SM.
+        if constexpr (D < kMaxHeadSize) {
+          if (shape.block == RecurrenceBlock::k2x2) {
+            launch<D, 2>(p, stream, false);
+          } else {
+            launch<D, 4>(p, stream, false);
+          }
+        } else {
+          TORCH_INTERNAL_ASSERT(false, "K2: no 2x2 or 4x4 at head size ", std::to_string(D));
+        }
+        break;
+      case RecurrenceBlock::k8x4:
+      case RecurrenceBlock::k16x4:
+        if constexpr (D == kMaxHeadSize) {
+          if (shape.block == RecurrenceBlock::k8x4) {
+            launch<D, 4, 8>(p, stream, false);
+          } else {
+            launch<D, 4, 16>(p, stream, false);
+          }
+        } else {
+          TORCH_INTERNAL_ASSERT(false, "K2: no 8x4 or 16x4 at head size ", std::to_string(D));
+        }
         break;
       default:
         TORCH_INTERNAL_ASSERT(false, "K2: no such block shape");

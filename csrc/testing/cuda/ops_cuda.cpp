@@ -26,7 +26,8 @@ using at::Tensor;
 using std::optional;
 
 constexpr std::pair<const char*, RecurrenceBlock> kBlocks[] = {
-    {"4x1w", RecurrenceBlock::k4x1w}, {"2x2", RecurrenceBlock::k2x2}, {"4x4", RecurrenceBlock::k4x4}};
+    {"4x1w", RecurrenceBlock::k4x1w}, {"2x2", RecurrenceBlock::k2x2}, {"4x4", RecurrenceBlock::k4x4},
+    {"8x4", RecurrenceBlock::k8x4}, {"16x4", RecurrenceBlock::k16x4}};
 constexpr std::pair<const char*, DsBlock> kDsBlocks[] = {
     {"4x1", DsBlock::k4x1}, {"4x2", DsBlock::k4x2}, {"2x2", DsBlock::k2x2}};
 
@@ -109,13 +110,14 @@ void check_scratch_input(const char* op, const char* name, const Tensor& t, cons
                          at::IntArrayRef shape, at::ScalarType dtype = at::kFloat) {
   TORCH_CHECK(t.device() == q.device() && t.scalar_type() == dtype && t.is_contiguous() && t.sizes() == shape,
               op, ": ", name, " must be a contiguous ", dtype == at::kFloat ? "float32" : "bfloat16",
-              " tensor on q's device of shape ", shape);
+              " tensor on q's device of shape ", shape_str(c10::fromIntArrayRefSlow(shape)));
 }
 
 // The backward's kernels run here unpadded: K = V = 128 only.
 void check_kernels_head_size(const char* op, const Problem& p) {
-  TORCH_CHECK(concrete(p.K) == kHeadDim && concrete(p.V) == kHeadDim, op, ": takes K = V = ", kHeadDim, ", got K = ",
-              concrete(p.K), ", V = ", concrete(p.V));
+  TORCH_CHECK(concrete(p.K) == kHeadDim && concrete(p.V) == kHeadDim, op, ": takes K = V = ",
+              std::to_string(kHeadDim), ", got K = ", std::to_string(concrete(p.K)), ", V = ",
+              std::to_string(concrete(p.V)));
 }
 
 // K1's backward alone.
