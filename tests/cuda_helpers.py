@@ -160,7 +160,7 @@ def launched_kernels(fn):
 # (recurrence_kernel<D, kSplit, kOut, kX3, kLate>) and the dS recurrence's kWarps,
 # kSplit (ds_recurrence_kernel<D, kWarps, kSplit, ...>), D the head size.
 K2_SHAPE = {"4x1w": (1, 4), "2x2": (2, 2), "4x4": (4, 4), "8x4": (4, 8), "16x4": (4, 16)}  # (kSplit, kWarps)
-DS_SHAPE = {"4x1": (4, 1), "4x2": (4, 2), "2x2": (2, 2)}
+DS_SHAPE = {"4x1": (4, 1), "4x2": (4, 2), "2x2": (2, 2), "8x2": (8, 2)}
 
 
 def k2_launches(names):

@@ -66,7 +66,7 @@ def test_wgmma_shape_keeps_the_fp32_state_over_long_sequences(name):
 
 @pytest.mark.parametrize("kw, message", [
     (dict(recurrence_block="8x1"), "recurrence_block must be one of auto, 4x1w, 2x2, 4x4, 8x4, 16x4, got '8x1'"),
-    (dict(ds_block="1x1"), "ds_block must be one of auto, 4x1, 4x2, 2x2, got '1x1'"),
+    (dict(ds_block="1x1"), "ds_block must be one of auto, 4x1, 4x2, 2x2, 8x2, got '1x1'"),
     (dict(window_slots=-2),
      "window_slots must be -1 (automatic), 0 (one pass) or a positive number of chunk slots, got -2"),
 ])

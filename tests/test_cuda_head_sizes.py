@@ -18,8 +18,8 @@ import torch
 
 import torch_kda
 from conftest import capture_graph, nan_like, positional, rel, run_reference
-from cuda_helpers import (CUDA_MARKS, DEV, K2_SHAPE, cuda_and_reference_grads, check_grads, cuda_inputs, hard_case,
-                          k2_launches, launched_kernels, run_cuda)
+from cuda_helpers import (CUDA_MARKS, DEV, DS_SHAPE, K2_SHAPE, cuda_and_reference_grads, check_grads, cuda_inputs,
+                          ds_launches, hard_case, k2_launches, launched_kernels, run_cuda)
 from torch_kda.testing import forced
 
 pytestmark = CUDA_MARKS
@@ -117,6 +117,15 @@ def test_forced_block_without_kernels_at_the_head_size_raises(D, block):
         run_cuda(g)
 
 
+@pytest.mark.parametrize("D", [64, 128])
+def test_forced_ds_block_8x2_below_256_raises(D):
+    _, g = cuda_inputs(K=D, V=D, B=1, T=20, H=2)
+    grad_out = torch.randn(g["v"].shape, device=DEV).to(BF16)
+    with forced(ds_block="8x2"), pytest.raises(
+            RuntimeError, match=rf"ds_block '8x2' has no kernels at head size {D}, which runs '4x1', '4x2' or '2x2'"):
+        torch.ops.kda.bwd(grad_out, None, *positional(g), lower_bound=-5.0)
+
+
 @GATES
 @pytest.mark.parametrize("segments", [2, 4])
 @pytest.mark.parametrize("D", [64, 256])
@@ -198,7 +207,7 @@ def test_backward_without_final_gradient():
 @GATES
 @pytest.mark.parametrize("case", ["weak_decay", "strong_decay", "small_beta"])
 @pytest.mark.parametrize("D,ds_block", [(64, "auto"), (64, "4x1"), (64, "4x2"), (64, "2x2"), (128, "auto"),
-                                        (128, "4x1"), (256, "auto"), (256, "4x2"), (256, "2x2")],
+                                        (128, "4x1"), (256, "auto"), (256, "4x2"), (256, "2x2"), (256, "8x2")],
                          ids=lambda x: str(x))
 def test_backward_at_64_and_256_hard_cases_and_block_shapes(case, D, ds_block, lower_bound):
     """The 64- and 256-wide backwards against float64 with weak and strong decay
@@ -215,6 +224,8 @@ def test_backward_at_64_and_256_hard_cases_and_block_shapes(case, D, ds_block, l
         got, names = launched_kernels(lambda: cuda_grads(g, grad_out, grad_final, lower_bound))
     for kernel in ("ds_recurrence_kernel", "record_grads_kernel", "prepare_backward_kernel"):
         assert set(kernel_head_sizes(names, kernel)) == {D}, kernel
+    if ds_block != "auto":
+        assert set(ds_launches(names)) == {DS_SHAPE[ds_block]}
     # Under weak decay every chunk-start state's bf16 rounding stays in the decay
     # gradient (docs/performance-notes.md, "Kept states"): on these inputs dg
     # measured up to 7.9e-3 at every head size, 128 included (H100).
@@ -404,7 +415,7 @@ def test_what_wider_heads_raise():
     _, g = cuda_inputs(state_dtype=F32, K=256, V=128, B=1, T=4, H=1)
     grad_out = torch.randn(g["v"].shape, device=DEV).to(BF16)
     with forced(ds_block="4x1"), pytest.raises(
-            RuntimeError, match=r"ds_block '4x1' is at most 128 wide; head size 256 runs '4x2' or '2x2'"):
+            RuntimeError, match=r"ds_block '4x1' has no kernels at head size 256, which runs '4x2', '2x2' or '8x2'"):
         torch.ops.kda.bwd(grad_out, None, *positional(g), lower_bound=-5.0)
     pool = torch.zeros(2, 1, 128, 256, device=DEV)
     with pytest.raises(RuntimeError, match=r"on CUDA, speculative decoding \(num_accepted_tokens\) from the state pool "

@@ -14,7 +14,7 @@ MACROS = re.compile(r"\b(TORCH_CHECK|TORCH_CHECK_VALUE|TORCH_CHECK_INDEX|TORCH_C
 FORMATTERS = re.compile(r"(std::to_string|int_str|float_str|sym_str|shape_str|std::string|message|\w+_name)\(")
 # Parameters and locals that the messages take as text (const char*, std::string
 # or c10::string_view), checked by reading each use below.
-TEXT_NAMES = {"op", "name", "layout", "what", "why", "arg", "names"}
+TEXT_NAMES = {"op", "name", "layout", "what", "why", "arg", "names", "forced_name"}
 STRING_LITERALS = re.compile(r'\s*("(?:[^"\\]|\\.)*"\s*)+')
 
 

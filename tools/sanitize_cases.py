@@ -9,8 +9,8 @@ waves of blocks), kda::fwd_ with decode shapes (with and without an initial
 state), grouped value heads, a precomputed fp32 gate's one token and speculative calls,
 and pools of head sizes below 128 and above (the chunked path's copies at 200 x 256).
 segments: a forward over forced segments (K1, three K2 passes, the scan).
-head_sizes: the 64- and 256-wide forwards (K1, K2's 2x2 and 4x4, at 256 its 8x4 and 16x4, the segments'
-passes and scan): both gates, fp32 and bf16 states, K = V = 64, K = 48, V = 64 and
+head_sizes: the 64- and 256-wide forwards (K1, K2's 2x2 and 4x4 at 64, its 8x4 and
+16x4 at 256, the segments' passes and scan): both gates, fp32 and bf16 states, K = V = 64, K = 48, V = 64 and
 K = 256, V = 200 on a varlen batch; steps at 256 x 200 and 48 x 64 whose
 backward runs the 256- and 64-wide kernels on the padded problem, with each of
 the dS recurrence's block shapes there and with a precomputed gate.
@@ -161,7 +161,7 @@ def head_sizes():
         assert torch.isfinite(out).all() and torch.isfinite(final).all()
         if (K, V) == (64, 64):
             continue
-        for ds_block in ("4x1", "4x2", "2x2") if K <= 128 else ("4x2", "2x2"):
+        for ds_block in ("4x1", "4x2", "2x2") if K <= 128 else ("4x2", "2x2", "8x2"):
             leaves = [t.detach().clone().requires_grad_() for t in (q, k, v, g, beta)]
             with forced(ds_block=ds_block):
                 out, final = torch_kda.kda(*leaves, A_log, dt_bias, lower_bound=None, initial_state=h0.float(),

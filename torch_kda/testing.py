@@ -47,9 +47,10 @@ def _check_count(name, value, least):
 def forced(recurrence_block="auto", ds_block="auto", window_slots=None, segments=None):
     """Within the block, every op runs with these choices; after it, the ones before it.
 
-    recurrence_block: K2's block shape, "4x1w" (head size 128), "2x2", "4x4", "8x4" or
-    "16x4" (head size 256) (CUDA).
-    ds_block: the dS recurrence's, "4x1", "4x2" or "2x2" (CUDA).
+    recurrence_block: K2's block shape (CUDA): "2x2" or "4x4" at head sizes 64 and 128,
+    "4x1w" at 128, "8x4" or "16x4" at 256.
+    ds_block: the dS recurrence's (CUDA): "4x2" or "2x2" at every head size, "4x1" at 64
+    and 128, "8x2" at 256.
     window_slots: 0 runs one pass; n > 0 windows of n chunk slots (CUDA; the same bits).
     segments: P >= 1 cuts every sequence of a forward into P segments (both devices;
     1 runs none).

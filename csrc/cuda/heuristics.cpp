@@ -138,8 +138,11 @@ RecurrenceBlock automatic_recurrence_block(const FwdParams& p) {
   return warps_per_sm > 1 || p.bf16_products ? RecurrenceBlock::k2x2 : RecurrenceBlock::k4x4;
 }
 
+template <typename Shape>
+using NamedShapes = std::vector<std::pair<const char*, Shape>>;
+
 // The block shapes with kernels at head size D (forward/recurrence.cu), by name.
-std::vector<std::pair<const char*, RecurrenceBlock>> recurrence_blocks_at(int64_t D) {
+NamedShapes<RecurrenceBlock> recurrence_blocks_at(int64_t D) {
   if (D == kMaxHeadSize) {
     return {{"8x4", RecurrenceBlock::k8x4}, {"16x4", RecurrenceBlock::k16x4}};
   }
@@ -149,15 +152,38 @@ std::vector<std::pair<const char*, RecurrenceBlock>> recurrence_blocks_at(int64_
   return {{"2x2", RecurrenceBlock::k2x2}, {"4x4", RecurrenceBlock::k4x4}};
 }
 
-const char* recurrence_block_name(RecurrenceBlock block) {
-  for (const int64_t D : {kHeadDim, kMaxHeadSize}) {
-    for (const auto& [name, b] : recurrence_blocks_at(D)) {
-      if (b == block) {
-        return name;
-      }
+// The dS recurrence's (backward/ds_recurrence.cu).
+NamedShapes<DsBlock> ds_blocks_at(int64_t D) {
+  if (D == kMaxHeadSize) {
+    return {{"4x2", DsBlock::k4x2}, {"2x2", DsBlock::k2x2}, {"8x2", DsBlock::k8x2}};
+  }
+  return {{"4x1", DsBlock::k4x1}, {"4x2", DsBlock::k4x2}, {"2x2", DsBlock::k2x2}};
+}
+
+// A forced shape, which must have kernels at the call's head size, else the
+// automatic one.
+template <typename Shape>
+Shape forced_or(const char* arg, const std::optional<Shape>& forced_shape, int64_t head_size,
+                NamedShapes<Shape> (*served_at)(int64_t), Shape automatic) {
+  if (!forced_shape.has_value()) {
+    return automatic;
+  }
+  const NamedShapes<Shape> served = served_at(head_size);
+  std::string names;
+  for (size_t i = 0; i < served.size(); ++i) {
+    if (served[i].second == *forced_shape) {
+      return *forced_shape;
+    }
+    names += std::string(i == 0 ? "'" : i + 1 == served.size() ? " or '" : ", '") + served[i].first + "'";
+  }
+  const char* forced_name = "?";
+  for (const int64_t D : {kForwardNarrowHead, kHeadDim, kMaxHeadSize}) {
+    for (const auto& [name, shape] : served_at(D)) {
+      forced_name = shape == *forced_shape ? name : forced_name;
     }
   }
-  return "?";
+  TORCH_CHECK(false, "torch_kda.testing.forced: ", arg, " '", forced_name, "' has no kernels at head size ",
+              std::to_string(head_size), ", which runs ", names);
 }
 
 // The 4x1w forward issues a step's copies after its first products where its
@@ -169,26 +195,18 @@ bool late_refill_pays(const FwdParams& p) {
 }
 
 RecurrenceShape recurrence_shape(const FwdParams& p, const Forced& f) {
-  if (f.recurrence_block.has_value()) {
-    const auto served = recurrence_blocks_at(p.head_size);
-    std::string names;
-    for (size_t i = 0; i < served.size(); ++i) {
-      if (served[i].second == *f.recurrence_block) {
-        return {*f.recurrence_block, late_refill_pays(p)};
-      }
-      names += std::string(i == 0 ? "'" : i + 1 == served.size() ? " or '" : ", '") + served[i].first + "'";
-    }
-    TORCH_CHECK(false, "torch_kda.testing.forced: recurrence_block '", recurrence_block_name(*f.recurrence_block),
-                "' has no kernels at head size ", std::to_string(p.head_size), ", which runs ", names);
-  }
-  return {automatic_recurrence_block(p), late_refill_pays(p)};
+  return {forced_or("recurrence_block", f.recurrence_block, p.head_size, recurrence_blocks_at,
+                    automatic_recurrence_block(p)),
+          late_refill_pays(p)};
 }
 
 // The dS recurrence, by the same count: four full-width warps a block where
 // each SM runs more than two row groups; else the key columns over two warps,
 // in four-warp blocks (two row groups) where it runs two, two-warp blocks
 // where it runs one. At 256 the full-width warps would spill: the split
-// shapes by the same count (not measured).
+// shapes by the same count (not measured). The 8x2 (four split row groups
+// sharing a block's stages, 256 only) runs only when forced: no count chooses
+// a shape before it is timed.
 DsBlock automatic_ds_block(const FwdParams& p) {
   const int64_t warps_per_sm = recurrence_warps_per_sm(p);
   if (warps_per_sm > 2 && p.head_size <= kHeadDim) {
@@ -258,10 +276,7 @@ BackwardPlan backward_plan(const FwdParams& p, int64_t device_memory, bool saved
   const Forced f = forced();
   BackwardPlan plan;
   plan.recurrence = recurrence_shape(p, f);
-  TORCH_CHECK(f.ds_block != DsBlock::k4x1 || p.head_size <= kHeadDim, "torch_kda.testing.forced: ds_block '4x1' "
-              "is at most ", std::to_string(kHeadDim), " wide; head size ", std::to_string(p.head_size),
-              " runs '4x2' or '2x2'");
-  plan.ds_block = f.ds_block.value_or(automatic_ds_block(p));
+  plan.ds_block = forced_or("ds_block", f.ds_block, p.head_size, ds_blocks_at, automatic_ds_block(p));
   plan.window = f.window_slots.has_value() ? forced_window(*f.window_slots, p.num_slots)
                                            : backward_window(p, device_memory, saved_states, saved_records);
   return plan;

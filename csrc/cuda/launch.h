@@ -81,8 +81,10 @@ void launch_recurrence(const FwdParams& params, cudaStream_t stream, const Recur
 // those of q^, k^, v, lambda, sigmoid(beta) (the private test op).
 void launch_prepare_backward(const PrepareBwdParams& params, cudaStream_t stream);
 
-// The dS recurrence's block shapes (backward/ds_recurrence.cu), WxS as K2's.
-enum class DsBlock { k4x1, k4x2, k2x2 };
+// The dS recurrence's block shapes (backward/ds_recurrence.cu), WxS as K2's:
+// 4x1 up to head size 128; 8x2 (four split row groups sharing a block's stages)
+// at 256 only.
+enum class DsBlock { k4x1, k4x2, k2x2, k8x2 };
 
 // The backward sweep, two kernels, one after the other: the dS recurrence
 // (backward/ds_recurrence.cu: row groups of each (sequence, head) spread over

@@ -100,12 +100,16 @@ __device__ __forceinline__ void named_barrier() {
 
 template <int kSplit, int kRowGroups>
 __device__ __forceinline__ void row_group_barrier(int rg) {
-  static_assert(kRowGroups <= 2, "two row groups at most");
+  static_assert(kRowGroups <= 4, "four row groups at most");
   constexpr int kThreads = 32 * kSplit;
   if (kRowGroups == 1 || rg == 0) {
     named_barrier<1, kThreads>();
-  } else {
+  } else if (kRowGroups == 2 || rg == 1) {
     named_barrier<2, kThreads>();
+  } else if (rg == 2) {
+    named_barrier<3, kThreads>();
+  } else {
+    named_barrier<4, kThreads>();
   }
 }
 
@@ -440,6 +444,16 @@ void launch_ds_for(const SweepBwdParams& bp, cudaStream_t stream, DsBlock block)
       break;
     case DsBlock::k2x2:
       launch_ds<D, 2, 2, kDoutFp32>(bp, stream);
+      break;
+    case DsBlock::k8x2:
+      // At 256 a stage is ~52 KB, so a 4x2 or 2x2 runs alone on its SM; four
+      // row groups share one block's (eight warps of up to 255 registers fill
+      // the register file).
+      if constexpr (D == kMaxHeadSize) {
+        launch_ds<D, 8, 2, kDoutFp32>(bp, stream);
+      } else {
+        TORCH_INTERNAL_ASSERT(false, "the dS recurrence: no 8x2 at head size ", std::to_string(D));
+      }
       break;
     default:
       TORCH_INTERNAL_ASSERT(false, "the dS recurrence: no such block shape");

@@ -29,7 +29,7 @@ constexpr std::pair<const char*, RecurrenceBlock> kBlocks[] = {
     {"4x1w", RecurrenceBlock::k4x1w}, {"2x2", RecurrenceBlock::k2x2}, {"4x4", RecurrenceBlock::k4x4},
     {"8x4", RecurrenceBlock::k8x4}, {"16x4", RecurrenceBlock::k16x4}};
 constexpr std::pair<const char*, DsBlock> kDsBlocks[] = {
-    {"4x1", DsBlock::k4x1}, {"4x2", DsBlock::k4x2}, {"2x2", DsBlock::k2x2}};
+    {"4x1", DsBlock::k4x1}, {"4x2", DsBlock::k4x2}, {"2x2", DsBlock::k2x2}, {"8x2", DsBlock::k8x2}};
 
 // `name` among the shapes, or none for "auto"; any other raises, naming the choices.
 template <typename Shape, size_t N>
