@@ -156,20 +156,20 @@ def launched_kernels(fn):
     return result, [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
 
 
-# The kernels' template arguments that name a block shape: K2's kSplit
-# (recurrence_kernel<D, kSplit, kOut, kX3, kLate>) and the dS recurrence's kWarps,
-# kSplit (ds_recurrence_kernel<D, kWarps, kSplit, ...>), D the head size.
-K2_SHAPE = {"4x1w": (1, 4), "2x2": (2, 2), "4x4": (4, 4), "8x4": (4, 8), "16x4": (4, 16)}  # (kSplit, kWarps)
+# The kernels' template arguments that name a block shape WxS, as (kWarps, kSplit):
+# K2's (recurrence_kernel<D, kSplit, kWarps, kOut, kX3, kLate>) and the dS
+# recurrence's (ds_recurrence_kernel<D, kWarps, kSplit, ...>), D the head size.
+K2_SHAPE = {"4x1w": (4, 1), "2x2": (2, 2), "4x4": (4, 4), "8x4": (8, 4), "16x4": (16, 4)}
 DS_SHAPE = {"4x1": (4, 1), "4x2": (4, 2), "2x2": (2, 2), "8x2": (8, 2)}
 
 
 def k2_launches(names):
-    """((kSplit, kWarps), kOut, kLate) of every K2 launch among the kernel names."""
+    """((kWarps, kSplit), kOut, kLate) of every K2 launch among the kernel names."""
     import re
 
     found = [re.search(r"recurrence_kernel<\d+, (\d+), (\d+), (true|false), (?:true|false), (true|false)>", n)
              for n in names if "ds_recurrence" not in n]
-    return [((int(m.group(1)), int(m.group(2))), m.group(3) == "true", m.group(4) == "true") for m in found if m]
+    return [((int(m.group(2)), int(m.group(1))), m.group(3) == "true", m.group(4) == "true") for m in found if m]
 
 
 def ds_launches(names):

@@ -18,8 +18,8 @@ import torch
 
 import torch_kda
 from conftest import capture_graph, nan_like, positional, rel, run_reference
-from cuda_helpers import (CUDA_MARKS, DEV, DS_SHAPE, K2_SHAPE, cuda_and_reference_grads, check_grads, cuda_inputs,
-                          ds_launches, hard_case, k2_launches, launched_kernels, run_cuda)
+from cuda_helpers import (CUDA_MARKS, DEV, DS_SHAPE, GRAD_NAMES, K2_SHAPE, cuda_and_reference_grads, check_grads,
+                          cuda_inputs, ds_launches, hard_case, k2_launches, launched_kernels, run_cuda)
 from torch_kda.testing import forced
 
 pytestmark = CUDA_MARKS
@@ -115,6 +115,21 @@ def test_forced_block_without_kernels_at_the_head_size_raises(D, block):
     with forced(recurrence_block=block), pytest.raises(
             RuntimeError, match=rf"recurrence_block '{block}' has no kernels at head size {D}, which runs {runs}"):
         run_cuda(g)
+
+
+@pytest.mark.parametrize("ds_block", ["4x2", "2x2", "8x2"])
+def test_backward_at_256_reads_grad_out_in_either_dtype(ds_block):
+    """At 256 each dS block shape reads grad_out as bf16 or fp32 (kernels of their
+    own: the fp32 ones stage fewer chunks); the same values give the same bits."""
+    _, g = cuda_inputs(state_dtype=F32, K=256, V=200, seqlens=[45, 0, 70], H=2)
+    grad_out = torch.randn(g["v"].shape, device=DEV).to(BF16)
+    kw = {"lower_bound": -5.0, "initial_state": g["initial_state"], "cu_seqlens": g["cu_seqlens"]}
+    with forced(ds_block=ds_block):
+        want, names = launched_kernels(lambda: torch.ops.kda.bwd(grad_out, None, *positional(g), **kw))
+        got = torch.ops.kda.bwd(grad_out.float(), None, *positional(g), **kw)
+    assert set(ds_launches(names)) == {DS_SHAPE[ds_block]}
+    for name, x, y in zip(GRAD_NAMES, got, want):
+        assert torch.equal(x, y), name
 
 
 @pytest.mark.parametrize("D", [64, 128])

@@ -168,6 +168,12 @@ def head_sizes():
                                            output_final_state=True, cu_seqlens=cu)
                 (out.float().square().sum() + final.square().sum()).backward()
             assert all(torch.isfinite(t.grad).all() for t in leaves)
+            if K == 256:  # the dS recurrence's fp32-dO kernels too
+                with forced(ds_block=ds_block):
+                    grads = torch.ops.kda.bwd(torch.randn(out.shape, device="cuda", generator=gen), None, q, k, v, g,
+                                              beta, A_log, dt_bias, lower_bound=None, initial_state=h0.float(),
+                                              cu_seqlens=cu)
+                assert all(torch.isfinite(t).all() for t in grads if t is not None)
         leaves = [t.detach().clone().requires_grad_() for t in (q, k, v, (-5.0 * torch.sigmoid(g.float())), beta)]
         out, final = torch_kda.kda(*leaves, None, None, lower_bound=-5.0, initial_state=h0.float(),
                                    output_final_state=True, cu_seqlens=cu)

@@ -122,8 +122,8 @@ int64_t forced_window(int64_t n, int64_t num_slots) {
 // The 4x1w is 128 wide. At 64 the 2x2 measured fastest at every shape and state
 // dtype timed (H200: the 4x4 2-26 % longer). At 256 a stage is 44 KB, so a
 // 4x4 or 2x2 runs alone on its SM; row groups sharing a block's stages measured
-// fastest everywhere timed (H100): four (16x4) for an fp32 state, 22-36 %
-// under the 4x4, two (8x4) with bf16 products, 13-22 % under it.
+// fastest everywhere timed (H100): four (16x4) for an fp32 state, 31-36 %
+// under the 4x4, two (8x4) with bf16 products, 14-22 % under it.
 RecurrenceBlock automatic_recurrence_block(const FwdParams& p) {
   if (p.head_size == kMaxHeadSize) {
     return p.bf16_products ? RecurrenceBlock::k8x4 : RecurrenceBlock::k16x4;

@@ -5,12 +5,14 @@
 // of one (sequence, head) state, each warp D / kSplit of its key columns, as
 // fp32 accumulators for the whole sequence. A block's warps belong to one
 // (sequence, head) and share the chunk's operands, which the block stages in
-// shared memory ahead of use with cp.async. Three block shapes
-// (launch.h, chosen in heuristics.cpp):
+// shared memory ahead of use with cp.async. The block shapes (launch.h,
+// chosen in heuristics.cpp):
 //   4x1w  four full-width warps (kSplit 1), one warpgroup: its state products
-//         run on wgmma, the warpgroup's 64 rows at once (wgmma_body);
+//         run on wgmma, the warpgroup's 64 rows at once (wgmma_body; D = 128);
 //   2x2   two warps splitting one row group's key columns (split_body);
-//   4x4   four warps splitting one row group's key columns (split_body).
+//   4x4   four warps splitting one row group's key columns (split_body);
+//   8x4, 16x4  two and four such row groups sharing the block's stages
+//         (split_body; D = 256, where one stage is 44 KB).
 // A split row group's partial sums over k meet in shared memory once a chunk,
 // which shortens the sequential chain where too few (sequence, head) pairs run
 // to fill the GPU.
@@ -638,8 +640,8 @@ __device__ __forceinline__ void wgmma_body(const FwdParams& p) {
 }
 
 // ---------------------------------------------------------------------------
-// The split shapes (2x2, 4x4): each warp takes D / kSplit key columns of one
-// row group, on mma.sync.
+// The split shapes (2x2, 4x4, 8x4, 16x4): each warp takes D / kSplit key
+// columns of one row group, on mma.sync.
 // kKs: with four split warps, the warp's key slice within its row group, a
 // constant in each warp's code (recurrence_kernel runs one copy of the body
 // per slice), so that what depends on the slice (which partial sum is the
