@@ -21,7 +21,7 @@ constexpr int kMaxHeadSize = 256;
 constexpr int kHeadDim = 128;
 // Heads of at most this many channels (K and V) run the 64-wide chunked
 // kernels, zero-padded to 64 (cuda/padded_heads.h).
-constexpr int kForwardNarrowHead = 64;
+constexpr int kNarrowHead = 64;
 constexpr int kChunk = 16;     // tokens per chunk
 
 // The head size of the CUDA chunked kernels, forward and backward, for K and V
@@ -30,7 +30,7 @@ constexpr int kChunk = 16;     // tokens per chunk
 // (checkpoints.h).
 constexpr int64_t chunked_head_size(int64_t K, int64_t V) {
   const int64_t size = K > V ? K : V;
-  return size <= kForwardNarrowHead ? kForwardNarrowHead : size <= kHeadDim ? kHeadDim : kMaxHeadSize;
+  return size <= kNarrowHead ? kNarrowHead : size <= kHeadDim ? kHeadDim : kMaxHeadSize;
 }
 
 // The bytes of one record, K1's output per (chunk slot, head), at head size D:

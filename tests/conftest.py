@@ -53,6 +53,12 @@ def _fresh_seed(request):
 INPUT_NAMES = ("q", "k", "v", "g", "beta", "A_log", "dt_bias")
 
 
+def record_floats(D):
+    """A record's fp32 elements at head size D (csrc/constants.h record_bytes): six
+    [16][D] bf16 planes, D fp32 decays, four [16][16] bf16 planes."""
+    return (6 * 16 * D * 2 + D * 4 + 4 * 16 * 16 * 2) // 4
+
+
 def make_inputs(
     B=2,
     T=9,

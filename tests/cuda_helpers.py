@@ -7,7 +7,7 @@ import torch
 
 import torch_kda
 from torch_kda.testing import forced
-from conftest import make_inputs, positional, rel, run_reference
+from conftest import make_inputs, positional, record_floats, rel, run_reference
 
 # Every CUDA test module's marks: skipped without a GPU or without the CUDA kernels.
 CUDA_MARKS = [
@@ -112,18 +112,27 @@ GRAD_NAMES = ("dq", "dk", "dv", "dg", "dbeta", "dA_log", "ddt_bias", "dinitial_s
 GRAD_TOL = dict(dq=5e-3, dk=5e-3, dv=5e-3, dg=5e-3, dbeta=5e-3, dA_log=1e-2, ddt_bias=1e-2, dinitial_state=1e-4)
 
 
+def to_cpu64(g):
+    """The tensors of g on the CPU, the floating ones in float64."""
+    return {n: (t.cpu().double() if t is not None and t.is_floating_point() else (t.cpu() if t is not None else None))
+            for n, t in g.items()}
+
+
+def float64_grads(g, grad_out, grad_final, lower_bound):
+    """kda.bwd on the CPU in float64 from the values of the CUDA inputs g."""
+    g64 = to_cpu64(g)
+    return torch.ops.kda.bwd(grad_out.cpu().double(), None if grad_final is None else grad_final.cpu().double(),
+                             *positional(g64), lower_bound=lower_bound, initial_state=g64["initial_state"],
+                             cu_seqlens=g64["cu_seqlens"])
+
+
 def cuda_and_reference_grads(d, g, with_final=True):
     """kda.bwd on the GPU (bf16 inputs) and on the CPU in float64 from the same values."""
     grad_out = torch.randn(*g["v"].shape, device=DEV).to(torch.bfloat16)
     gf = torch.randn(*g["initial_state"].shape, device=DEV) if with_final else None
-    kw = dict(lower_bound=-5.0, cu_seqlens=g["cu_seqlens"])
-    got = torch.ops.kda.bwd(grad_out, gf, *positional(g), initial_state=g["initial_state"], **kw)
-    d64 = {n: (t.cpu().double() if t is not None and t.is_floating_point() else (t.cpu() if t is not None else None))
-           for n, t in g.items()}
-    kw["cu_seqlens"] = d64["cu_seqlens"]
-    ref = torch.ops.kda.bwd(grad_out.cpu().double(), gf.cpu().double() if gf is not None else None,
-                            *positional(d64), initial_state=d64["initial_state"], **kw)
-    return got, ref
+    got = torch.ops.kda.bwd(grad_out, gf, *positional(g), lower_bound=-5.0, initial_state=g["initial_state"],
+                            cu_seqlens=g["cu_seqlens"])
+    return got, float64_grads(g, grad_out, gf, -5.0)
 
 
 def check_grads(label, got, ref, tol=None):
@@ -141,7 +150,7 @@ def check_grads(label, got, ref, tol=None):
 
 # Slots of a backward window of ~1 GiB of scratch (csrc/checkpoints.cpp; 27136
 # + 2 * 32768 + 34304 bytes per slot and head), where one pass would hold too much.
-RECORD_FLOATS = 6784  # 27,136 bytes a record (csrc/cuda/params.h)
+RECORD_FLOATS = record_floats(128)  # 27,136 bytes
 
 
 def window_floor(H):

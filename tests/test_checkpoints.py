@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import torch_kda  # noqa: F401  (registers torch.ops.kda.*)
-from conftest import make_inputs, positional
+from conftest import make_inputs, positional, record_floats
 
 META = torch.device("meta")
 
@@ -18,7 +18,7 @@ def _meta_inputs(**kw):
     return {n: (t.to(META) if t is not None else t) for n, t in d.items()}
 
 
-RECORD_FLOATS = 6784  # 27,136 bytes a record (csrc/cuda/params.h)
+RECORD_FLOATS = record_floats(128)
 
 
 def _saved(d, **kw):
@@ -63,8 +63,7 @@ def test_save_argument(save, kept):
 def test_kept_by_head_size(K, V, kept, D):
     d = {n: (t.to(META) if t is not None else t) for n, t in make_inputs(K=K, V=V, B=1, T=300, H=2).items()}
     ckpt, rec = _saved(d)
-    record_floats = (6 * 16 * D * 2 + D * 4 + 4 * 16 * 16 * 2) // 4  # six [16][D] bf16 planes, D fp32, four [16][16] bf16
-    assert ckpt.shape == (kept, 2, D, D) and rec.shape == (kept, 2, record_floats)
+    assert ckpt.shape == (kept, 2, D, D) and rec.shape == (kept, 2, record_floats(D))
 
 
 def test_save_is_not_read_from_the_environment(monkeypatch):

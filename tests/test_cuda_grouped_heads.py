@@ -9,7 +9,7 @@ import torch
 
 import torch_kda
 from conftest import positional, rel, run_reference
-from cuda_helpers import CUDA_MARKS, DEV, GRAD_NAMES, GRAD_TOL, cuda_inputs
+from cuda_helpers import CUDA_MARKS, DEV, GRAD_NAMES, GRAD_TOL, cuda_inputs, to_cpu64
 
 pytestmark = CUDA_MARKS
 
@@ -22,11 +22,6 @@ SHAPES = pytest.mark.parametrize("shape", [dict(B=2, T=50, H=2, HV=4), dict(seql
 def run(g, lower_bound):
     return torch_kda.kda(*positional(g), lower_bound=lower_bound, initial_state=g["initial_state"],
                          output_final_state=True, cu_seqlens=g["cu_seqlens"])
-
-
-def to_cpu64(g):
-    return {n: (t.cpu().double() if t is not None and t.is_floating_point() else (t.cpu() if t is not None else None))
-            for n, t in g.items()}
 
 
 @GATES

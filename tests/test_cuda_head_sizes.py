@@ -17,9 +17,10 @@ import pytest
 import torch
 
 import torch_kda
-from conftest import capture_graph, nan_like, positional, rel, run_reference
+from conftest import capture_graph, nan_like, positional, record_floats, rel, run_reference
 from cuda_helpers import (CUDA_MARKS, DEV, DS_SHAPE, GRAD_NAMES, K2_SHAPE, cuda_and_reference_grads, check_grads,
-                          cuda_inputs, ds_launches, hard_case, k2_launches, launched_kernels, run_cuda)
+                          cuda_inputs, ds_launches, float64_grads, hard_case, k2_launches, launched_kernels, run_cuda,
+                          to_cpu64)
 from torch_kda.testing import forced
 
 pytestmark = CUDA_MARKS
@@ -158,7 +159,7 @@ def test_segments_at_64_and_256(segments, lower_bound, D):
 @GATES
 @pytest.mark.parametrize("K,V", [(256, 256), (129, 64)], ids=lambda x: str(x))
 def test_forward_at_256_gives_the_same_bits_with_a_gradient(K, V, lower_bound):
-    """torch_kda.kda with and without a gradient (the latter keeping the
+    """torch_kda.kda with and without a gradient (the former keeping the
     256-wide states and records): the same bits."""
     _, g = cuda_inputs(state_dtype=F32, K=K, V=V, seqlens=[50, 0, 17], H=2)
     out0, final0 = run_cuda(g, lower_bound=lower_bound)
@@ -177,15 +178,6 @@ def test_hard_cases(case):
     out, final = run_cuda(g)
     ref_out, ref_final = run_reference(g, lower_bound=-5.0)
     assert rel(out, ref_out) <= 5e-3 and rel(final, ref_final) <= 1e-4
-
-
-def float64_grads(g, grad_out, grad_final, lower_bound):
-    """kda.bwd on the CPU in float64 from the values of the CUDA inputs g."""
-    g64 = {n: (t.cpu().double() if t is not None and t.is_floating_point() else (t.cpu() if t is not None else None))
-           for n, t in g.items()}
-    return torch.ops.kda.bwd(grad_out.cpu().double(), None if grad_final is None else grad_final.cpu().double(),
-                             *positional(g64), lower_bound=lower_bound, initial_state=g64["initial_state"],
-                             cu_seqlens=g64["cu_seqlens"])
 
 
 def cuda_grads(g, grad_out, grad_final, lower_bound, **kw):
@@ -246,12 +238,6 @@ def test_backward_at_64_and_256_hard_cases_and_block_shapes(case, D, ds_block, l
     # measured up to 7.9e-3 at every head size, 128 included (H100).
     tol = {"dg": 1e-2} if case == "weak_decay" else None
     check_grads(f"{case} D={D} {ds_block}", got, float64_grads(g, grad_out, grad_final, lower_bound), tol)
-
-
-def record_floats(D):
-    """A record's fp32 elements at head size D: six [16][D] bf16 planes, D fp32
-    decays, four [16][16] bf16 planes (csrc/constants.h record_bytes)."""
-    return (6 * 16 * D * 2 + D * 4 + 4 * 16 * 16 * 2) // 4
 
 
 @pytest.mark.parametrize("state_dtype", [F32, BF16], ids=["fp32_state", "bf16_state"])
@@ -448,8 +434,7 @@ def pool_against_the_cpu(d, pool, indices, named, accepted=None, lower_bound=-5.
     pool's slots that no index names stay bitwise as they were (NaN in the poisoned
     ones that no request reads)."""
     cpu_pool = pool.cpu().double()
-    d64 = {n: (t.cpu().double() if t is not None and t.is_floating_point() else (t.cpu() if t is not None else None))
-           for n, t in d.items()}
+    d64 = to_cpu64(d)
     kw = dict(lower_bound=lower_bound, cu_seqlens=d["cu_seqlens"])
     before = pool.clone()
     out = torch_kda.kda_pool(*positional(d), pool, indices, num_accepted_tokens=accepted, **kw)

@@ -13,7 +13,7 @@ import torch
 
 import torch_kda
 from conftest import capture_graph, nan_filled_empty, positional, rel, run_reference
-from cuda_helpers import CUDA_MARKS, DEV, cuda_inputs, launched_kernels
+from cuda_helpers import CUDA_MARKS, DEV, cuda_inputs, float64_grads, launched_kernels, to_cpu64
 from torch_kda.testing import forced
 
 pytestmark = CUDA_MARKS
@@ -66,11 +66,7 @@ def test_forward_matches_the_reference(shape, g_dtype, lower_bound, state_dtype)
 
 
 def reference_grads(g, grad_out, grad_final, lower_bound):
-    g64 = {n: (t.cpu().double() if t is not None and t.is_floating_point() else (t.cpu() if t is not None else None))
-           for n, t in g.items()}
-    got = torch.ops.kda.bwd(grad_out.cpu().double(), grad_final.cpu().double(), *positional(g64),
-                            lower_bound=lower_bound, initial_state=g64["initial_state"], cu_seqlens=g64["cu_seqlens"])
-    return dict(zip(BWD_NAMES, got))
+    return dict(zip(BWD_NAMES, float64_grads(g, grad_out, grad_final, lower_bound)))
 
 
 GRAD_TOL = dict(dq=5e-3, dk=5e-3, dv=5e-3, dg=5e-3, dbeta=5e-3, dinitial_state=1e-4)
@@ -133,7 +129,7 @@ def test_pool_decode_matches_the_cpu_kernel(g_dtype, pool_dtype, lower_bound):
         idx = idx[:N] if accepted is None else idx.view(N, tokens)
         cpu_pool = pool.cpu().double()
         out = torch_kda.kda_pool(*positional(g), pool, idx, lower_bound=lower_bound, num_accepted_tokens=accepted)
-        g64 = {n: (t.cpu().double() if t is not None and t.is_floating_point() else t) for n, t in g.items()}
+        g64 = to_cpu64(g)
         want = torch_kda.kda_pool(*positional(g64), cpu_pool, idx.cpu(), lower_bound=lower_bound,
                                   num_accepted_tokens=accepted.cpu() if accepted is not None else None)
         tol = 1e-2 if pool_dtype == BF16 else 5e-3
@@ -147,9 +143,9 @@ def test_pool_decode_matches_the_cpu_kernel(g_dtype, pool_dtype, lower_bound):
     out, names = launched_kernels(
         lambda: torch_kda.kda_pool(*positional(g), pool, idx, lower_bound=lower_bound, cu_seqlens=g["cu_seqlens"]))
     assert any("pool_decode_kernel" in n for n in names) and not any("prepare_kernel" in n for n in names)
-    g64 = {n: (t.cpu().double() if t is not None and t.is_floating_point() else t) for n, t in g.items()}
+    g64 = to_cpu64(g)
     want = torch_kda.kda_pool(*positional(g64), cpu_pool, idx.cpu(), lower_bound=lower_bound,
-                              cu_seqlens=g64["cu_seqlens"].cpu())
+                              cu_seqlens=g64["cu_seqlens"])
     assert rel(out.cpu(), want) <= (1e-2 if pool_dtype == BF16 else 5e-3)
     assert rel(pool.cpu(), cpu_pool) <= (1e-2 if pool_dtype == BF16 else 1e-5)
 

@@ -17,7 +17,7 @@ import torch_kda._C  # noqa: F401  (registers torch.ops.kda_testing.*)
 from torch_kda._ops import cuda_built
 
 
-# A chunk's record gradients (csrc/cuda/params.h, kDRec*): fp32 [..., RECORD_GRAD_FLOATS],
+# A chunk's record gradients (csrc/cuda/params.h, RecordGradLayout<128>): fp32 [..., RECORD_GRAD_FLOATS],
 # the parts in this order, each of its shape (16-token chunks, 128 channels).
 RECORD_GRAD_SHAPES = {"Qs": (16, 128), "W": (16, 128), "Kd": (16, 128), "Aqk": (16, 16), "U0": (16, 128), "gl": (128,)}
 RECORD_GRAD_SLICES = {}  # each part's slice of the last dimension

@@ -138,49 +138,29 @@ RecurrenceBlock automatic_recurrence_block(const FwdParams& p) {
   return warps_per_sm > 1 || p.bf16_products ? RecurrenceBlock::k2x2 : RecurrenceBlock::k4x4;
 }
 
-template <typename Shape>
-using NamedShapes = std::vector<std::pair<const char*, Shape>>;
-
-// The block shapes with kernels at head size D (forward/recurrence.cu), by name.
-NamedShapes<RecurrenceBlock> recurrence_blocks_at(int64_t D) {
-  if (D == kMaxHeadSize) {
-    return {{"8x4", RecurrenceBlock::k8x4}, {"16x4", RecurrenceBlock::k16x4}};
-  }
-  if (D == kHeadDim) {
-    return {{"4x1w", RecurrenceBlock::k4x1w}, {"2x2", RecurrenceBlock::k2x2}, {"4x4", RecurrenceBlock::k4x4}};
-  }
-  return {{"2x2", RecurrenceBlock::k2x2}, {"4x4", RecurrenceBlock::k4x4}};
-}
-
-// The dS recurrence's (backward/ds_recurrence.cu).
-NamedShapes<DsBlock> ds_blocks_at(int64_t D) {
-  if (D == kMaxHeadSize) {
-    return {{"4x2", DsBlock::k4x2}, {"2x2", DsBlock::k2x2}, {"8x2", DsBlock::k8x2}};
-  }
-  return {{"4x1", DsBlock::k4x1}, {"4x2", DsBlock::k4x2}, {"2x2", DsBlock::k2x2}};
-}
-
-// A forced shape, which must have kernels at the call's head size, else the
-// automatic one.
-template <typename Shape>
+// A forced shape, which must have kernels at the call's head size
+// (launch.h's has_kernels), else the automatic one.
+template <typename Shape, size_t N>
 Shape forced_or(const char* arg, const std::optional<Shape>& forced_shape, int64_t head_size,
-                NamedShapes<Shape> (*served_at)(int64_t), Shape automatic) {
+                const std::pair<const char*, Shape> (&shapes)[N], Shape automatic) {
   if (!forced_shape.has_value()) {
     return automatic;
   }
-  const NamedShapes<Shape> served = served_at(head_size);
+  const int D = static_cast<int>(head_size);
+  if (has_kernels(*forced_shape, D)) {
+    return *forced_shape;
+  }
+  std::vector<const char*> served;
+  const char* forced_name = "?";
+  for (const auto& [name, shape] : shapes) {
+    if (has_kernels(shape, D)) {
+      served.push_back(name);
+    }
+    forced_name = shape == *forced_shape ? name : forced_name;
+  }
   std::string names;
   for (size_t i = 0; i < served.size(); ++i) {
-    if (served[i].second == *forced_shape) {
-      return *forced_shape;
-    }
-    names += std::string(i == 0 ? "'" : i + 1 == served.size() ? " or '" : ", '") + served[i].first + "'";
-  }
-  const char* forced_name = "?";
-  for (const int64_t D : {kForwardNarrowHead, kHeadDim, kMaxHeadSize}) {
-    for (const auto& [name, shape] : served_at(D)) {
-      forced_name = shape == *forced_shape ? name : forced_name;
-    }
+    names += std::string(i == 0 ? "'" : i + 1 == served.size() ? " or '" : ", '") + served[i] + "'";
   }
   TORCH_CHECK(false, "torch_kda.testing.forced: ", arg, " '", forced_name, "' has no kernels at head size ",
               std::to_string(head_size), ", which runs ", names);
@@ -195,7 +175,7 @@ bool late_refill_pays(const FwdParams& p) {
 }
 
 RecurrenceShape recurrence_shape(const FwdParams& p, const Forced& f) {
-  return {forced_or("recurrence_block", f.recurrence_block, p.head_size, recurrence_blocks_at,
+  return {forced_or("recurrence_block", f.recurrence_block, p.head_size, kRecurrenceBlocks,
                     automatic_recurrence_block(p)),
           late_refill_pays(p)};
 }
@@ -205,11 +185,10 @@ RecurrenceShape recurrence_shape(const FwdParams& p, const Forced& f) {
 // in four-warp blocks (two row groups) where it runs two, two-warp blocks
 // where it runs one. At 256 the full-width warps would spill: the split
 // shapes by the same count (not measured). The 8x2 (four split row groups
-// sharing a block's stages, 256 only) runs only when forced: no count chooses
-// a shape before it is timed.
+// sharing a block's stages, 256 only) is not timed, so no count gives it.
 DsBlock automatic_ds_block(const FwdParams& p) {
   const int64_t warps_per_sm = recurrence_warps_per_sm(p);
-  if (warps_per_sm > 2 && p.head_size <= kHeadDim) {
+  if (warps_per_sm > 2 && has_kernels(DsBlock::k4x1, p.head_size)) {
     return DsBlock::k4x1;
   }
   return warps_per_sm > 1 ? DsBlock::k4x2 : DsBlock::k2x2;
@@ -243,7 +222,7 @@ int64_t backward_window(const FwdParams& p, int64_t device_memory, bool saved_st
   // head for each window) with the number of windows: their sum is least at
   // sqrt(slots * checkpoint / per_slot), which calls for longer windows than
   // the floor only past ~10^6 tokens.
-  const double checkpoint = static_cast<double>(p.N) * p.H * D * D * 4;  // fp32 states
+  const double checkpoint = static_cast<double>(p.N) * p.H * fp32_state_bytes(D);
   const auto balanced = static_cast<int64_t>(std::ceil(std::sqrt(p.num_slots * checkpoint / per_slot)));
   const int64_t w = std::max(balanced, backward_window_floor(p.H, D));
   return w >= p.num_slots ? p.num_slots : w;
@@ -276,7 +255,7 @@ BackwardPlan backward_plan(const FwdParams& p, int64_t device_memory, bool saved
   const Forced f = forced();
   BackwardPlan plan;
   plan.recurrence = recurrence_shape(p, f);
-  plan.ds_block = forced_or("ds_block", f.ds_block, p.head_size, ds_blocks_at, automatic_ds_block(p));
+  plan.ds_block = forced_or("ds_block", f.ds_block, p.head_size, kDsBlocks, automatic_ds_block(p));
   plan.window = f.window_slots.has_value() ? forced_window(*f.window_slots, p.num_slots)
                                            : backward_window(p, device_memory, saved_states, saved_records);
   return plan;

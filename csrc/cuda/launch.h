@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <string>
 #include <type_traits>
+#include <utility>
 
 #include "cuda/params.h"
 
@@ -31,7 +32,7 @@ struct HeadSizes {
     TORCH_INTERNAL_ASSERT(served, "no CUDA kernels for head size ", std::to_string(head_size));
   }
 };
-using ChunkedHeadSizes = HeadSizes<kForwardNarrowHead, kHeadDim, kMaxHeadSize>;
+using ChunkedHeadSizes = HeadSizes<kNarrowHead, kHeadDim, kMaxHeadSize>;
 
 // Varlen only, before K1: seq[0..N] and chunks[0..N] (params.h) from
 // cu_seqlens (int32 or int64, N + 1 entries, on the device), and order[0..N)
@@ -62,6 +63,25 @@ void launch_prepare(const FwdParams& params, cudaStream_t stream);
 // 16x4: two and four 4x4 row groups sharing one block's stages (head size 256
 // only, where the 2x2 and 4x4 have no kernels).
 enum class RecurrenceBlock { k4x1w, k2x2, k4x4, k8x4, k16x4 };
+constexpr std::pair<const char*, RecurrenceBlock> kRecurrenceBlocks[] = {
+    {"4x1w", RecurrenceBlock::k4x1w}, {"2x2", RecurrenceBlock::k2x2}, {"4x4", RecurrenceBlock::k4x4},
+    {"8x4", RecurrenceBlock::k8x4}, {"16x4", RecurrenceBlock::k16x4}};
+
+// Whether K2 has kernels of this shape at head size D: the launcher's
+// instances and the forced shapes' check (heuristics.cpp) both follow it.
+constexpr bool has_kernels(RecurrenceBlock block, int D) {
+  switch (block) {
+    case RecurrenceBlock::k4x1w:
+      return D == kHeadDim;  // its update is one m64n128 product a term
+    case RecurrenceBlock::k2x2:
+    case RecurrenceBlock::k4x4:
+      return D < kMaxHeadSize;  // at 256 a stage (44 KB) would leave one such block an SM
+    case RecurrenceBlock::k8x4:
+    case RecurrenceBlock::k16x4:
+      return D == kMaxHeadSize;
+  }
+  return false;
+}
 
 // K2's shape for one launch (heuristics.h chooses it). late_refill: the 4x1w
 // forward issues a step's copies after its first products.
@@ -85,6 +105,21 @@ void launch_prepare_backward(const PrepareBwdParams& params, cudaStream_t stream
 // 4x1 up to head size 128; 8x2 (four split row groups sharing a block's stages)
 // at 256 only.
 enum class DsBlock { k4x1, k4x2, k2x2, k8x2 };
+constexpr std::pair<const char*, DsBlock> kDsBlocks[] = {
+    {"4x1", DsBlock::k4x1}, {"4x2", DsBlock::k4x2}, {"2x2", DsBlock::k2x2}, {"8x2", DsBlock::k8x2}};
+
+constexpr bool has_kernels(DsBlock block, int D) {
+  switch (block) {
+    case DsBlock::k4x1:
+      return D <= kHeadDim;  // full-width warps of 256 columns would carry 128 accumulators each
+    case DsBlock::k4x2:
+    case DsBlock::k2x2:
+      return true;
+    case DsBlock::k8x2:
+      return D == kMaxHeadSize;  // at 256 a stage is ~52 KB, one 4x2 or 2x2 an SM
+  }
+  return false;
+}
 
 // The backward sweep, two kernels, one after the other: the dS recurrence
 // (backward/ds_recurrence.cu: row groups of each (sequence, head) spread over

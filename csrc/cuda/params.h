@@ -196,6 +196,10 @@ constexpr int record_gradient_parts(int64_t D) {
 constexpr int64_t bwd_state_bytes(int64_t D) {
   return D * D * 2;
 }
+// One fp32 state: the backward's checkpoints and carries.
+constexpr int64_t fp32_state_bytes(int64_t D) {
+  return D * D * 4;
+}
 constexpr int64_t bwd_slot_scratch_bytes(int64_t D) {
   return record_bytes(static_cast<int>(D)) + 2 * bwd_state_bytes(D) + record_grad_floats(D) * 4;
 }

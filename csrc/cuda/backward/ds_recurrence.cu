@@ -432,32 +432,27 @@ template <int D, bool kDoutFp32>
 void launch_ds_for(const SweepBwdParams& bp, cudaStream_t stream, DsBlock block) {
   switch (block) {
     case DsBlock::k4x1:
-      // Full-width warps of 256 columns would carry 128 accumulators each (and spill).
-      if constexpr (D <= kHeadDim) {
-        launch_ds<D, 4, 1, kDoutFp32>(bp, stream);
-      } else {
-        TORCH_INTERNAL_ASSERT(false, "the dS recurrence: no 4x1 at head size ", std::to_string(D));
+      if constexpr (has_kernels(DsBlock::k4x1, D)) {
+        return launch_ds<D, 4, 1, kDoutFp32>(bp, stream);
       }
       break;
     case DsBlock::k4x2:
-      launch_ds<D, 4, 2, kDoutFp32>(bp, stream);
-      break;
-    case DsBlock::k2x2:
-      launch_ds<D, 2, 2, kDoutFp32>(bp, stream);
-      break;
-    case DsBlock::k8x2:
-      // At 256 a stage is ~52 KB, so a 4x2 or 2x2 runs alone on its SM; four
-      // row groups share one block's (eight warps of up to 255 registers fill
-      // the register file).
-      if constexpr (D == kMaxHeadSize) {
-        launch_ds<D, 8, 2, kDoutFp32>(bp, stream);
-      } else {
-        TORCH_INTERNAL_ASSERT(false, "the dS recurrence: no 8x2 at head size ", std::to_string(D));
+      if constexpr (has_kernels(DsBlock::k4x2, D)) {
+        return launch_ds<D, 4, 2, kDoutFp32>(bp, stream);
       }
       break;
-    default:
-      TORCH_INTERNAL_ASSERT(false, "the dS recurrence: no such block shape");
+    case DsBlock::k2x2:
+      if constexpr (has_kernels(DsBlock::k2x2, D)) {
+        return launch_ds<D, 2, 2, kDoutFp32>(bp, stream);
+      }
+      break;
+    case DsBlock::k8x2:  // four split row groups sharing a block's stages: eight warps of 255 registers
+      if constexpr (has_kernels(DsBlock::k8x2, D)) {
+        return launch_ds<D, 8, 2, kDoutFp32>(bp, stream);
+      }
+      break;
   }
+  TORCH_INTERNAL_ASSERT(false, "the dS recurrence: no kernels of the block shape at head size ", std::to_string(D));
 }
 
 }  // namespace

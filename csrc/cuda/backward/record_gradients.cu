@@ -413,8 +413,6 @@ void launch_record_gradients(const SweepBwdParams& bp, cudaStream_t stream) {
   if (bp.fwd.N == 0 || blocks == 0) {
     return;
   }
-  TORCH_CHECK(blocks <= INT32_MAX, "kda.bwd: ", std::to_string(bp.fwd.slot_end - bp.fwd.slot_begin), " chunks x ",
-              std::to_string(bp.fwd.H), " heads is more blocks than one launch takes");
   ChunkedHeadSizes::dispatch(bp.fwd.head_size, [&](auto head_size) {
     constexpr int D = decltype(head_size)::value;
     if (bp.grad_out_fp32) {

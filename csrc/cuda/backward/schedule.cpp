@@ -18,8 +18,6 @@ void run_backward(const BackwardCall& call, const at::Tensor& like, const Backwa
   TORCH_INTERNAL_ASSERT(ChunkedHeadSizes::contains(p.head_size), "the backward: no kernels for head size ",
                         std::to_string(p.head_size));
   const int64_t S = p.num_slots, H = p.H, N = p.N, D = p.head_size;
-  // One fp32 state (the checkpoints and the carries; the scratch states are bf16).
-  const int64_t fp32_state_bytes = D * D * 4;
   int64_t window = plan.window;
   if (window <= 0 || window > S) {
     window = S;
@@ -55,7 +53,7 @@ void run_backward(const BackwardCall& call, const at::Tensor& like, const Backwa
       p.slot_end = std::min(S, p.slot_begin + window);
       launch_prepare(p, stream);
       launch_recurrence(p, stream, plan.recurrence);
-      C10_CUDA_CHECK(cudaMemcpyAsync(checkpoints[w].data_ptr(), p.carry, N * H * fp32_state_bytes,
+      C10_CUDA_CHECK(cudaMemcpyAsync(checkpoints[w].data_ptr(), p.carry, N * H * fp32_state_bytes(D),
                                      cudaMemcpyDeviceToDevice, stream));
     }
   }

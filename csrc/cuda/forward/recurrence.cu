@@ -1029,43 +1029,35 @@ void launch_recurrence(const FwdParams& p, cudaStream_t stream, const Recurrence
   }
   ChunkedHeadSizes::dispatch(p.head_size, [&](auto head_size) {
     constexpr int D = decltype(head_size)::value;
+    using B = RecurrenceBlock;
     switch (shape.block) {
-      case RecurrenceBlock::k4x1w:
-        // Its update is one m64n128 product a term (wgmma_update_state).
-        if constexpr (D == 128) {
-          launch<D, 1>(p, stream, shape.late_refill);
-        } else {
-          TORCH_INTERNAL_ASSERT(false, "K2: no 4x1w at head size ", std::to_string(D));
+      case B::k4x1w:
+        if constexpr (has_kernels(B::k4x1w, D)) {
+          return launch<D, 1>(p, stream, shape.late_refill);
         }
         break;
-      case RecurrenceBlock::k2x2:
-      case RecurrenceBlock::k4x4:
-        // At 256 a stage (44 KB) would leave one such block an SM.
-        if constexpr (D < kMaxHeadSize) {
-          if (shape.block == RecurrenceBlock::k2x2) {
-            launch<D, 2>(p, stream, false);
-          } else {
-            launch<D, 4>(p, stream, false);
-          }
-        } else {
-          TORCH_INTERNAL_ASSERT(false, "K2: no 2x2 or 4x4 at head size ", std::to_string(D));
+      case B::k2x2:
+        if constexpr (has_kernels(B::k2x2, D)) {
+          return launch<D, 2>(p, stream, false);
         }
         break;
-      case RecurrenceBlock::k8x4:
-      case RecurrenceBlock::k16x4:
-        if constexpr (D == kMaxHeadSize) {
-          if (shape.block == RecurrenceBlock::k8x4) {
-            launch<D, 4, 8>(p, stream, false);
-          } else {
-            launch<D, 4, 16>(p, stream, false);
-          }
-        } else {
-          TORCH_INTERNAL_ASSERT(false, "K2: no 8x4 or 16x4 at head size ", std::to_string(D));
+      case B::k4x4:
+        if constexpr (has_kernels(B::k4x4, D)) {
+          return launch<D, 4>(p, stream, false);
         }
         break;
-      default:
-        TORCH_INTERNAL_ASSERT(false, "K2: no such block shape");
+      case B::k8x4:
+        if constexpr (has_kernels(B::k8x4, D)) {
+          return launch<D, 4, 8>(p, stream, false);
+        }
+        break;
+      case B::k16x4:
+        if constexpr (has_kernels(B::k16x4, D)) {
+          return launch<D, 4, 16>(p, stream, false);
+        }
+        break;
     }
+    TORCH_INTERNAL_ASSERT(false, "K2: no kernels of the block shape at head size ", std::to_string(D));
   });
 }
 

@@ -25,12 +25,6 @@ namespace {
 using at::Tensor;
 using std::optional;
 
-constexpr std::pair<const char*, RecurrenceBlock> kBlocks[] = {
-    {"4x1w", RecurrenceBlock::k4x1w}, {"2x2", RecurrenceBlock::k2x2}, {"4x4", RecurrenceBlock::k4x4},
-    {"8x4", RecurrenceBlock::k8x4}, {"16x4", RecurrenceBlock::k16x4}};
-constexpr std::pair<const char*, DsBlock> kDsBlocks[] = {
-    {"4x1", DsBlock::k4x1}, {"4x2", DsBlock::k4x2}, {"2x2", DsBlock::k2x2}, {"8x2", DsBlock::k8x2}};
-
 // `name` among the shapes, or none for "auto"; any other raises, naming the choices.
 template <typename Shape, size_t N>
 std::optional<Shape> shape_named(const char* arg, c10::string_view name,
@@ -60,7 +54,8 @@ std::string name_of(const std::optional<Shape>& shape, const std::pair<const cha
 
 // Validates every argument before it sets any; leaves the segments as they are.
 void force(c10::string_view recurrence_block, c10::string_view ds_block, int64_t window_slots) {
-  const std::optional<RecurrenceBlock> recurrence = shape_named("recurrence_block", recurrence_block, kBlocks);
+  const std::optional<RecurrenceBlock> recurrence =
+      shape_named("recurrence_block", recurrence_block, kRecurrenceBlocks);
   const std::optional<DsBlock> ds = shape_named("ds_block", ds_block, kDsBlocks);
   TORCH_CHECK(window_slots >= -1, "kda_testing.force: window_slots must be -1 (automatic), 0 (one pass) or a "
               "positive number of chunk slots, got ", std::to_string(window_slots));
@@ -75,7 +70,8 @@ void force(c10::string_view recurrence_block, c10::string_view ds_block, int64_t
 // The settings now, as force takes them.
 std::tuple<std::string, std::string, int64_t> forced_now() {
   const Forced f = forced();
-  return {name_of(f.recurrence_block, kBlocks), name_of(f.ds_block, kDsBlocks), f.window_slots.value_or(-1)};
+  return {name_of(f.recurrence_block, kRecurrenceBlocks), name_of(f.ds_block, kDsBlocks),
+          f.window_slots.value_or(-1)};
 }
 
 // heuristics.h's forward plan for N sequences of `tokens` tokens in all (N of
@@ -99,8 +95,8 @@ std::tuple<std::string, bool, int64_t, int64_t> forward_plan_for(int64_t N, int6
   p.bf16_products = bf16_products;
   p.state_fp32 = !bf16_products;
   const ForwardPlan plan = forward_plan(p, kept_records);
-  return {name_of(std::optional<RecurrenceBlock>(plan.recurrence.block), kBlocks), plan.recurrence.late_refill,
-          plan.window, plan.segments};
+  return {name_of(std::optional<RecurrenceBlock>(plan.recurrence.block), kRecurrenceBlocks),
+          plan.recurrence.late_refill, plan.window, plan.segments};
 }
 
 // An intermediate that a private test op takes in (what the backward's kernels
