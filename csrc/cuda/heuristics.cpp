@@ -183,13 +183,20 @@ RecurrenceShape recurrence_shape(const FwdParams& p, const Forced& f) {
 // The dS recurrence, by the same count: four full-width warps a block where
 // each SM runs more than two row groups; else the key columns over two warps,
 // in four-warp blocks (two row groups) where it runs two, two-warp blocks
-// where it runs one. At 256 the full-width warps would spill: the split
-// shapes by the same count (not measured). The 8x2 (four split row groups
-// sharing a block's stages, 256 only) is not timed, so no count gives it.
+// where it runs one. At 256 the full-width warps would spill, and a split
+// stage fills an SM alone: there the 8x2 (four split row groups sharing a
+// block's stages) takes the more-than-two case, where it measured 1.6-2.8 %
+// off the step against the 4x2 (docs/performance-notes.md); with one row group
+// an SM it runs a quarter of the blocks and lost 23-26 %.
 DsBlock automatic_ds_block(const FwdParams& p) {
   const int64_t warps_per_sm = recurrence_warps_per_sm(p);
-  if (warps_per_sm > 2 && has_kernels(DsBlock::k4x1, p.head_size)) {
-    return DsBlock::k4x1;
+  if (warps_per_sm > 2) {
+    if (has_kernels(DsBlock::k4x1, p.head_size)) {
+      return DsBlock::k4x1;
+    }
+    if (has_kernels(DsBlock::k8x2, p.head_size)) {
+      return DsBlock::k8x2;
+    }
   }
   return warps_per_sm > 1 ? DsBlock::k4x2 : DsBlock::k2x2;
 }
