@@ -77,6 +77,21 @@ def step_fla(c, grads):
     return fn, x
 
 
+def fresh_step(call, x, upstream):
+    """A training step of call(x) -> (out, final_state) against the upstream gradients,
+    x's gradients cleared first: in a model a step's gradients of q, k, v and g are
+    new tensors, where a leaf's would be added into its last step's by an elementwise
+    pass over every gradient (0.5 ms of a 9.7 ms step at 1 x 8192 x 32 heads of 256)."""
+    def step():
+        for t in x.values():
+            if t is not None:
+                t.grad = None
+        out, final = call(x)
+        torch.autograd.backward([out, final], upstream)
+
+    return step
+
+
 def step_floor_bytes(c):
     """The least one training step of the op must move: the forward reads q, k, v, g,
     beta and writes out; the backward reads them again with grad_out and writes dq,

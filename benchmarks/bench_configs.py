@@ -6,7 +6,8 @@
 
 Bounded gate (lower_bound = -5), bf16 inputs, an fp32 initial state and the final
 state returned; medians of CUDA events (ms), eager calls. Forward: torch_kda.kda
-without gradients; step: forward + backward of every input. fla's first backward at
+without gradients; step: forward + backward of every input, its gradients new tensors
+each step (bench_bwd.fresh_step), not added into the last step's. fla's first backward at
 each new shape autotunes for minutes, so its step runs only with --fla-backward.
 """
 import argparse
@@ -16,6 +17,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_bwd import fresh_step  # noqa: E402
 from bench_fwd import fla_gate_args, time_ms, usable  # noqa: E402
 
 import torch_kda  # noqa: E402
@@ -56,12 +58,7 @@ def forward_and_step(call, c):
             call(c)
 
     leaves = {n: t.detach().clone().requires_grad_() if n != "cu" and t is not None else t for n, t in c.items()}
-
-    def step():
-        out, final = call(leaves)
-        torch.autograd.backward([out, final], [torch.ones_like(out), torch.ones_like(final)])
-
-    return forward, step
+    return forward, fresh_step(call, leaves, [torch.ones_like(c["v"]), torch.ones_like(c["h0"])])
 
 
 def torch_kda_call(x):

@@ -8,7 +8,7 @@ Bounded gate (lower_bound = -5), bf16 inputs, an fp32 or a bf16 initial state an
 the final state returned; torch_kda.kda without gradients, eager, medians of CUDA
 events (ms). The floor: q, k, v, g and beta read and out written once (bf16), the
 initial state read and the final state written once, at the copy bandwidth
-measured at start. --step times forward + backward instead, with the dS
+measured at start. --step times forward + backward instead (each step's gradients new tensors), with the dS
 recurrence's block shape automatic and each one served at the size forced. fla's
 side of these shapes is benchmarks/bench_configs.py.
 """
@@ -19,6 +19,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_bwd import fresh_step  # noqa: E402
 from bench_fwd import copy_bandwidth, time_ms  # noqa: E402
 
 import torch_kda  # noqa: E402
@@ -81,10 +82,7 @@ def step_times(c, D, repeats):
     """Forward + backward of q, k, v, g, beta and the initial state, with the dS
     recurrence's block shape automatic, then each one served at D forced."""
     leaves = {n: c[n].detach().clone().requires_grad_() for n in ("q", "k", "v", "g", "beta", "h0")}
-
-    def step():
-        out, final = call(c, leaves)
-        torch.autograd.backward([out, final], [torch.ones_like(out), torch.ones_like(final)])
+    step = fresh_step(lambda x: call(c, x), leaves, [torch.ones_like(c["v"]), torch.ones_like(c["h0"])])
 
     times = []
     for block in DS_BLOCKS[D]:
