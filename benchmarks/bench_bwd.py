@@ -45,36 +45,36 @@ def leaves(c, flat_dt_bias):
 
 
 def step_torch_kda(c, grads, save_for_backward="states_and_records"):
+    """A fresh_step of torch_kda on leaf copies of the case's inputs, and the leaves."""
     x = leaves(c, flat_dt_bias=False)
     lower_bound = c.get("lower_bound", LOWER_BOUND)
 
-    def fn():
-        out, final = torch_kda.kda(
+    def call(x):
+        return torch_kda.kda(
             x["q"], x["k"], x["v"], x["g"], x["beta"], x["A_log"], x["dt_bias"],
             lower_bound=lower_bound, initial_state=x["h0"], output_final_state=True, cu_seqlens=c["cu"],
             save_for_backward=save_for_backward,
         )
-        torch.autograd.backward([out, final], grads)
 
-    return fn, x
+    return fresh_step(call, x, grads), x
 
 
 def step_fla(c, grads):
+    """The same of fla's chunk_kda."""
     from fla.ops.kda import chunk_kda
 
     # fla returns dt_bias's gradient flat ([H * K]), so its leaf is flat too.
     x = leaves(c, flat_dt_bias=True)
     gate_args = fla_gate_args(c.get("lower_bound", LOWER_BOUND))
 
-    def fn():
-        out, final = chunk_kda(
+    def call(x):
+        return chunk_kda(
             x["q"], x["k"], x["v"], x["g"], x["beta"], initial_state=x["h0"], output_final_state=True,
             use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True,
             state_v_first=True, A_log=x["A_log"], dt_bias=x["dt_bias"], cu_seqlens=c["cu"], **gate_args,
         )
-        torch.autograd.backward([out, final], grads)
 
-    return fn, x
+    return fresh_step(call, x, grads), x
 
 
 def fresh_step(call, x, upstream):
@@ -115,29 +115,19 @@ def peak_bytes(fn, x):
 
 
 def measure(make_step, c, grads, repeats):
-    fn, x = make_step(c, grads)
-
-    def timed():
-        for t in x.values():
-            t.grad = None
-        fn()
-
-    ms = time_ms(timed, repeats)
-    return ms, peak_bytes(fn, x)
+    step, x = make_step(c, grads)
+    return time_ms(step, repeats), peak_bytes(step, x)
 
 
-def print_stages(make_step, c, grads, repeats=3, top=8):
-    """torch_kda's device time per step by kernel (the largest first), from the profiler."""
+def print_stages(step, repeats=3, top=8):
+    """The device time of one step (a call) by kernel, the largest first, from the profiler."""
     from torch.profiler import ProfilerActivity, profile
 
-    fn, x = make_step(c, grads)
-    fn()
+    step()
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(repeats):
-            for t in x.values():
-                t.grad = None
-            fn()
+            step()
         torch.cuda.synchronize()
     rows = sorted(((ev.device_time_total / 1e3 / repeats, ev.count // repeats, ev.key) for ev in prof.key_averages()
                    if ev.device_time_total > 0), reverse=True)
@@ -206,7 +196,7 @@ def run(args):
         print(f"{idx:>3} {name:<18} {H:>3} {ours:>12.3f} {theirs:>8.3f} {speedup:>8.2f} "
               f"{ours_mem / gib:>13.2f} {theirs_mem / gib:>8.2f} {floor:>9.3f} {ours / floor:>8.2f}")
         if args.stages and math.isfinite(ours):
-            print_stages(ours_step, c, grads)
+            print_stages(ours_step(c, grads)[0])
         del c, grads
         torch.cuda.empty_cache()
     if speedups:

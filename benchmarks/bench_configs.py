@@ -2,13 +2,14 @@
 64, 128 and 256 at 1 x 8192 and 8 x 1024 tokens with 32 heads, and grouped value heads
 (HV = 2 H) at 8192 tokens, 96 value heads:
 
-    python3 benchmarks/bench_configs.py [--no-fla] [--fla-backward] [--only D256 ...]
+    python3 benchmarks/bench_configs.py [--no-fla] [--fla-backward] [--only D256 ...] [--stages]
 
 Bounded gate (lower_bound = -5), bf16 inputs, an fp32 initial state and the final
 state returned; medians of CUDA events (ms), eager calls. Forward: torch_kda.kda
 without gradients; step: forward + backward of every input, its gradients new tensors
 each step (bench_bwd.fresh_step), not added into the last step's. fla's first backward at
 each new shape autotunes for minutes, so its step runs only with --fla-backward.
+--stages prints torch_kda's step time per kernel (the profiler's) under each row.
 """
 import argparse
 import os
@@ -17,7 +18,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_bwd import fresh_step  # noqa: E402
+from bench_bwd import fresh_step, print_stages  # noqa: E402
 from bench_fwd import fla_gate_args, time_ms, usable  # noqa: E402
 
 import torch_kda  # noqa: E402
@@ -97,6 +98,7 @@ def main():
     ap.add_argument("--fla-backward", action="store_true", help="also fla's step (autotunes at each new shape)")
     ap.add_argument("--repeats", type=int, default=10)
     ap.add_argument("--only", nargs="+", default=[], help="the configs whose labels contain one of these")
+    ap.add_argument("--stages", action="store_true", help="print torch_kda's step time per kernel")
     args = ap.parse_args()
     print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}")
     print(f"{'config':<22} {'fwd ms':>8} {'fla fwd':>8} {'speedup':>7} {'step ms':>8} {'fla step':>8} {'speedup':>7}")
@@ -113,6 +115,8 @@ def main():
                       timed(fstep, args.repeats, f"fla {label}") if args.fla_backward else None)
         print(f"{label:<22} {fmt(ours[0])} {fmt(theirs[0])} {ratio(ours[0], theirs[0])} "
               f"{fmt(ours[1])} {fmt(theirs[1])} {ratio(ours[1], theirs[1])}", flush=True)
+        if args.stages:
+            print_stages(step)
         del c
         torch.cuda.empty_cache()
 
