@@ -114,14 +114,16 @@ def test_opcheck_cuda_fwd_checkpointed():
         )
 
 
-@pytest.mark.parametrize("K,V", [(128, 128), (48, 64), (256, 200)], ids=lambda x: str(x))
+@pytest.mark.parametrize("K,V,ds_block", [(128, 128, "auto"), (48, 64, "auto"), (256, 200, "auto"), (256, 200, "8x2")],
+                         ids=lambda x: str(x))
 @pytest.mark.parametrize("window", [0, 3])
-def test_backward_cuda_graph_capture_and_replay(window, K, V):
+def test_backward_cuda_graph_capture_and_replay(window, K, V, ds_block):
     """The backward captured in a CUDA graph, in one pass and in windows of 3 slots
     (the checkpoint pass, its copies and the carries in the graph; at 256 the
-    record gradients' zeroing too), on the 128-, 64- and 256-wide kernels,
+    record gradients' zeroing too), on the 128-, 64- and 256-wide kernels (at 256
+    also the dS recurrence's 8x2, which these two heads would not choose),
     replays the eager gradients for new incoming gradients."""
-    with forced(window_slots=window):
+    with forced(window_slots=window, ds_block=ds_block):
         _, g = cuda_inputs(seqlens=[40, 0, 100, 17], H=2, state_dtype=torch.float32, K=K, V=V)
         grad_out = torch.randn(*g["v"].shape, device=DEV).to(torch.bfloat16)
         gf = torch.randn(*g["initial_state"].shape, device=DEV)
