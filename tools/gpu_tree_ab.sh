@@ -34,13 +34,16 @@ case "$cmd" in
     # Older commits keep the GPU scripts under scripts/.
     base_bench=.abtree/tools/gpu_bench.sh
     [ -f "$base_bench" ] || base_bench=.abtree/scripts/gpu_bench.sh
+    # The benchmarks' result lines: bench_fwd/bench_bwd's numbered cases and speedups,
+    # bench_configs' labelled rows, and the per-kernel lines of --stages.
+    rows='^ *[0-9]+ |speedup over|^ +[0-9.]+ ms|^[0-9]+x[0-9]+ H[0-9]+'
     for ((r = 1; r <= rounds; r++)); do
       echo "== baseline $(cat .abtree/REV 2>/dev/null) round $r"
       PYTHONPATH=$PWD/.abtree bash "$base_bench" "$@" > "${OUT:-/tmp}/tree_ab_base_$r.txt" 2>&1
-      grep -E "^ *[0-9]+ |speedup over|^ +[0-9.]+ ms" "${OUT:-/tmp}/tree_ab_base_$r.txt"
+      grep -E "$rows" "${OUT:-/tmp}/tree_ab_base_$r.txt"
       echo "== working tree round $r"
       bash tools/gpu_bench.sh "$@" > "${OUT:-/tmp}/tree_ab_work_$r.txt" 2>&1
-      grep -E "^ *[0-9]+ |speedup over|^ +[0-9.]+ ms" "${OUT:-/tmp}/tree_ab_work_$r.txt"
+      grep -E "$rows" "${OUT:-/tmp}/tree_ab_work_$r.txt"
     done
     ;;
   *)
