@@ -78,18 +78,6 @@ def test_forward_kernels_by_head_size(K, V, D):
         assert set(kernel_head_sizes(names, kernel)) == {D}, kernel
 
 
-@pytest.mark.parametrize("H,ds_block", [(2, "2x2"), (9, "4x2"), (20, "8x2")])
-def test_automatic_ds_block_at_256_by_row_groups_an_sm(H, ds_block):
-    """At 256 the backward's dS recurrence runs 16 row groups a head: one an SM
-    (2 heads on 100-140 SMs) takes the 2x2, two the 4x2, more the 8x2
-    (csrc/cuda/heuristics.cpp, as timed on an H100)."""
-    _, g = cuda_inputs(K=256, V=256, B=1, T=20, H=H)
-    leaves = {n: g[n].detach().clone().requires_grad_(True) for n in ("q", "k", "v")}
-    out, _ = run_cuda({**g, **leaves})
-    _, names = launched_kernels(lambda: out.float().sum().backward())
-    assert ds_launches(names) == [DS_SHAPE[ds_block]]
-
-
 def test_decode_through_fwd_runs_the_128_wide_decode_kernel():
     """kda::fwd_ with one token a sequence takes the decode kernel, 128 wide, at K = V = 64."""
     d, g = cuda_inputs(K=64, V=64, B=3, T=1, H=2)

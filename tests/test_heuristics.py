@@ -1,6 +1,6 @@
 """The CUDA path's automatic choices (csrc/cuda/heuristics.cpp) for the benchmark's
-cases on a 132-SM GPU (H100, H200), read through kda_testing::forward_plan: host logic, so a CUDA
-build checks them without a GPU. The expected values follow the rules the heuristics'
+cases on a 132-SM GPU (H100, H200), read through kda_testing::forward_plan and backward_plan:
+host logic, so a CUDA build checks them without a GPU. The expected values follow the rules the heuristics'
 comments state (docs/performance-notes.md has the counts behind them)."""
 import pytest
 import torch
@@ -13,10 +13,16 @@ pytestmark = pytest.mark.skipif(not torch_kda.cuda_built(), reason="the heuristi
 SMS = 132
 
 
-def plan(lengths, H, bf16_state=True, kept_records=False):
+def plan(lengths, H, bf16_state=True, kept_records=False, D=128):
     """One length: a fixed-length call; several: varlen, as bench_fwd.py runs them."""
     return tuple(torch.ops.kda_testing.forward_plan(len(lengths), sum(lengths), len(lengths) > 1, H, SMS,
-                                                    bf16_state, kept_records))
+                                                    bf16_state, kept_records, D))
+
+
+def backward_plan(lengths, H, D, bf16_state=False):
+    """The backward's (K2 shape, dS shape) on a device of 80 GiB."""
+    return tuple(torch.ops.kda_testing.backward_plan(len(lengths), sum(lengths), len(lengths) > 1, H, SMS,
+                                                     bf16_state, D, 80 << 30))[:2]
 
 
 @pytest.mark.parametrize("lengths, H, expected", [
@@ -79,3 +85,36 @@ def test_the_hook_overrides():
 
 def test_fp32_state_takes_the_4x4_at_one_warp_an_sm():
     assert plan([8192], 16, bf16_state=False)[0] == "4x4"
+
+
+@pytest.mark.parametrize("D, H, bf16_state, expected", [
+    (64, 32, False, "2x2"),   # at 64 the 2x2 at every shape and state timed
+    (64, 96, True, "2x2"),
+    (256, 32, False, "16x4"),  # at 256 four row groups a block with an fp32 state (H100: -31 to -36 %)
+    (256, 8, False, "16x4"),
+    (256, 32, True, "8x4"),    # and two with bf16 products (-14 to -22 %)
+])
+def test_k2_block_away_from_128(D, H, bf16_state, expected):
+    assert plan([8192], H, bf16_state=bf16_state, D=D)[0] == expected
+
+
+@pytest.mark.parametrize("D, lengths, H, expected", [
+    (64, [8192], 96, "4x1"),     # three row groups an SM and more: full-width warps
+    (64, [8192], 32, "2x2"),     # one
+    (128, [8192], 96, "4x1"),
+    (128, [8192], 32, "4x2"),    # two
+    (256, [8192], 32, "8x2"),    # at 256 more than two: the 8x2 (H100: the step -1.6 to -2.8 %)
+    (256, [1024] * 8, 32, "8x2"),
+    (256, [8192], 96, "8x2"),
+    (256, [8192], 16, "4x2"),    # two: not timed against the 8x2
+    (256, [32768], 8, "2x2"),    # one: the 8x2 +23-26 %
+])
+def test_ds_block_by_row_groups_an_sm(D, lengths, H, expected):
+    k2, ds = backward_plan(lengths, H, D)
+    assert ds == expected and k2 == plan(lengths, H, bf16_state=False, D=D)[0]
+
+
+def test_plans_refuse_unserved_head_sizes():
+    for D in (0, 100, 512, (1 << 32) + 128):
+        with pytest.raises(RuntimeError, match=rf"head_size must be a size the chunked kernels serve .* got {D}"):
+            plan([8192], 8, D=D)

@@ -74,16 +74,16 @@ std::tuple<std::string, std::string, int64_t> forced_now() {
           f.window_slots.value_or(-1)};
 }
 
-// heuristics.h's forward plan for N sequences of `tokens` tokens in all (N of
-// equal length, or varlen) on a device of num_sms SMs (host logic alone, no GPU
-// needed), under the hook's settings: K2's block shape, its late copies, the
-// window in slots and the segments a sequence.
-std::tuple<std::string, bool, int64_t, int64_t> forward_plan_for(int64_t N, int64_t tokens, bool varlen, int64_t H,
-                                                                 int64_t num_sms, bool bf16_products,
-                                                                 bool kept_records) {
-  TORCH_CHECK(N >= 1 && tokens >= 0 && H >= 0 && num_sms >= 1 && (varlen || tokens % N == 0),
-              "kda_testing.forward_plan: N and num_sms must be >= 1, tokens and H >= 0, and tokens a multiple of N "
-              "without varlen");
+// What heuristics.h's plans read of a call of N sequences of `tokens` tokens in
+// all (N of equal length, or varlen), H heads of a served head size, on a
+// device of num_sms SMs: host logic alone, no GPU needed.
+FwdParams plan_params(const char* op, int64_t N, int64_t tokens, bool varlen, int64_t H, int64_t num_sms,
+                      bool bf16_products, int64_t head_size) {
+  TORCH_CHECK(N >= 1 && tokens >= 0 && H >= 0 && num_sms >= 1 && (varlen || tokens % N == 0), op,
+              ": N and num_sms must be >= 1, tokens and H >= 0, and tokens a multiple of N without varlen");
+  TORCH_CHECK(head_size <= kMaxHeadSize && ChunkedHeadSizes::contains(static_cast<int>(head_size)), op,
+              ": head_size must be a size the chunked kernels serve (64, 128 or 256), got ",
+              std::to_string(head_size));
   const int64_t num_slots = concrete(varlen ? chunk_slots(1, tokens, N, true) : chunk_slots(N, tokens / N, N, false));
   FwdParams p;
   p.N = N;
@@ -91,12 +91,37 @@ std::tuple<std::string, bool, int64_t, int64_t> forward_plan_for(int64_t N, int6
   p.num_slots = num_slots;
   p.slot_end = num_slots;
   p.num_sms = static_cast<int>(num_sms);
-  p.head_size = kHeadDim;
+  p.head_size = static_cast<int>(head_size);
   p.bf16_products = bf16_products;
   p.state_fp32 = !bf16_products;
+  return p;
+}
+
+// The forward's plan under the hook's settings: K2's block shape, its late
+// copies, the window in slots and the segments a sequence.
+std::tuple<std::string, bool, int64_t, int64_t> forward_plan_for(int64_t N, int64_t tokens, bool varlen, int64_t H,
+                                                                 int64_t num_sms, bool bf16_products,
+                                                                 bool kept_records, int64_t head_size) {
+  const FwdParams p =
+      plan_params("kda_testing.forward_plan", N, tokens, varlen, H, num_sms, bf16_products, head_size);
   const ForwardPlan plan = forward_plan(p, kept_records);
   return {name_of(std::optional<RecurrenceBlock>(plan.recurrence.block), kRecurrenceBlocks),
           plan.recurrence.late_refill, plan.window, plan.segments};
+}
+
+// The backward's plan under the hook's settings, on a device of device_memory
+// bytes, given the forward's chunk-start states and records or not (torch_kda.kda
+// keeps both by default): K2's block shape, the dS recurrence's, the window in
+// slots.
+std::tuple<std::string, std::string, int64_t> backward_plan_for(int64_t N, int64_t tokens, bool varlen, int64_t H,
+                                                                int64_t num_sms, bool bf16_products,
+                                                                int64_t head_size, int64_t device_memory,
+                                                                bool saved_states, bool saved_records) {
+  const FwdParams p =
+      plan_params("kda_testing.backward_plan", N, tokens, varlen, H, num_sms, bf16_products, head_size);
+  const BackwardPlan plan = backward_plan(p, device_memory, saved_states, saved_records);
+  return {name_of(std::optional<RecurrenceBlock>(plan.recurrence.block), kRecurrenceBlocks),
+          name_of(std::optional<DsBlock>(plan.ds_block), kDsBlocks), plan.window};
 }
 
 // An intermediate that a private test op takes in (what the backward's kernels
@@ -206,8 +231,12 @@ TORCH_LIBRARY_FRAGMENT(kda_testing, m) {
   // The testing hook's CUDA settings: "auto" and -1 leave a choice to heuristics.cpp.
   m.def("force(str recurrence_block=\"auto\", str ds_block=\"auto\", int window_slots=-1) -> ()", &force);
   m.def("forced() -> (str recurrence_block, str ds_block, int window_slots)", &forced_now);
-  m.def("forward_plan(int N, int tokens, bool varlen, int H, int num_sms, bool bf16_products, bool kept_records) -> "
-        "(str recurrence_block, bool late_refill, int window, int segments)", &forward_plan_for);
+  m.def("forward_plan(int N, int tokens, bool varlen, int H, int num_sms, bool bf16_products, bool kept_records, "
+        "int head_size=128) -> (str recurrence_block, bool late_refill, int window, int segments)",
+        &forward_plan_for);
+  m.def("backward_plan(int N, int tokens, bool varlen, int H, int num_sms, bool bf16_products, int head_size, "
+        "int device_memory, bool saved_states=True, bool saved_records=True) -> "
+        "(str recurrence_block, str ds_block, int window)", &backward_plan_for);
 }
 
 TORCH_LIBRARY_IMPL(kda_testing, CUDA, m) {
