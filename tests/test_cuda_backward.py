@@ -25,6 +25,7 @@ from cuda_helpers import (
     check_grads,
     cuda_and_reference_grads,
     cuda_inputs,
+    float64_grads,
     hard_case,
     kernel_launches,
     window_floor,
@@ -70,10 +71,7 @@ def test_backward_odd_length_and_hard_cases(with_state, case):
     hard_case(case, d, g)
     grad_out = torch.randn(*g["v"].shape, device=DEV).to(torch.bfloat16)
     got = torch.ops.kda.bwd(grad_out, None, *positional(g), lower_bound=-5.0, initial_state=g["initial_state"])
-    d64 = {n: (t.cpu().double() if t is not None and t.is_floating_point() else t) for n, t in g.items()}
-    ref = torch.ops.kda.bwd(grad_out.cpu().double(), None, *positional(d64), lower_bound=-5.0,
-                            initial_state=d64["initial_state"])
-    check_grads(case, got, ref)
+    check_grads(case, got, float64_grads(g, grad_out, None, -5.0))
 
 
 def test_backward_grad_out_dtypes_agree():

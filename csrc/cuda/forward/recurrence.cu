@@ -71,10 +71,15 @@ struct alignas(kAlign) Stage {
   float gl[D];
 };
 
+// A block's warps where it holds one row group: the 2x2's two, the 4x4's four,
+// the 4x1w's warpgroup.
+template <int kSplit>
+constexpr int kOneGroupWarps = kSplit == 2 ? 2 : 4;
+
 // A block shape at head size D: kSplit warps to a row group (1: the 4x1w
 // warpgroup; 2: 2x2; 4: 4x4, 8x4 and 16x4), kWarps a block. The row groups of
 // a block share its stages.
-template <int D, int kSplitArg, bool kX3Arg, int kWarpsArg = kSplitArg == 2 ? 2 : 4>
+template <int D, int kSplitArg, bool kX3Arg, int kWarpsArg = kOneGroupWarps<kSplitArg>>
 struct Config {
   static constexpr int kD = D;
   static constexpr int kSplit = kSplitArg;
@@ -1010,7 +1015,7 @@ void launch_for_products(const FwdParams& p, cudaStream_t stream) {
   }
 }
 
-template <int D, int kSplit, int kWarps = kSplit == 2 ? 2 : 4>
+template <int D, int kSplit, int kWarps = kOneGroupWarps<kSplit>>
 void launch(const FwdParams& p, cudaStream_t stream, bool late_refill) {
   if (p.out == nullptr) {
     launch_for_products<D, kSplit, kWarps, false>(p, stream);
