@@ -120,7 +120,7 @@ def test_opcheck_cuda_fwd_checkpointed():
 def test_backward_cuda_graph_capture_and_replay(window, K, V, ds_block):
     """The backward captured in a CUDA graph, in one pass and in windows of 3 slots
     (the checkpoint pass, its copies and the carries in the graph; at 256 the
-    record gradients' zeroing too), on the 128-, 64- and 256-wide kernels (at 256
+    record gradients' cluster launch too), on the 128-, 64- and 256-wide kernels (at 256
     also the dS recurrence's 8x2, which these two heads would not choose),
     replays the eager gradients for new incoming gradients."""
     with forced(window_slots=window, ds_block=ds_block):

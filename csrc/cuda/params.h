@@ -183,8 +183,8 @@ static_assert(record_grad_floats(64) == RecordGradLayout<64>::kFloats &&
 
 // The blocks that share a (chunk slot, head) of the record gradients at head
 // size D (backward/record_gradients.cu): two at 256, whose S0 and dS1 no block
-// holds whole, each adding its value rows' sums into zeros that the schedule
-// writes first (backward/schedule.cpp); one below.
+// holds whole, a cluster whose blocks add each other's value rows' sums into
+// their own; one below.
 constexpr int record_gradient_parts(int64_t D) {
   return D > kHeadDim ? 2 : 1;
 }

@@ -8,16 +8,22 @@
 // only the fp32 side of each product is split (dU, U, and dO when it is fp32).
 //
 // At D = 256 the two planes alone would take 256 KB: two blocks a (chunk
-// slot, head) take 128 value rows each (8 warps, each two key slices), and add
-// their partial sums into zeros (rec_grad_add), the same bits in either order.
+// slot, head) take 128 value rows each (8 warps, each two key slices), as a
+// cluster: each block sends half of its partial sums into the other's shared
+// memory, which adds them to its own and stores the sums (own + other, the
+// same bits in either order, as IEEE addition commutes). Block 0 of the pair
+// stores dQs and dW, block 1 dKd, dAqk and dgl: no atomics, and nothing to
+// zero first.
 //
 // S0 and dS1 (bf16, as stored) each have a plane, and of the record only W and
 // M are loaded, with v, for U = M v - W S0^T: 105 KB of shared memory at D =
-// 128, two blocks per SM; 181 KB at 256, one. Every load is issued
-// at the block's start, dS1's in a copy group of its own that the products
-// reading S0 do not wait for: the kernel moves ~118 KB per chunk and head, and
-// dS1's loads then overlap those products instead of following them.
+// 128, two blocks per SM; 214 KB at 256 (with room for the partner's sums),
+// one. Every load is issued at the block's start, dS1's in a copy group of its
+// own that the products reading S0 do not wait for: the kernel moves ~118 KB
+// per chunk and head, and dS1's loads then overlap those products instead of
+// following them.
 #include <c10/cuda/CUDAException.h>
+#include <cooperative_groups.h>
 
 #include <cstddef>
 #include <string>
@@ -32,7 +38,7 @@ namespace {
 
 // A block's value rows at head size D: all D up to 128; at 256, S0 and dS1
 // whole would take 256 KB, so two blocks a (chunk slot, head) take 128 rows
-// each, and their partial sums meet in the record gradients (rec_grad_add).
+// each, and their partial sums meet in one of them (kPair).
 template <int D>
 constexpr int kVParts = record_gradient_parts(D);
 template <int D>
@@ -43,6 +49,20 @@ template <int D>
 constexpr int kGradWarps = kGradRows<D> / 16;
 template <int D>
 constexpr int kGradThreads = 32 * kGradWarps<D>;
+// The two blocks of a (chunk slot, head) as a cluster (kVParts = 2).
+template <int D>
+constexpr bool kPair = kVParts<D> > 1;
+// Where a block receives its partner's partial sums: block 0 dQs [t][k] then
+// dW; block 1 dKd, then dAqk [i][j], then dgl. Rows kPitch floats apart, 8
+// more than D: a half-warp's float2 accesses of rows g.. then meet no bank twice.
+template <int D>
+struct Recv {
+  static constexpr int kPitch = D + 8;
+  static constexpr int kQs = 0, kW = C * kPitch;
+  static constexpr int kKd = 0, kAqk = C * kPitch, kGl = C * kPitch + C * C;
+  static constexpr int kFloats = kPair<D> ? 2 * C * kPitch : 4;
+  static_assert(kGl + D <= 2 * C * kPitch, "dKd, dAqk and dgl within the room of dQs and dW");
+};
 
 template <int D>
 struct __align__(16) GradSmem {
@@ -56,20 +76,30 @@ struct __align__(16) GradSmem {
   __nv_bfloat16 u[2][C * Dv];     // U [t][v]
   __nv_bfloat16 du[2][C * Dv];    // dU [t][v]
   float dgl[kGradWarps<D>][D];    // per warp: the sum over its rows of S0 * dS1
+  float recv[Recv<D>::kFloats];   // the partner block's partial sums (kPair)
   static_assert(RecordLayout<D>::kW % 16 == 0 && RecordLayout<D>::kM % 16 == 0, "16-byte copies");
 };
 
-// A record gradient's entry: stored where one block sums over every value
-// row; else added to the zeros the schedule left (backward/schedule.cpp), by
-// exactly kVParts = 2 blocks, so that the sum is the same bits in either order.
-template <int D>
-__device__ __forceinline__ void rec_grad_add(float* at, float x) {
-  if constexpr (kVParts<D> == 1) {
-    *at = x;
-  } else {
-    static_assert(kVParts<D> == 2, "two addends to zero: a sum independent of their order");
-    atomicAdd(at, x);
-  }
+// The two blocks of a pair meet: every write of one block's shared memory by
+// the other before it is visible after it (the cluster barrier's release and
+// acquire, which ptxas implements as a GPU-wide memory barrier: it waits for
+// the thread's global stores too, so none are in flight here).
+__device__ __forceinline__ void pair_sync() {
+  cooperative_groups::this_cluster().sync();
+}
+
+// The same without ordering memory: both blocks run after it (a block's shared
+// memory may be written by the other only then), while the loads issued
+// before it stay in flight.
+__device__ __forceinline__ void pair_start() {
+  asm volatile("barrier.cluster.arrive.relaxed.aligned;\nbarrier.cluster.wait.aligned;\n" ::: "memory");
+}
+
+// The partner block's copy of a shared array (distributed shared memory).
+template <typename T>
+__device__ __forceinline__ T* partner_of(T* local) {
+  auto cluster = cooperative_groups::this_cluster();
+  return cluster.map_shared_rank(local, cluster.block_rank() ^ 1u);
 }
 
 // Four consecutive values of one row into the hi and lo planes at idx (a multiple of 4).
@@ -135,27 +165,42 @@ __device__ __forceinline__ void sum_dgl(const GradSmem<D>& sm, int tid, float (&
 }
 
 // The warp's slice of a record gradient, tokens [16] x key columns k0.. +16,
-// from its split accumulators (C fragments), into the row-major [16][D] at dst.
-template <int D, bool kNegate, int kTerms>
-__device__ __forceinline__ void store_slice(float* dst, const float (&acc)[kTerms][2][4], int k0, int g, int t4) {
+// from its split accumulators (C fragments): summed over the terms (negated
+// for kNegate) in the C fragments' order, [n-tile][element].
+template <bool kNegate, int kTerms>
+__device__ __forceinline__ void slice_sums(const float (&acc)[kTerms][2][4], float (&x)[2][4]) {
+#pragma unroll
+  for (int nt = 0; nt < 2; ++nt) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      x[nt][e] = kNegate ? -sum_terms(acc, nt, e) : sum_terms(acc, nt, e);
+    }
+  }
+}
+
+// Those sums into the row-major [16][kPitch] at dst (the record gradients, or
+// the partner's receiving plane), adding the row-major [16][kAddPitch] addend
+// where given (the partner's sums).
+template <int kPitch, int kAddPitch = kPitch>
+__device__ __forceinline__ void store_slice(float* dst, const float (&x)[2][4], int k0, int g, int t4,
+                                            const float* addend = nullptr) {
 #pragma unroll
   for (int nt = 0; nt < 2; ++nt) {
     const int k = k0 + 8 * nt + 2 * t4;
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
-      const int t = g + 8 * half, e = 2 * half;
-      const float x = sum_terms(acc, nt, e), y = sum_terms(acc, nt, e + 1);
-      if constexpr (kVParts<D> == 1) {
-        *reinterpret_cast<float2*>(dst + t * D + k) = kNegate ? make_float2(-x, -y) : make_float2(x, y);
-      } else {
-        rec_grad_add<D>(dst + t * D + k, kNegate ? -x : x);
-        rec_grad_add<D>(dst + t * D + k + 1, kNegate ? -y : y);
+      const int t = g + 8 * half;
+      float2 y = make_float2(x[nt][2 * half], x[nt][2 * half + 1]);
+      if (addend != nullptr) {
+        const float2 other = *reinterpret_cast<const float2*>(addend + t * kAddPitch + k);
+        y = make_float2(y.x + other.x, y.y + other.y);
       }
+      *reinterpret_cast<float2*>(dst + t * kPitch + k) = y;
     }
   }
 }
 
-// Blocks an SM: two up to D = 128; one at 256 (181 KB).
+// Blocks an SM: two up to D = 128; one at 256 (214 KB).
 template <int D>
 constexpr int kGradBlocksPerSm = kVParts<D> == 1 ? 2 : 1;
 
@@ -174,7 +219,8 @@ __global__ void __launch_bounds__(kGradThreads<D>, kGradBlocksPerSm<D>) record_g
   constexpr bool kDoLo = kDoutFp32;
 
   const int64_t H = p.H;
-  const int vbase = Dv * static_cast<int>(blockIdx.x % kVParts<D>);  // the block's first value row
+  const int part = static_cast<int>(blockIdx.x % kVParts<D>);  // the cluster's block rank where kPair
+  const int vbase = Dv * part;  // the block's first value row
   const int64_t pair = blockIdx.x / kVParts<D>;
   const int64_t h = pair % H;
   const int64_t wslot = pair / H;  // per-slot buffers are indexed from the window's first slot
@@ -218,6 +264,11 @@ __global__ void __launch_bounds__(kGradThreads<D>, kGradBlocksPerSm<D>) record_g
     cp_async_commit();
     copy_matrix<D>(sm.ds1, dsg, tid);
     cp_async_commit();
+  }
+  float* partner_recv = nullptr;
+  if constexpr (kPair<D>) {
+    pair_start();
+    partner_recv = partner_of(sm.recv);
   }
   // dO (bf16 or fp32; zero past the sequence's end) and dU (the dS recurrence's)
   // of the block's value rows as planes.
@@ -279,7 +330,8 @@ __global__ void __launch_bounds__(kGradThreads<D>, kGradBlocksPerSm<D>) record_g
   // The record gradients [t][k] for key columns k0.. +16 (k0 = v0 + Dv s for
   // the warp's key slices s), summed over the block's value rows: A = dO, dU, U
   // [t][v] (rows t), B = S0, then dS1 [v][k] (k dimension v). First dQs = dO
-  // S0 and dW = -dU S0.
+  // S0 and dW = -dU S0 (where kPair, block 0 keeps its own until block 1's come).
+  float own_q[kKeySlices][2][4], own_w[kKeySlices][2][4];
 #pragma unroll
   for (int ks = 0; ks < kKeySlices; ++ks) {
     const int k0 = v0 + Dv * ks;
@@ -302,9 +354,17 @@ __global__ void __launch_bounds__(kGradThreads<D>, kGradBlocksPerSm<D>) record_g
         mma_split<true, false>(aw, nt, duh, dul, sh[2 * nt], sh[2 * nt + 1], sh[2 * nt], sh[2 * nt + 1], kv == 0);
       }
     }
-    store_slice<D, false>(dr + DR::kQs, aq, k0, g, t4);
-    store_slice<D, true>(dr + DR::kW, aw, k0, g, t4);
+    slice_sums<false>(aq, own_q[ks]);
+    slice_sums<true>(aw, own_w[ks]);
+    if (!kPair<D>) {
+      store_slice<D>(dr + DR::kQs, own_q[ks], k0, g, t4);
+      store_slice<D>(dr + DR::kW, own_w[ks], k0, g, t4);
+    } else if (part == 1) {
+      store_slice<Recv<D>::kPitch>(partner_recv + Recv<D>::kQs, own_q[ks], k0, g, t4);
+      store_slice<Recv<D>::kPitch>(partner_recv + Recv<D>::kW, own_w[ks], k0, g, t4);
+    }
   }
+  float own_a[2][4];
   if (warp == kWarps - 1) {
     // dAqk [i][j] = sum_v dO[i][v] U[j][v]: B (k = v, n = j) is U's plane as it
     // stands. One warp's extra work.
@@ -325,24 +385,24 @@ __global__ void __launch_bounds__(kGradThreads<D>, kGradBlocksPerSm<D>) record_g
         mma_split<kDoLo, true>(aa, nt, doh, dol, bh[2 * nt], bh[2 * nt + 1], bl[2 * nt], bl[2 * nt + 1], kv == 0);
       }
     }
+    // [i][j], i = g + 8 (e / 2), j = 8 nt + 2 t4 + e % 2; where kPair block 1 stores it.
+    slice_sums<false>(aa, own_a);
+    if (!kPair<D> || part == 0) {
+      float* to = kPair<D> ? partner_recv + Recv<D>::kAqk : dr + DR::kAqk;
 #pragma unroll
-    for (int nt = 0; nt < 2; ++nt) {
-      const int j = 8 * nt + 2 * t4;
-      if constexpr (kVParts<D> == 1) {
-        *reinterpret_cast<float2*>(dr + DR::kAqk + g * C + j) =
-            make_float2(sum_terms(aa, nt, 0), sum_terms(aa, nt, 1));
-        *reinterpret_cast<float2*>(dr + DR::kAqk + (g + 8) * C + j) =
-            make_float2(sum_terms(aa, nt, 2), sum_terms(aa, nt, 3));
-      } else {
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          rec_grad_add<D>(dr + DR::kAqk + (g + 8 * (e / 2)) * C + j + e % 2, sum_terms(aa, nt, e));
-        }
+      for (int nt = 0; nt < 2; ++nt) {
+        const int j = 8 * nt + 2 * t4;
+        *reinterpret_cast<float2*>(to + g * C + j) = make_float2(own_a[nt][0], own_a[nt][1]);
+        *reinterpret_cast<float2*>(to + (g + 8) * C + j) = make_float2(own_a[nt][2], own_a[nt][3]);
       }
     }
   }
   cp_async_wait<0>();
-  __syncthreads();  // dS1's plane complete
+  if constexpr (kPair<D>) {
+    pair_sync();  // dS1's plane complete; block 1's dQs and dW in block 0's (stored after the next)
+  } else {
+    __syncthreads();  // dS1's plane complete
+  }
 
   // dgl, then dKd = U dS1.
   {
@@ -362,6 +422,7 @@ __global__ void __launch_bounds__(kGradThreads<D>, kGradBlocksPerSm<D>) record_g
     }
   }
   __syncthreads();
+  float own_k[kKeySlices][2][4];  // dKd, which block 1 keeps where kPair until block 0's come
 #pragma unroll
   for (int ks = 0; ks < kKeySlices; ++ks) {
     const int k0 = v0 + Dv * ks;
@@ -379,16 +440,53 @@ __global__ void __launch_bounds__(kGradThreads<D>, kGradBlocksPerSm<D>) record_g
         mma_split<true, false>(ak, nt, uh, ul, dh[2 * nt], dh[2 * nt + 1], dh[2 * nt], dh[2 * nt + 1], kv == 0);
       }
     }
-    store_slice<D, false>(dr + DR::kKd, ak, k0, g, t4);
+    slice_sums<false>(ak, own_k[ks]);
+    if (!kPair<D>) {
+      store_slice<D>(dr + DR::kKd, own_k[ks], k0, g, t4);
+    } else if (part == 0) {
+      store_slice<Recv<D>::kPitch>(partner_recv + Recv<D>::kKd, own_k[ks], k0, g, t4);
+    }
   }
   static_assert(D <= kThreads, "dgl: a thread a key column");
+  float own_gl = 0.f;
   if (tid < D) {
-    float a = 0.f;
 #pragma unroll
     for (int w = 0; w < kWarps; ++w) {
-      a += sm.dgl[w][tid];
+      own_gl += sm.dgl[w][tid];
     }
-    rec_grad_add<D>(dr + DR::kGl + tid, a);
+    if (!kPair<D> || part == 0) {
+      (kPair<D> ? partner_recv + Recv<D>::kGl : dr + DR::kGl)[tid] = own_gl;
+    }
+  }
+  if constexpr (kPair<D>) {
+    pair_sync();  // block 0's dKd, dAqk and dgl in block 1's; block 0 is done with block 1's memory
+    if (part == 0) {
+#pragma unroll
+      for (int ks = 0; ks < kKeySlices; ++ks) {
+        const int k0 = v0 + Dv * ks;
+        store_slice<D, Recv<D>::kPitch>(dr + DR::kQs, own_q[ks], k0, g, t4, sm.recv + Recv<D>::kQs);
+        store_slice<D, Recv<D>::kPitch>(dr + DR::kW, own_w[ks], k0, g, t4, sm.recv + Recv<D>::kW);
+      }
+    } else {
+#pragma unroll
+      for (int ks = 0; ks < kKeySlices; ++ks) {
+        store_slice<D, Recv<D>::kPitch>(dr + DR::kKd, own_k[ks], v0 + Dv * ks, g, t4, sm.recv + Recv<D>::kKd);
+      }
+      if (warp == kWarps - 1) {
+        const float* other = sm.recv + Recv<D>::kAqk;
+#pragma unroll
+        for (int nt = 0; nt < 2; ++nt) {
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const int at = (g + 8 * (e / 2)) * C + 8 * nt + 2 * t4 + e % 2;
+            dr[DR::kAqk + at] = own_a[nt][e] + other[at];
+          }
+        }
+      }
+      if (tid < D) {
+        dr[DR::kGl + tid] = own_gl + sm.recv[Recv<D>::kGl + tid];
+      }
+    }
   }
 }
 
@@ -402,8 +500,25 @@ void launch_record_grads(const SweepBwdParams& bp, int64_t blocks, cudaStream_t 
   C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout, cudaSharedmemCarveoutMaxShared));
   TORCH_CHECK(blocks <= INT32_MAX / kVParts<D>, "kda.bwd: ", std::to_string(bp.fwd.slot_end - bp.fwd.slot_begin),
               " chunks x ", std::to_string(bp.fwd.H), " heads is more blocks than one launch takes");
-  kernel<<<static_cast<unsigned int>(blocks * kVParts<D>), kGradThreads<D>, kSmem, stream>>>(bp);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  const auto grid = static_cast<unsigned int>(blocks * kVParts<D>);
+  if constexpr (kPair<D>) {
+    cudaLaunchConfig_t config = {};
+    config.gridDim = dim3(grid);
+    config.blockDim = dim3(kGradThreads<D>);
+    config.dynamicSmemBytes = kSmem;
+    config.stream = stream;
+    cudaLaunchAttribute cluster = {};
+    cluster.id = cudaLaunchAttributeClusterDimension;
+    cluster.val.clusterDim.x = kVParts<D>;
+    cluster.val.clusterDim.y = 1;
+    cluster.val.clusterDim.z = 1;
+    config.attrs = &cluster;
+    config.numAttrs = 1;
+    C10_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, bp));
+  } else {
+    kernel<<<grid, kGradThreads<D>, kSmem, stream>>>(bp);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  }
 }
 
 }  // namespace

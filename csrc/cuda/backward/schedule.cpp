@@ -91,11 +91,6 @@ void run_backward(const BackwardCall& call, const at::Tensor& like, const Backwa
     sp.d_record = d_record.data_ptr<float>();
     sp.d_carry = d_carry.defined() ? d_carry.data_ptr<float>() : nullptr;
     sp.d_initial = call.d_initial;
-    if (record_gradient_parts(D) > 1 && d_record.numel() > 0) {
-      // The record gradients' blocks add their sums into zeros (params.h); the
-      // dS recurrence then writes dU0 among them.
-      C10_CUDA_CHECK(cudaMemsetAsync(d_record.data_ptr(), 0, d_record.nbytes(), stream));
-    }
     launch_ds_recurrence(sp, stream, plan.ds_block);
     launch_record_gradients(sp, stream);
 
