@@ -138,7 +138,7 @@ def rounded(x, dtype):
 
 
 def kept_state_grads(qn, kn, v, lam, b, h0, dout, dfinal, every, dtype, exact_du=False, ds_every=None,
-                     ds_dtype="as S", ds1_dtype=None):
+                     ds_dtype="as S", ds1_dtype=None, inner_dtype=None):
     """One sequence, one head, float64, as backward_grads, but each chunk's gradient
     reads S and dS as a backward that keeps them every `every` tokens in `dtype`
     (None: exact) would have them: the stored ones rounded, the inner ones
@@ -147,7 +147,9 @@ def kept_state_grads(qn, kn, v, lam, b, h0, dout, dfinal, every, dtype, exact_du
     and ds1_dtype rounds each chunk's dS1 where it meets the record's products (a
     kernel that walks dS in fp32 but multiplies by it in bf16). exact_du: dU, and
     dW = -dU S from it, come from the exact dS, as the dS recurrence hands dU to
-    the record gradients in fp32. Also returns the initial state's gradient."""
+    the record gradients in fp32. inner_dtype rounds each inner S again as it is
+    recomputed (a walk that keeps S in a bf16 plane between its chunks). Also returns
+    the initial state's gradient."""
     ds_every = ds_every or every
     ds_dtype = dtype if ds_dtype == "as S" else ds_dtype
     scale = qn.shape[-1] ** -0.5
@@ -173,6 +175,7 @@ def kept_state_grads(qn, kn, v, lam, b, h0, dout, dfinal, every, dtype, exact_du
         for i in block:
             kept_s[i] = S
             _, S, kept_u[i] = chunk_step(S, recs[i])
+            S = rounded(S, inner_dtype)
     kept_ds1 = [None] * len(chunks)
     for block in blocks(ds_every // C):
         dS = rounded(dstates[block[-1]], ds_dtype)
@@ -204,6 +207,12 @@ def states_table(T, D):
          dict(every=16, dtype=BF16, exact_du=True, ds_every=64, ds_dtype=torch.float32, ds1_dtype=BF16)),
         ("S every 16, bf16; dS every 64, fp32; dU fp32",
          dict(every=16, dtype=BF16, exact_du=True, ds_every=64, ds_dtype=torch.float32)),
+        # S kept every 32 or 64 tokens in bf16 and walked forward by the record
+        # gradients in a bf16 plane (each inner S rounded again); dS as built.
+        ("S every 32, bf16, inner rounded to bf16; dS every 16, bf16; dU fp32",
+         dict(every=32, dtype=BF16, exact_du=True, ds_every=16, inner_dtype=BF16)),
+        ("S every 64, bf16, inner rounded to bf16; dS every 16, bf16; dU fp32",
+         dict(every=64, dtype=BF16, exact_du=True, ds_every=16, inner_dtype=BF16)),
     )
     print("| case | states kept | dq^ | dk^ | dv | dlam | dbeta |")
     print("|---|---|---|---|---|---|---|")
