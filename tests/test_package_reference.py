@@ -142,13 +142,14 @@ def test_chunk_record_backward_matches_autograd(C, lower_bound):
 
 
 @pytest.mark.parametrize("T", [87, 64, 9])
-@pytest.mark.parametrize("every, ds_every", [(16, None), (64, None), (16, 64)])
+@pytest.mark.parametrize("every, ds_every", [(16, None), (64, None), (16, 64), (32, 16)])
 def test_kept_state_backward_matches_autograd(T, every, ds_every):
     """benchmarks/precision_emulation.py's backward from states and state gradients
-    kept every 16 or 64 tokens, or the states every 16 and their gradients every 64
-    (the inner ones recomputed: forward from a block's start state, backward from
-    its end gradient), with nothing rounded, gives autograd's gradients through
-    chunk_record and chunk_step, the initial state's too."""
+    kept every 16 or 64 tokens, the states every 16 and their gradients every 64,
+    or the states every 32 and their gradients every 16 (the inner ones recomputed:
+    forward from a block's start state, backward from its end gradient), with nothing
+    rounded, gives autograd's gradients through chunk_record and chunk_step, the
+    initial state's too."""
     path = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "precision_emulation.py")
     spec = importlib.util.spec_from_file_location("precision_emulation", path)
     emulation = importlib.util.module_from_spec(spec)
