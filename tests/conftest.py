@@ -59,6 +59,9 @@ def record_floats(D):
     return (6 * 16 * D * 2 + D * 4 + 4 * 16 * 16 * 2) // 4
 
 
+RECORD_FLOATS = record_floats(128)  # 27,136 bytes at the default head size
+
+
 def make_inputs(
     B=2,
     T=9,

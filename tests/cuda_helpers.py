@@ -7,7 +7,7 @@ import torch
 
 import torch_kda
 from torch_kda.testing import forced
-from conftest import make_inputs, positional, record_floats, rel, run_reference
+from conftest import RECORD_FLOATS, make_inputs, positional, rel, run_reference
 
 # Every CUDA test module's marks: skipped without a GPU or without the CUDA kernels.
 CUDA_MARKS = [
@@ -150,9 +150,6 @@ def check_grads(label, got, ref, tol=None):
 
 # Slots of a backward window of ~1 GiB of scratch (csrc/checkpoints.cpp; 27136
 # + 2 * 32768 + 34304 bytes per slot and head), where one pass would hold too much.
-RECORD_FLOATS = record_floats(128)  # 27,136 bytes
-
-
 def window_floor(H):
     return max((1 << 30) // (H * 126976), 16)
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import torch_kda  # noqa: F401  (registers torch.ops.kda.*)
-from conftest import make_inputs, positional, record_floats
+from conftest import RECORD_FLOATS, make_inputs, positional, record_floats
 
 META = torch.device("meta")
 
@@ -16,9 +16,6 @@ META = torch.device("meta")
 def _meta_inputs(**kw):
     d = make_inputs(K=128, V=128, **kw)
     return {n: (t.to(META) if t is not None else t) for n, t in d.items()}
-
-
-RECORD_FLOATS = record_floats(128)
 
 
 def _saved(d, **kw):
