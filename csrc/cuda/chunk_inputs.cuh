@@ -2,11 +2,13 @@
 // the substitution with I + A (forward_substitute: K1's M, the backward's T). The
 // rest is K1's backward's: the chunk's inputs (raw q and k rows into shared
 // tiles, g and v into registers), beta's sigmoid, the gate and its cumulative
-// sum G, and the rows' inverse L2 norms, in one block of D threads per (chunk
-// slot, head) at head size D, thread d owning channel d (the forward's K1
-// works on mma fragments instead: forward/prepare_chunks.cu).
+// sum G, and the rows' inverse L2 norms, in a block of W threads, each owning
+// a channel: all D of a (chunk slot, head) at head size D, or half of them in
+// each block of a pair (block_pair.cuh). The forward's K1 works on mma
+// fragments instead: forward/prepare_chunks.cu.
 #pragma once
 
+#include "cuda/block_pair.cuh"
 #include "cuda/device_utils.cuh"
 #include "cuda/mma.cuh"
 
@@ -46,12 +48,12 @@ struct ChunkPlace {
   int len = 0;      // its tokens (< 16 only for a sequence's last chunk)
 };
 
-// This block's (chunk slot, head); false for a slot past the live chunks (the
-// grid covers the capacity; sequences ending in partial chunks or empty ones
-// leave fewer).
-__device__ __forceinline__ bool place_chunk(const FwdParams& p, ChunkPlace& c) {
-  c.slot = p.slot_begin + blockIdx.x / p.H;
-  c.h = blockIdx.x % p.H;
+// The (chunk slot, head) of the grid's unit-th; false for a slot past the live
+// chunks (the grid covers the capacity; sequences ending in partial chunks or
+// empty ones leave fewer).
+__device__ __forceinline__ bool place_chunk(const FwdParams& p, ChunkPlace& c, int64_t unit) {
+  c.slot = p.slot_begin + unit / p.H;
+  c.h = unit % p.H;
   if (c.slot >= chunk_offset(p, p.N)) {
     return false;
   }
@@ -89,6 +91,25 @@ __device__ __forceinline__ void reduce_rows32(const float (*X)[kPad], const floa
   }
   if (part == 0) {
     out[row / C][row % C] = post(s);
+  }
+}
+
+// reduce_rows32 over all D channels where a block holds W of them: in a pair
+// each block sums its own into `own`, and then each adds the partner's to its
+// own (the same bits in both blocks, as IEEE addition commutes) and applies
+// post. The pair's barrier is inside; `own` must not be written again.
+template <int D, int W, int kPad, typename F, typename Post>
+__device__ __forceinline__ void channel_sums32(const float (*X)[kPad], const float (*Y)[kPad], F f, Post post,
+                                               float (*out)[kChunk], float (*own)[kChunk]) {
+  if constexpr (W == D) {
+    reduce_rows32<W, kPad>(X, Y, f, post, out);
+  } else {
+    reduce_rows32<W, kPad>(X, Y, f, [](float s) { return s; }, own);
+    pair_sync();
+    const int r = threadIdx.x;
+    if (r < 2 * kChunk) {
+      out[r / kChunk][r % kChunk] = post(own[r / kChunk][r % kChunk] + partner_of(&own[0][0])[r]);
+    }
   }
 }
 
@@ -138,8 +159,9 @@ __device__ __forceinline__ void forward_substitute(const float (*sA)[kPitch], Rh
 // Loads the chunk and computes G in base 2, G2 = G log2(e) (so exp(+-G) =
 // fast_exp2(+-G2), one instruction), with kSoftplus each token's own lam2 =
 // lambda log2(e) too, sigmoid(beta) (sBeta), and the inverse
-// norms of q's and k's rows (sInvNorm[0], [1]); sQ and sK keep the raw rows,
-// and sG, where not null, the raw g (K1's backward reads it again in the gate's
+// norms of q's and k's rows (sInvNorm[0], [1]; in a pair through sNormPart,
+// channel_sums32); sQ and sK keep the raw rows of the block's channels (thread
+// d's is channel ch), and sG, where not null, the raw g (K1's backward reads it again in the gate's
 // chain rule, which a precomputed gate does not need; each thread writes and
 // reads only its own column). Rows past the
 // sequence's end are zeros with lambda = 0 and beta = 0, so that G_last is the
@@ -147,11 +169,12 @@ __device__ __forceinline__ void forward_substitute(const float (*sA)[kPitch], Rh
 // call it (two barriers). after_loads() follows the loads in program order
 // (ptxas issues them all first and their uses after it): memory traffic issued
 // there queues behind them.
-template <int D, int kPad, bool kSoftplus, bool kGiven, typename AfterLoads>
-__device__ __forceinline__ void load_chunk_inputs(const FwdParams& p, const ChunkPlace& c, float (*sQ)[kPad],
+template <int D, int W, int kPad, bool kSoftplus, bool kGiven, typename AfterLoads>
+__device__ __forceinline__ void load_chunk_inputs(const FwdParams& p, const ChunkPlace& c, int ch, float (*sQ)[kPad],
                                                   float (*sK)[kPad], float* sBeta, float (*sInvNorm)[kChunk],
-                                                  float (&G2)[kChunk], float (&lam2)[kChunk], float (&v)[kChunk],
-                                                  float (*sG)[D], AfterLoads after_loads) {
+                                                  float (*sNormPart)[kChunk], float (&G2)[kChunk],
+                                                  float (&lam2)[kChunk], float (&v)[kChunk], float (*sG)[W],
+                                                  AfterLoads after_loads) {
   constexpr int C = kChunk;
   const int64_t H = p.H;
   const int d = threadIdx.x;
@@ -159,9 +182,9 @@ __device__ __forceinline__ void load_chunk_inputs(const FwdParams& p, const Chun
   // Token i of the chunk is i * H * D elements on from token 0; a full chunk
   // (all but a sequence's last) loads without a predicate per token, which with
   // the 64-bit index per load cost ~1,000 instructions per thread.
-  const int64_t first = (c.bos * H + c.h) * D + d, stride = H * D;
+  const int64_t first = (c.bos * H + c.h) * D + ch, stride = H * D;
   const QkPlace qkp = qk_place(p, static_cast<int>(c.h));
-  const int64_t first_qk = qk_row<D>(qkp, c.bos) + d, stride_qk = qkp.heads * D;
+  const int64_t first_qk = qk_row<D>(qkp, c.bos) + ch, stride_qk = qkp.heads * D;
   const __nv_bfloat16* q = static_cast<const __nv_bfloat16*>(p.q) + first_qk;
   const __nv_bfloat16* k = static_cast<const __nv_bfloat16*>(p.k) + first_qk;
   const __nv_bfloat16* g = static_cast<const __nv_bfloat16*>(p.g) + first;
@@ -217,7 +240,7 @@ __device__ __forceinline__ void load_chunk_inputs(const FwdParams& p, const Chun
   } else {
     const float A = expf(p.A_log[c.h]);
     const float a2 = -A * kLog2e;
-    const float bias = p.dt_bias[c.h * D + d];
+    const float bias = p.dt_bias[c.h * D + ch];
     const float b2 = a2 * bias;
     const float lb2 = p.lower_bound * kLog2e;
 #pragma unroll
@@ -231,9 +254,9 @@ __device__ __forceinline__ void load_chunk_inputs(const FwdParams& p, const Chun
   __syncthreads();
 
   // The inverse norms of the 32 rows (q's 16, then k's).
-  reduce_rows32<D, kPad>(
+  channel_sums32<D, W, kPad>(
       sQ, sK, [](float4 x) { return x.x * x.x + x.y * x.y + x.z * x.z + x.w * x.w; },
-      [](float sq) { return rsqrtf(sq + static_cast<float>(kNormEps)); }, sInvNorm);
+      [](float sq) { return rsqrtf(sq + static_cast<float>(kNormEps)); }, sInvNorm, sNormPart);
   __syncthreads();
 }
 

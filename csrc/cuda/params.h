@@ -181,14 +181,6 @@ static_assert(record_grad_floats(64) == RecordGradLayout<64>::kFloats &&
               record_grad_floats(kHeadDim) == RecordGradLayout<kHeadDim>::kFloats &&
               record_grad_floats(kMaxHeadSize) == RecordGradLayout<kMaxHeadSize>::kFloats);
 
-// The blocks that share a (chunk slot, head) of the record gradients at head
-// size D (backward/record_gradients.cu): two at 256, whose S0 and dS1 no block
-// holds whole, a cluster whose blocks add each other's value rows' sums into
-// their own; one below.
-constexpr int record_gradient_parts(int64_t D) {
-  return D > kHeadDim ? 2 : 1;
-}
-
 // What the backward's kernels pass each other per (chunk slot, head) at head
 // size D: the record, the state at the chunk's start and dS at its end (bf16:
 // they reach only the record gradients' products; the recurrences carry both

@@ -1,10 +1,10 @@
 // K1's backward: from the gradients of a chunk's record (left by the backward
 // sweep), the gradients of the chunk's q^, k^, v, log decays and sigmoid(beta);
 // torch_kda/reference.py chunk_record_backward is the same math in float64. One
-// block of D threads per (chunk slot, head) at head size D (64, 128 or 256),
-// thread d owns key channel d and value channel d: it recomputes what K1
-// computed (G, the norms, A = diag(beta) P), inverts I + A once (T, 16
-// threads), and forms W, U0 and the transposed solves as products with T on
+// block of D threads per (chunk slot, head) at head size D (64 or 128; at 256
+// two blocks of 128, kBlocksOf), thread d owns key channel d and value channel
+// d: it recomputes what K1 computed (G, the norms, A = diag(beta) P), inverts
+// I + A once (T, 16 threads), and forms W, U0 and the transposed solves as products with T on
 // the tensor cores, tile by tile in shared memory; then the 16 x 16 dA from
 // column-sum products, and the rest per column; then, for kda.bwd, the chain
 // rule through the L2 norms, the gate and beta's sigmoid, so that no
@@ -15,6 +15,7 @@
 #include <string>
 #include <type_traits>
 
+#include "cuda/block_pair.cuh"
 #include "cuda/chunk_inputs.cuh"
 #include "cuda/device_utils.cuh"
 #include "cuda/launch.h"
@@ -25,37 +26,50 @@ namespace {
 
 constexpr int C = kChunk;
 
-// A block of D threads at head size D, thread d owning channel d; the tiles'
-// rows D + 4 floats apart (reduce_rows32's bank offsets).
+// At head size 256 one block of 256 threads takes 130 KB of shared memory and
+// 235 registers a thread: it runs alone on its SM, eight warps, bound by
+// latency (ncu: 6.5 cycles an issued instruction). There a (chunk slot, head)
+// takes two blocks of 128 channels as a cluster (block_pair.cuh), each laid
+// out as the 128-wide block (three an SM), which add each other's partial sums
+// over the channels: in each block own + partner's, the same bits in both, as
+// IEEE addition commutes, so that both hold the same P, T and dA.
+// A block's channels and threads: thread d owns channel W r + d of block r.
 template <int D>
-constexpr int kPadOf = D + 4;
+constexpr int kWidthOf = D / kBlocksOf<D>;
 
-// The 16 x 16 products' entries each thread forms: 2 at D = 128, 4 at 64.
-template <int D>
-constexpr int kEntries = C * C / D;
+// The tiles' rows W + 4 floats apart at block width W (reduce_rows32's bank offsets).
+template <int W>
+constexpr int kPadOf = W + 4;
+
+// The 16 x 16 products' entries each thread forms: 2 at W = 128, 4 at 64.
+template <int W>
+constexpr int kEntries = C * C / W;
 
 // The warps' partial sums of a 16 x 16 product: [warp][n-tile][lane], C fragments.
-template <int D>
-using ProductParts = float4[D / 32][2][32];
+template <int W>
+using ProductParts = float4[W / 32][2][32];
 
 // The row of thread d's e-th entry of a 16 x 16 product, in column d % 16.
-template <int D>
+template <int W>
 __device__ __forceinline__ int entry_row(int d, int e) {
-  return d / C + e * (D / C);
+  return d / C + e * (W / C);
 }
 
-// Entries (entry_row<D>(d, e), d % 16) of X Y^T (+ X2 Y2^T where X2 is
-// given), into r[e], X and Y [16][D] tiles, as K1 forms its 16 x 16 products:
-// on the tensor cores in bf16x3, warp w over channels [32w, 32w + 32), the
-// partial sums through `parts`, added in warp order. All threads call it; one
-// barrier inside, after every read of the tiles (the caller's barriers keep
-// two calls' uses of `parts` apart).
-template <int D>
-__device__ __forceinline__ void rows_times_rows(const float (*X)[kPadOf<D>], const float (*Y)[kPadOf<D>], int d,
-                                                float (&r)[kEntries<D>], ProductParts<D>& parts,
-                                                const float (*X2)[kPadOf<D>] = nullptr,
-                                                const float (*Y2)[kPadOf<D>] = nullptr) {
-  constexpr int kPad = kPadOf<D>;
+// Entries (entry_row<W>(d, e), d % 16) of X Y^T (+ X2 Y2^T where X2 is
+// given), into r[e], X and Y [16][W] tiles of the block's channels, as K1
+// forms its 16 x 16 products: on the tensor cores in bf16x3, warp w over
+// channels [32w, 32w + 32), the partial sums through `parts`, added in warp
+// order; in a pair the partner's sum is added to the block's. All threads call
+// it; one barrier inside (the pair's in a pair), after every read of the tiles.
+// The caller's barriers keep two calls' uses of `parts` apart; in a pair the
+// calls alternate between two, as the partner reads one until it reaches the
+// next call's barrier.
+template <int D, int W = kWidthOf<D>>
+__device__ __forceinline__ void rows_times_rows(const float (*X)[kPadOf<W>], const float (*Y)[kPadOf<W>], int d,
+                                                float (&r)[kEntries<W>], ProductParts<W>& parts,
+                                                const float (*X2)[kPadOf<W>] = nullptr,
+                                                const float (*Y2)[kPadOf<W>] = nullptr) {
+  constexpr int kPad = kPadOf<W>;
   const int warp = d / 32, lane = d % 32, g = lane / 4, t = lane % 4;
   float acc[2][4] = {};
   auto add = [&](const float (*A)[kPad], const float (*B)[kPad]) {
@@ -79,27 +93,42 @@ __device__ __forceinline__ void rows_times_rows(const float (*X)[kPadOf<D>], con
   for (int nt = 0; nt < 2; ++nt) {
     parts[warp][nt][lane] = make_float4(acc[nt][0], acc[nt][1], acc[nt][2], acc[nt][3]);
   }
-  __syncthreads();
+  if constexpr (kPairOf<D>) {
+    pair_sync();
+  } else {
+    __syncthreads();
+  }
   // Entry (i, j) is element 2 (i / 8) + j % 2 of lane 4 (i % 8) + (j % 8) / 2 in n-tile j / 8.
   const int j = d % C, nt = j / 8;
+  auto sum_warps = [&](const ProductParts<W>& from, float (&sums)[kEntries<W>]) {
 #pragma unroll
-  for (int e = 0; e < kEntries<D>; ++e) {
-    r[e] = 0.f;
-  }
+    for (int e = 0; e < kEntries<W>; ++e) {
+      sums[e] = 0.f;
+    }
 #pragma unroll
-  for (int w = 0; w < D / 32; ++w) {
+    for (int w = 0; w < W / 32; ++w) {
 #pragma unroll
-    for (int e = 0; e < kEntries<D>; ++e) {
-      const int i = entry_row<D>(d, e);
-      const float* part = reinterpret_cast<const float*>(&parts[w][nt][4 * (i % 8) + (j % 8) / 2]);
-      r[e] += part[2 * (i / 8) + j % 2];
+      for (int e = 0; e < kEntries<W>; ++e) {
+        const int i = entry_row<W>(d, e);
+        const float* part = reinterpret_cast<const float*>(&from[w][nt][4 * (i % 8) + (j % 8) / 2]);
+        sums[e] += part[2 * (i / 8) + j % 2];
+      }
+    }
+  };
+  sum_warps(parts, r);
+  if constexpr (kPairOf<D>) {
+    float other[kEntries<W>];
+    sum_warps(*partner_of(&parts), other);
+#pragma unroll
+    for (int e = 0; e < kEntries<W>; ++e) {
+      r[e] += other[e];
     }
   }
 }
 
 // The products L B for warp w's 32 channels [32w, 32w + 32) on the tensor
 // cores: L [16][16] given by its entries l(i, j) (fp32, split into bf16 hi and
-// lo) as the A fragment, B a [16][D] tile whose rows are the products' k
+// lo) as the A fragment, B a [16][W] tile whose rows are the products' k
 // index (the tokens) as four n-tiles' B fragments, split too (kBLo) or exact in
 // bf16 (v). Each warp reads and writes only its own channels, so a product may
 // go in place of its operand once the warp's reads are done (__syncwarp).
@@ -195,7 +224,7 @@ __device__ __forceinline__ void store_bf16(void* base, int64_t index, float x) {
   static_cast<__nv_bfloat16*>(base)[index] = __float2bfloat16_rn(x);
 }
 
-// Thread d's column of a [T][H][D] gradient (bf16, or fp32: a precomputed fp32
+// Channel ch's column of a [T][H][D] gradient (bf16, or fp32: a precomputed fp32
 // gate's dg), from the chunk's first token: token i lies i * stride elements on,
 // a 32-bit step (launch_prepare_backward checks that a chunk's 16 H D elements
 // fit), so that each row's address costs one multiply-add: a 64-bit index per
@@ -205,8 +234,8 @@ template <int D, typename T = __nv_bfloat16>
 struct ChunkColumn {
   T* first;
   int stride;
-  __device__ __forceinline__ ChunkColumn(void* base, const ChunkPlace& c, int64_t H, int d)
-      : first(static_cast<T*>(base) + (c.bos * H + c.h) * D + d), stride(static_cast<int>(H) * D) {}
+  __device__ __forceinline__ ChunkColumn(void* base, const ChunkPlace& c, int64_t H, int ch)
+      : first(static_cast<T*>(base) + (c.bos * H + c.h) * D + ch), stride(static_cast<int>(H) * D) {}
   __device__ __forceinline__ void store(int i, float x) const {
     if constexpr (std::is_same_v<T, float>) {
       first[i * stride] = x;
@@ -243,17 +272,19 @@ __device__ __forceinline__ void level_factors(int h, const float (&alpha)[kChunk
 // sums of two tiles (rows_times_rows). The softplus gate sums P over the
 // levels of (k^ f_h) (k^ f_h)^T, each entry from the level of its highest
 // differing bit (the others are finite and unread). Waits for the record
-// gradients' copies before its last barrier.
-template <int D, bool kSoftplus>
+// gradients' copies before its last barrier. The products take sParts[n %
+// kBlocksOf<D>] for the n-th call of rows_times_rows, counted from 0 here.
+template <int D, bool kSoftplus, int W = kWidthOf<D>>
 __device__ __forceinline__ void form_p_and_a(int d, const float (&kn)[C], const float (&E)[C], const float (&alpha)[C],
-                                             float (*sT0)[kPadOf<D>], float (*sT1)[kPadOf<D>], float (*sP)[C + 1],
-                                             float (*sA)[C + 1], const float* sBeta, ProductParts<D>& sParts) {
+                                             float (*sT0)[kPadOf<W>], float (*sT1)[kPadOf<W>], float (*sP)[C + 1],
+                                             float (*sA)[C + 1], const float* sBeta,
+                                             ProductParts<W> (&sParts)[kBlocksOf<D>]) {
   const int j = d % C;
-  float pe[kEntries<D>] = {};  // P's entries (entry_row(d, e), j)
+  float pe[kEntries<W>] = {};  // P's entries (entry_row(d, e), j)
   if constexpr (kSoftplus) {
     auto level_of = [](int x) { return x >= 8 ? 8 : x >= 4 ? 4 : x >= 2 ? 2 : 1; };
     cp_async_wait<0>();  // the record gradients: every thread's copies are in before the barrier
-    auto level = [&](const int h) {
+    auto level = [&](const int h, const int call) {
       float f[C];
       level_factors(h, alpha, f);
       __syncthreads();  // the tile's and the parts' last readers are done
@@ -262,17 +293,17 @@ __device__ __forceinline__ void form_p_and_a(int d, const float (&kn)[C], const 
         sT0[i][d] = kn[i] * f[i];
       }
       __syncthreads();
-      float r[kEntries<D>];
-      rows_times_rows<D>(sT0, sT0, d, r, sParts);
+      float r[kEntries<W>];
+      rows_times_rows<D>(sT0, sT0, d, r, sParts[call % kBlocksOf<D>]);
 #pragma unroll
-      for (int e = 0; e < kEntries<D>; ++e) {
-        pe[e] = level_of(entry_row<D>(d, e) ^ j) == h ? r[e] : pe[e];
+      for (int e = 0; e < kEntries<W>; ++e) {
+        pe[e] = level_of(entry_row<W>(d, e) ^ j) == h ? r[e] : pe[e];
       }
     };
-    level(8);
-    level(4);
-    level(2);
-    level(1);
+    level(8, 0);
+    level(4, 1);
+    level(2, 2);
+    level(1, 3);
   } else {
     // Each thread rewrites only its own column below, and the norms' reads of
     // other columns ended at load_chunk_inputs' last barrier: this one orders
@@ -285,29 +316,33 @@ __device__ __forceinline__ void form_p_and_a(int d, const float (&kn)[C], const 
     }
     cp_async_wait<0>();  // the record gradients: every thread's copies are in before the barrier
     __syncthreads();
-    rows_times_rows<D>(sT0, sT1, d, pe, sParts);
+    rows_times_rows<D>(sT0, sT1, d, pe, sParts[0]);
   }
 #pragma unroll
-  for (int e = 0; e < kEntries<D>; ++e) {
-    const int i = entry_row<D>(d, e);
+  for (int e = 0; e < kEntries<W>; ++e) {
+    const int i = entry_row<W>(d, e);
     sP[i][j] = j < i ? pe[e] : 0.f;
   }
 #pragma unroll
-  for (int e = 0; e < kEntries<D>; ++e) {
-    const int i = entry_row<D>(d, e);
+  for (int e = 0; e < kEntries<W>; ++e) {
+    const int i = entry_row<W>(d, e);
     sA[i][j] = j < i ? sBeta[i] * pe[e] : 0.f;
   }
 }
+
+// The calls of rows_times_rows before dA's: form_p_and_a's.
+template <bool kSoftplus>
+constexpr int kCallsBeforeDa = kSoftplus ? 4 : 1;
 
 // The per-column sums of the softplus gate (prepare_backward_kernel), with
 // exp(G_i - G_j) as products of decays: along row i (j from i down) and along
 // column i (j from i up), whose last product is exp(G_last - G_i), Kd's decay.
 // Row i of dRw is read before put(i), which may write dq^ over it.
-template <int D, class Put>
-__device__ __forceinline__ void softplus_column_sums(const FwdParams& p, int d, const float (*sQs)[D],
-                                                     const float (*sKd)[D], const float (&qn)[C],
+template <int W, class Put>
+__device__ __forceinline__ void softplus_column_sums(const FwdParams& p, int d, const float (*sQs)[W],
+                                                     const float (*sKd)[W], const float (&qn)[C],
                                                      const float (&kn)[C], const float (&E)[C],
-                                                     const float (&alpha)[C], const float (*sRW)[kPadOf<D>],
+                                                     const float (&alpha)[C], const float (*sRW)[kPadOf<W>],
                                                      const float (*sDAb)[C + 1],
                                                      const float (*sDPq)[C + 1], const float* sBeta, float gl,
                                                      float dgl, float (&dG)[C], Put&& put) {
@@ -346,16 +381,19 @@ __device__ __forceinline__ void softplus_column_sums(const FwdParams& p, int d, 
 // gate, the L2 norms and beta's sigmoid, in bf16, with this block's parts of
 // ddt_bias and dA_log) or to those of lambda and sigmoid(beta) (the private
 // test op). dq, dk of every row wait in sDq, sDk and their products with qn,
-// kn in sT0, sT1 (the tiles' last use).
-template <int D, bool kChain, bool kSoftplus, bool kGiven>
-__device__ __forceinline__ void activation_gradients(const PrepareBwdParams& bp, const ChunkPlace& c, int d,
-                                                     const float (&dG)[C], const float (&lam2)[C],
+// kn in sT0, sT1 (the tiles' last use). Thread d owns channel ch; in a pair,
+// block `rank` 0 stores what sums over all channels (dA_log's part and dbeta,
+// from sDA_part and sDb of both blocks), and the partner's shared memory is
+// released here (pair_arrive; the kernel waits for the partner at its end).
+template <int D, bool kChain, bool kSoftplus, bool kGiven, int W = kWidthOf<D>>
+__device__ __forceinline__ void activation_gradients(const PrepareBwdParams& bp, const ChunkPlace& c, int d, int ch,
+                                                     int rank, const float (&dG)[C], const float (&lam2)[C],
                                                      const float (&qn)[C], const float (&kn)[C],
-                                                     float (*sT0)[kPadOf<D>], float (*sT1)[kPadOf<D>],
-                                                     float (*sDot)[C], float* sDA_part,
-                                                     const float (*sDq)[kPadOf<D>], const float (*sDk)[kPadOf<D>],
-                                                     const float (*sG)[D], const float (*sInvNorm)[C],
-                                                     const float* sDb, const float* sBeta) {
+                                                     float (*sT0)[kPadOf<W>], float (*sT1)[kPadOf<W>],
+                                                     float (*sDot)[C], float (*sDotPart)[C], float* sDA_part,
+                                                     const float (*sDq)[kPadOf<W>], const float (*sDk)[kPadOf<W>],
+                                                     const float (*sG)[W], const float (*sInvNorm)[C], float* sDb,
+                                                     const float* sBeta) {
   const FwdParams& p = bp.fwd;
   const int64_t H = p.H;
   // G = cumsum(lambda): dlambda_i = sum over j >= i of dG_j.
@@ -366,9 +404,9 @@ __device__ __forceinline__ void activation_gradients(const PrepareBwdParams& bp,
     // x = g + dt_bias: dg = dlambda (-A) sigmoid(x), ddt_bias sums dg and
     // dA_log sums dlambda lambda. A precomputed gate: dg = dlambda.
     float tail = 0.f, ddt = 0.f, dA = 0.f;
-    const ChunkColumn<D> dg(bp.grads.dg, c, H, d);
+    const ChunkColumn<D> dg(bp.grads.dg, c, H, ch);
     if constexpr (kGiven) {
-      const ChunkColumn<D, float> dg32(bp.grads.dg, c, H, d);
+      const ChunkColumn<D, float> dg32(bp.grads.dg, c, H, ch);
 #pragma unroll
       for (int i = C - 1; i >= 0; --i) {
         tail += dG[i];
@@ -384,7 +422,7 @@ __device__ __forceinline__ void activation_gradients(const PrepareBwdParams& bp,
       }
     } else {
       const float A = expf(p.A_log[c.h]);
-      const float bias = p.dt_bias[c.h * D + d];
+      const float bias = p.dt_bias[c.h * D + ch];
 #pragma unroll
       for (int i = C - 1; i >= 0; --i) {
         tail += dG[i];
@@ -413,28 +451,41 @@ __device__ __forceinline__ void activation_gradients(const PrepareBwdParams& bp,
     }
     const int64_t part = (c.slot - p.slot_begin) * H + c.h;
     if constexpr (!kGiven) {
-      bp.grads.ddt_bias_part[part * D + d] = ddt;
+      bp.grads.ddt_bias_part[part * D + ch] = ddt;
       dA = warp_sum(dA);
       if (d % 32 == 0) {
         sDA_part[d / 32] = dA;
       }
     }
     __syncthreads();
-    reduce_rows32<D, kPadOf<D>>(
-        sT0, sT1, [](float4 x) { return x.x + x.y + x.z + x.w; }, [](float s) { return s; }, sDot);
-    if (d == 0 && !kGiven) {
-      float a = 0.f;
+    channel_sums32<D, W, kPadOf<W>>(
+        sT0, sT1, [](float4 x) { return x.x + x.y + x.z + x.w; }, [](float s) { return s; }, sDot, sDotPart);
+    if (rank == 0) {
+      auto sum_warps = [](const float* parts) {
+        float a = 0.f;
 #pragma unroll
-      for (int w = 0; w < D / 32; ++w) {
-        a += sDA_part[w];
+        for (int w = 0; w < W / 32; ++w) {
+          a += parts[w];
+        }
+        return a;
+      };
+      if (d == 0 && !kGiven) {
+        bp.grads.dA_log_part[part] =
+            kPairOf<D> ? sum_warps(sDA_part) + sum_warps(partner_of(sDA_part)) : sum_warps(sDA_part);
       }
-      bp.grads.dA_log_part[part] = a;
+      if (d < c.len) {
+        const float db = kPairOf<D> ? sDb[d] + partner_of(sDb)[d] : sDb[d];
+        store_bf16(bp.grads.dbeta, (c.bos + d) * H + c.h, db * sBeta[d] * (1.f - sBeta[d]));
+      }
+    }
+    if constexpr (kPairOf<D>) {
+      pair_arrive();
     }
     __syncthreads();
     // The L2 norm's backward: dx = (dxn - xn (xn . dxn)) / ||x||. With grouped
     // value heads, this value head's part in fp32 (the host sums the group's).
-    const ChunkColumn<D> dq(bp.grads.dq, c, H, d), dk(bp.grads.dk, c, H, d);
-    const ChunkColumn<D, float> dq32(bp.grads.dq, c, H, d), dk32(bp.grads.dk, c, H, d);
+    const ChunkColumn<D> dq(bp.grads.dq, c, H, ch), dk(bp.grads.dk, c, H, ch);
+    const ChunkColumn<D, float> dq32(bp.grads.dq, c, H, ch), dk32(bp.grads.dk, c, H, ch);
 #pragma unroll
     for (int i = 0; i < C; ++i) {
       if (i < c.len) {
@@ -449,16 +500,13 @@ __device__ __forceinline__ void activation_gradients(const PrepareBwdParams& bp,
         }
       }
     }
-    if (d < c.len) {
-      store_bf16(bp.grads.dbeta, (c.bos + d) * H + c.h, sDb[d] * sBeta[d] * (1.f - sBeta[d]));
-    }
   } else {
     float tail = 0.f;
 #pragma unroll
     for (int i = C - 1; i >= 0; --i) {
       tail += dG[i];
       if (i < c.len) {
-        bp.dlam[((c.bos + i) * H + c.h) * D + d] = tail;
+        bp.dlam[((c.bos + i) * H + c.h) * D + ch] = tail;
       }
     }
     if (d < c.len) {
@@ -469,10 +517,11 @@ __device__ __forceinline__ void activation_gradients(const PrepareBwdParams& bp,
 
 // The block's shared memory (over the 48 KB of static shared memory at D =
 // 128, so dynamic): 70.9 KB there, three blocks an SM; 39 KB at D = 64, five;
-// 130 KB at 256, one.
+// at 256, a pair's block of 128 channels, 75.3 KB, three.
 template <int D>
 struct Smem {
-  static constexpr int kPad = kPadOf<D>;
+  static constexpr int W = kWidthOf<D>;
+  static constexpr int kPad = kPadOf<W>;
   // The tiles, [token][channel], each thread writing its own column outside
   // the products, in turn (bounded gate / softplus gate where they differ):
   //   T0: raw q; P's factors; k^ exp(G), then W; dbeta's terms; Ki, then dPq Ki
@@ -486,14 +535,14 @@ struct Smem {
   float RU[C][kPad];
   // The raw g rows (kChain): the gate's chain rule reads them again at the end,
   // so that its reads do not wait on memory there, 16 rows deep.
-  float G[C][D];
-  // The rest of the chunk's record gradients, copied in while the inputs load
-  // and the record is recomputed, so that no read waits on memory where they
-  // are used.
-  float Qs[C][D];
-  float Kd[C][D];
+  float G[C][W];
+  // The rest of the chunk's record gradients (of the block's channels, and
+  // dAqk whole), copied in while the inputs load and the record is recomputed,
+  // so that no read waits on memory where they are used.
+  float Qs[C][W];
+  float Kd[C][W];
   float Aqk[C * C];
-  float gl[D];
+  float gl[W];
   float Tm[C][C + 1];   // T = (I + A)^-1, lower with a unit diagonal
   float P[C][C + 1];    // P = (k^ exp(G)) (k^ exp(-G))^T, strictly lower
   float A[C][C + 1];    // A = diag(beta) P
@@ -502,36 +551,41 @@ struct Smem {
   float DPq[C][C + 1];  // scale * dAqk, lower with the diagonal
   float InvNorm[2][C];
   float Beta[C];
-  float Db[C];
+  float Db[C];      // dbeta's sums over the channels (in a pair: block 1's, its own channels' alone)
   float Dot[2][C];  // qn . dqn and kn . dkn per row (kChain)
-  float DA_part[D / 32];
-  ProductParts<D> parts;
+  float NormPart[2][C];  // in a pair: the block's own channels' sums of squares
+  float DotPart[2][C];   // and of Dot's products
+  float DA_part[W / 32];
+  ProductParts<W> parts[kBlocksOf<D>];
 };
 
 // Blocks an SM, as many as the shared memory admits (228 KB, 1 KB of each block
 // reserved), which cap the registers (__launch_bounds__): 204 a thread at D =
-// 64 (five blocks), 170 at 128 (three), 255 at 256 (one).
+// 64 (five blocks), 170 at 128 and in a pair (three).
 template <int D>
 constexpr int kMinBlocks = static_cast<int>(228 * 1024 / (sizeof(Smem<D>) + 1024));
-static_assert(kMinBlocks<kMaxHeadSize> >= 1, "a block fits an SM");
+static_assert(kMinBlocks<kMaxHeadSize> >= 3, "a pair's blocks as the 128-wide block");
 
-// The record gradients into shared memory by cp.async (one group): dW and dU0
-// into the padded tiles that the products read, the rest as they lie.
+// The record gradients of the block's channels (from channel ch0) into shared
+// memory by cp.async (one group): dW and dU0 into the padded tiles that the
+// products read, the rest as they lie; dAqk whole.
 template <int D>
-__device__ __forceinline__ void copy_record_gradients(const float* src, Smem<D>& sm, int d) {
+__device__ __forceinline__ void copy_record_gradients(const float* src, Smem<D>& sm, int d, int ch0) {
   using DR = RecordGradLayout<D>;
-  constexpr int kRowPieces = D / 4;  // 16-byte pieces a row
-  for (int e = d; e < C * kRowPieces; e += D) {
+  constexpr int W = kWidthOf<D>;
+  constexpr int kRowPieces = W / 4;  // 16-byte pieces of the block's part of a row
+  for (int e = d; e < C * kRowPieces; e += W) {
     const int i = e / kRowPieces, col = 4 * (e % kRowPieces);
-    cp_async_16(smem_u32(&sm.RW[i][col]), src + DR::kW + i * D + col);
-    cp_async_16(smem_u32(&sm.RU[i][col]), src + DR::kU0 + i * D + col);
-    cp_async_16(smem_u32(&sm.Qs[i][col]), src + DR::kQs + i * D + col);
-    cp_async_16(smem_u32(&sm.Kd[i][col]), src + DR::kKd + i * D + col);
+    const float* row = src + i * D + ch0 + col;
+    cp_async_16(smem_u32(&sm.RW[i][col]), row + DR::kW);
+    cp_async_16(smem_u32(&sm.RU[i][col]), row + DR::kU0);
+    cp_async_16(smem_u32(&sm.Qs[i][col]), row + DR::kQs);
+    cp_async_16(smem_u32(&sm.Kd[i][col]), row + DR::kKd);
   }
-  for (int e = d; e < (C * C + D) / 4; e += D) {
+  for (int e = d; e < (C * C + W) / 4; e += W) {
     const bool aqk = e < C * C / 4;
     cp_async_16(aqk ? smem_u32(&sm.Aqk[4 * e]) : smem_u32(&sm.gl[4 * e - C * C]),
-                src + (aqk ? DR::kAqk + 4 * e : DR::kGl + 4 * e - C * C));
+                src + (aqk ? DR::kAqk + 4 * e : DR::kGl + ch0 + 4 * e - C * C));
   }
   cp_async_commit();
 }
@@ -542,25 +596,27 @@ __device__ __forceinline__ void copy_record_gradients(const float* src, Smem<D>&
 // products of the tokens' decays (level_factors) instead of exp(G_i) exp(-G_j).
 // kGiven: a precomputed gate (FwdParams::gate_given), dg = dlambda.
 template <int D, bool kChain, bool kSoftplus, bool kGiven>
-__global__ void __launch_bounds__(D, kMinBlocks<D>) prepare_backward_kernel(const PrepareBwdParams bp) {
+__global__ void __launch_bounds__(kWidthOf<D>, kMinBlocks<D>) prepare_backward_kernel(const PrepareBwdParams bp) {
   static_assert(kChain || (!kSoftplus && !kGiven), "the private test op serves the bounded gate only");
-  constexpr int kThreads = D;
+  constexpr int W = kWidthOf<D>, kThreads = W;
   const FwdParams& p = bp.fwd;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   Smem<D>& sm = *reinterpret_cast<Smem<D>*>(smem_raw);
 
   ChunkPlace c;
-  if (!place_chunk(p, c)) {
+  // Both blocks of a pair take the same chunk, so both return here or neither.
+  if (!place_chunk(p, c, blockIdx.x / kBlocksOf<D>)) {
     return;
   }
+  const int rank = kPairOf<D> ? static_cast<int>(pair_rank()) : 0;
   const int64_t H = p.H;
-  const int d = threadIdx.x;
+  const int d = threadIdx.x, ch0 = W * rank, ch = ch0 + d;
   float G2[C], lam2[C], v[C];
   // The record gradients are read from the products on; the inputs first.
-  load_chunk_inputs<D, kPadOf<D>, kSoftplus, kGiven>(
-      p, c, sm.T0, sm.T1, sm.Beta, sm.InvNorm, G2, lam2, v, kChain ? sm.G : nullptr, [&] {
+  load_chunk_inputs<D, W, kPadOf<W>, kSoftplus, kGiven>(
+      p, c, ch, sm.T0, sm.T1, sm.Beta, sm.InvNorm, sm.NormPart, G2, lam2, v, kChain ? sm.G : nullptr, [&] {
         copy_record_gradients(bp.d_record + ((c.slot - p.slot_begin) * H + c.h) * RecordGradLayout<D>::kFloats, sm,
-                              d);
+                              d, ch0);
       });
 
   float qn[C], kn[C], E[C];
@@ -615,24 +671,25 @@ __global__ void __launch_bounds__(D, kMinBlocks<D>) prepare_backward_kernel(cons
 
   // dA = -strict_lower(dRw W^T + dRu U0^T): sums over the columns.
   {
-    float da[kEntries<D>];
-    rows_times_rows<D>(sm.RW, sm.T0, d, da, sm.parts, sm.RU, sm.T1);
+    float da[kEntries<W>];
+    rows_times_rows<D>(sm.RW, sm.T0, d, da, sm.parts[kCallsBeforeDa<kSoftplus> % kBlocksOf<D>], sm.RU, sm.T1);
     const int j = d % C;
 #pragma unroll
-    for (int e = 0; e < kEntries<D>; ++e) {
-      const int i = entry_row<D>(d, e);
+    for (int e = 0; e < kEntries<W>; ++e) {
+      const int i = entry_row<W>(d, e);
       sm.DA[i][j] = j < i ? -da[e] : 0.f;
     }
 #pragma unroll
-    for (int e = 0; e < kEntries<D>; ++e) {
-      const int i = entry_row<D>(d, e);
+    for (int e = 0; e < kEntries<W>; ++e) {
+      const int i = entry_row<W>(d, e);
       sm.DAb[i][j] = j < i ? sm.Beta[i] * -da[e] : 0.f;
     }
     __syncthreads();
   }
 
   // dbeta_i = sum_d (dRw_id Ke_id + dRu_id v_id) + sum_j dA_ij P_ij: the column
-  // terms staged, then four threads a row as in the norms.
+  // terms staged, then four threads a row as in the norms (in a pair, block 0
+  // adds block 1's channels' sums at the end: activation_gradients).
 #pragma unroll
   for (int i = 0; i < C; ++i) {
     sm.T0[i][d] = sm.RW[i][d] * kn[i] * E[i] + sm.RU[i][d] * v[i];
@@ -642,7 +699,7 @@ __global__ void __launch_bounds__(D, kMinBlocks<D>) prepare_backward_kernel(cons
     const int row = d / 4, part = d % 4;
     float s = 0.f;
 #pragma unroll
-    for (int m = 0; m < D / 16; ++m) {
+    for (int m = 0; m < W / 16; ++m) {
       const float4 t = *reinterpret_cast<const float4*>(&sm.T0[row][m * 16 + part * 4]);
       s += t.x + t.y + t.z + t.w;
     }
@@ -654,14 +711,14 @@ __global__ void __launch_bounds__(D, kMinBlocks<D>) prepare_backward_kernel(cons
       for (int j = 0; j < C; ++j) {
         a += sm.DA[row][j] * sm.P[row][j];
       }
-      sm.Db[row] = s + a;
+      sm.Db[row] = rank == 0 ? s + a : s;
     }
   }
   __syncthreads();
 
   // v's gradient now: dRu is not read past here (its tile takes dk^ below).
   if constexpr (kChain) {
-    const ChunkColumn<D> dv(bp.grads.dv, c, H, d);
+    const ChunkColumn<D> dv(bp.grads.dv, c, H, ch);
 #pragma unroll
     for (int i = 0; i < C; ++i) {
       if (i < c.len) {
@@ -672,7 +729,7 @@ __global__ void __launch_bounds__(D, kMinBlocks<D>) prepare_backward_kernel(cons
 #pragma unroll
     for (int i = 0; i < C; ++i) {
       if (i < c.len) {
-        bp.dv[((c.bos + i) * H + c.h) * D + d] = sm.Beta[i] * sm.RU[i][d];
+        bp.dv[((c.bos + i) * H + c.h) * D + ch] = sm.Beta[i] * sm.RU[i][d];
       }
     }
   }
@@ -692,7 +749,7 @@ __global__ void __launch_bounds__(D, kMinBlocks<D>) prepare_backward_kernel(cons
       sm.RW[i][d] = dq;
       sm.RU[i][d] = dk;
     } else if (i < c.len) {
-      const int64_t idx = ((c.bos + i) * H + c.h) * D + d;
+      const int64_t idx = ((c.bos + i) * H + c.h) * D + ch;
       bp.dqn[idx] = dq;
       bp.dkn[idx] = dk;
     }
@@ -743,12 +800,16 @@ __global__ void __launch_bounds__(D, kMinBlocks<D>) prepare_backward_kernel(cons
     }
     dG[C - 1] += gl * dgl;
   }
-  activation_gradients<D, kChain, kSoftplus, kGiven>(bp, c, d, dG, lam2, qn, kn, sm.T0, sm.T1, sm.Dot, sm.DA_part,
-                                                  sm.RW, sm.RU, sm.G, sm.InvNorm, sm.Db, sm.Beta);
+  activation_gradients<D, kChain, kSoftplus, kGiven>(bp, c, d, ch, rank, dG, lam2, qn, kn, sm.T0, sm.T1, sm.Dot,
+                                                  sm.DotPart, sm.DA_part, sm.RW, sm.RU, sm.G, sm.InvNorm, sm.Db,
+                                                  sm.Beta);
+  if constexpr (kPairOf<D>) {
+    pair_wait();  // the partner's last reads of this block's shared memory
+  }
 }
 
 template <int D>
-void launch_prepare_backward_at(const PrepareBwdParams& bp, int64_t blocks, cudaStream_t stream) {
+void launch_prepare_backward_at(const PrepareBwdParams& bp, cudaStream_t stream) {
   TORCH_CHECK(bp.fwd.H <= INT32_MAX / (C * D), "kda.bwd: H = ", std::to_string(bp.fwd.H),
               " heads (q's dimension 2) put a chunk's rows further apart than the kernel's 32-bit steps reach; ",
               "at most ", std::to_string(INT32_MAX / (C * D)));
@@ -766,26 +827,17 @@ void launch_prepare_backward_at(const PrepareBwdParams& bp, int64_t blocks, cuda
       kernel = prepare_backward_kernel<D, false, false, false>;
     }
   }
-  C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem));
-  // Several blocks an SM need the largest carveout.
-  C10_CUDA_CHECK(
-      cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout, cudaSharedmemCarveoutMaxShared));
-  kernel<<<static_cast<unsigned int>(blocks), D, kSmem, stream>>>(bp);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  launch_chunk_heads(kernel, bp, bp.fwd, kBlocksOf<D>, kWidthOf<D>, kSmem, stream);
 }
 
 }  // namespace
 
 void launch_prepare_backward(const PrepareBwdParams& bp, cudaStream_t stream) {
-  const int64_t slots = bp.fwd.slot_end - bp.fwd.slot_begin;
-  if (slots <= 0 || bp.fwd.H == 0) {
+  if (bp.fwd.slot_end <= bp.fwd.slot_begin || bp.fwd.H == 0) {
     return;
   }
-  const int64_t blocks = slots * bp.fwd.H;
-  TORCH_CHECK(blocks <= INT32_MAX, "kda.bwd: ", std::to_string(slots), " chunks x ", std::to_string(bp.fwd.H),
-              " heads is more blocks than one launch takes");
   ChunkedHeadSizes::dispatch(bp.fwd.head_size,
-                              [&](auto head_size) { launch_prepare_backward_at<head_size.value>(bp, blocks, stream); });
+                              [&](auto head_size) { launch_prepare_backward_at<head_size.value>(bp, stream); });
 }
 
 }  // namespace kda::cuda

@@ -23,12 +23,12 @@
 // per chunk and head, and dS1's loads then overlap those products instead of
 // following them.
 #include <c10/cuda/CUDAException.h>
-#include <cooperative_groups.h>
 
 #include <cstddef>
 #include <string>
 
 #include "cuda/backward/split_products.cuh"
+#include "cuda/block_pair.cuh"
 #include "cuda/device_utils.cuh"
 #include "cuda/launch.h"
 #include "cuda/mma.cuh"
@@ -38,20 +38,15 @@ namespace {
 
 // A block's value rows at head size D: all D up to 128; at 256, S0 and dS1
 // whole would take 256 KB, so two blocks a (chunk slot, head) take 128 rows
-// each, and their partial sums meet in one of them (kPair).
+// each, and their partial sums meet in one of them (kPairOf).
 template <int D>
-constexpr int kVParts = record_gradient_parts(D);
-template <int D>
-constexpr int kGradRows = D / kVParts<D>;
+constexpr int kGradRows = D / kBlocksOf<D>;
 // A block's warps: each takes 16 of its value rows, and D / kGradRows key
 // slices of 16 columns of the record gradients.
 template <int D>
 constexpr int kGradWarps = kGradRows<D> / 16;
 template <int D>
 constexpr int kGradThreads = 32 * kGradWarps<D>;
-// The two blocks of a (chunk slot, head) as a cluster (kVParts = 2).
-template <int D>
-constexpr bool kPair = kVParts<D> > 1;
 // Where a block receives its partner's partial sums: block 0 dQs [t][k] then
 // dW; block 1 dKd, then dAqk [i][j], then dgl. Rows kPitch floats apart, 8
 // more than D: a half-warp's float2 accesses of rows g.. then meet no bank twice.
@@ -60,7 +55,7 @@ struct Recv {
   static constexpr int kPitch = D + 8;
   static constexpr int kQs = 0, kW = C * kPitch;
   static constexpr int kKd = 0, kAqk = C * kPitch, kGl = C * kPitch + C * C;
-  static constexpr int kFloats = kPair<D> ? 2 * C * kPitch : 4;
+  static constexpr int kFloats = kPairOf<D> ? 2 * C * kPitch : 4;
   static_assert(kGl + D <= 2 * C * kPitch, "dKd, dAqk and dgl within the room of dQs and dW");
 };
 
@@ -76,31 +71,9 @@ struct __align__(16) GradSmem {
   __nv_bfloat16 u[2][C * Dv];     // U [t][v]
   __nv_bfloat16 du[2][C * Dv];    // dU [t][v]
   float dgl[kGradWarps<D>][D];    // per warp: the sum over its rows of S0 * dS1
-  float recv[Recv<D>::kFloats];   // the partner block's partial sums (kPair)
+  float recv[Recv<D>::kFloats];   // the partner block's partial sums (kPairOf)
   static_assert(RecordLayout<D>::kW % 16 == 0 && RecordLayout<D>::kM % 16 == 0, "16-byte copies");
 };
-
-// The two blocks of a pair meet: every write of one block's shared memory by
-// the other before it is visible after it (the cluster barrier's release and
-// acquire, which ptxas implements as a GPU-wide memory barrier: it waits for
-// the thread's global stores too, so none are in flight here).
-__device__ __forceinline__ void pair_sync() {
-  cooperative_groups::this_cluster().sync();
-}
-
-// The same without ordering memory: both blocks run after it (a block's shared
-// memory may be written by the other only then), while the loads issued
-// before it stay in flight.
-__device__ __forceinline__ void pair_start() {
-  asm volatile("barrier.cluster.arrive.relaxed.aligned;\nbarrier.cluster.wait.aligned;\n" ::: "memory");
-}
-
-// The partner block's copy of a shared array (distributed shared memory).
-template <typename T>
-__device__ __forceinline__ T* partner_of(T* local) {
-  auto cluster = cooperative_groups::this_cluster();
-  return cluster.map_shared_rank(local, cluster.block_rank() ^ 1u);
-}
 
 // Four consecutive values of one row into the hi and lo planes at idx (a multiple of 4).
 __device__ __forceinline__ void store_split4(__nv_bfloat16* hi, __nv_bfloat16* lo, int idx, float4 x) {
@@ -202,7 +175,7 @@ __device__ __forceinline__ void store_slice(float* dst, const float (&x)[2][4], 
 
 // Blocks an SM: two up to D = 128; one at 256 (214 KB).
 template <int D>
-constexpr int kGradBlocksPerSm = kVParts<D> == 1 ? 2 : 1;
+constexpr int kGradBlocksPerSm = kBlocksOf<D> == 1 ? 2 : 1;
 
 template <int D, bool kDoutFp32>
 __global__ void __launch_bounds__(kGradThreads<D>, kGradBlocksPerSm<D>) record_grads_kernel(const SweepBwdParams bp) {
@@ -219,9 +192,9 @@ __global__ void __launch_bounds__(kGradThreads<D>, kGradBlocksPerSm<D>) record_g
   constexpr bool kDoLo = kDoutFp32;
 
   const int64_t H = p.H;
-  const int part = static_cast<int>(blockIdx.x % kVParts<D>);  // the cluster's block rank where kPair
+  const int part = static_cast<int>(blockIdx.x % kBlocksOf<D>);  // the cluster's block rank where kPairOf
   const int vbase = Dv * part;  // the block's first value row
-  const int64_t pair = blockIdx.x / kVParts<D>;
+  const int64_t pair = blockIdx.x / kBlocksOf<D>;
   const int64_t h = pair % H;
   const int64_t wslot = pair / H;  // per-slot buffers are indexed from the window's first slot
   const int64_t slot = p.slot_begin + wslot;
@@ -266,7 +239,7 @@ __global__ void __launch_bounds__(kGradThreads<D>, kGradBlocksPerSm<D>) record_g
     cp_async_commit();
   }
   float* partner_recv = nullptr;
-  if constexpr (kPair<D>) {
+  if constexpr (kPairOf<D>) {
     pair_start();
     partner_recv = partner_of(sm.recv);
   }
@@ -330,7 +303,7 @@ __global__ void __launch_bounds__(kGradThreads<D>, kGradBlocksPerSm<D>) record_g
   // The record gradients [t][k] for key columns k0.. +16 (k0 = v0 + Dv s for
   // the warp's key slices s), summed over the block's value rows: A = dO, dU, U
   // [t][v] (rows t), B = S0, then dS1 [v][k] (k dimension v). First dQs = dO
-  // S0 and dW = -dU S0 (where kPair, block 0 keeps its own until block 1's come).
+  // S0 and dW = -dU S0 (where kPairOf, block 0 keeps its own until block 1's come).
   float own_q[kKeySlices][2][4], own_w[kKeySlices][2][4];
 #pragma unroll
   for (int ks = 0; ks < kKeySlices; ++ks) {
@@ -356,7 +329,7 @@ __global__ void __launch_bounds__(kGradThreads<D>, kGradBlocksPerSm<D>) record_g
     }
     slice_sums<false>(aq, own_q[ks]);
     slice_sums<true>(aw, own_w[ks]);
-    if (!kPair<D>) {
+    if (!kPairOf<D>) {
       store_slice<D>(dr + DR::kQs, own_q[ks], k0, g, t4);
       store_slice<D>(dr + DR::kW, own_w[ks], k0, g, t4);
     } else if (part == 1) {
@@ -385,10 +358,10 @@ __global__ void __launch_bounds__(kGradThreads<D>, kGradBlocksPerSm<D>) record_g
         mma_split<kDoLo, true>(aa, nt, doh, dol, bh[2 * nt], bh[2 * nt + 1], bl[2 * nt], bl[2 * nt + 1], kv == 0);
       }
     }
-    // [i][j], i = g + 8 (e / 2), j = 8 nt + 2 t4 + e % 2; where kPair block 1 stores it.
+    // [i][j], i = g + 8 (e / 2), j = 8 nt + 2 t4 + e % 2; where kPairOf block 1 stores it.
     slice_sums<false>(aa, own_a);
-    if (!kPair<D> || part == 0) {
-      float* to = kPair<D> ? partner_recv + Recv<D>::kAqk : dr + DR::kAqk;
+    if (!kPairOf<D> || part == 0) {
+      float* to = kPairOf<D> ? partner_recv + Recv<D>::kAqk : dr + DR::kAqk;
 #pragma unroll
       for (int nt = 0; nt < 2; ++nt) {
         const int j = 8 * nt + 2 * t4;
@@ -398,7 +371,7 @@ __global__ void __launch_bounds__(kGradThreads<D>, kGradBlocksPerSm<D>) record_g
     }
   }
   cp_async_wait<0>();
-  if constexpr (kPair<D>) {
+  if constexpr (kPairOf<D>) {
     pair_sync();  // dS1's plane complete; block 1's dQs and dW in block 0's (stored after the next)
   } else {
     __syncthreads();  // dS1's plane complete
@@ -422,7 +395,7 @@ __global__ void __launch_bounds__(kGradThreads<D>, kGradBlocksPerSm<D>) record_g
     }
   }
   __syncthreads();
-  float own_k[kKeySlices][2][4];  // dKd, which block 1 keeps where kPair until block 0's come
+  float own_k[kKeySlices][2][4];  // dKd, which block 1 keeps where kPairOf until block 0's come
 #pragma unroll
   for (int ks = 0; ks < kKeySlices; ++ks) {
     const int k0 = v0 + Dv * ks;
@@ -441,7 +414,7 @@ __global__ void __launch_bounds__(kGradThreads<D>, kGradBlocksPerSm<D>) record_g
       }
     }
     slice_sums<false>(ak, own_k[ks]);
-    if (!kPair<D>) {
+    if (!kPairOf<D>) {
       store_slice<D>(dr + DR::kKd, own_k[ks], k0, g, t4);
     } else if (part == 0) {
       store_slice<Recv<D>::kPitch>(partner_recv + Recv<D>::kKd, own_k[ks], k0, g, t4);
@@ -454,11 +427,11 @@ __global__ void __launch_bounds__(kGradThreads<D>, kGradBlocksPerSm<D>) record_g
     for (int w = 0; w < kWarps; ++w) {
       own_gl += sm.dgl[w][tid];
     }
-    if (!kPair<D> || part == 0) {
-      (kPair<D> ? partner_recv + Recv<D>::kGl : dr + DR::kGl)[tid] = own_gl;
+    if (!kPairOf<D> || part == 0) {
+      (kPairOf<D> ? partner_recv + Recv<D>::kGl : dr + DR::kGl)[tid] = own_gl;
     }
   }
-  if constexpr (kPair<D>) {
+  if constexpr (kPairOf<D>) {
     pair_sync();  // block 0's dKd, dAqk and dgl in block 1's; block 0 is done with block 1's memory
     if (part == 0) {
 #pragma unroll
@@ -491,49 +464,25 @@ __global__ void __launch_bounds__(kGradThreads<D>, kGradBlocksPerSm<D>) record_g
 }
 
 template <int D, bool kDoutFp32>
-void launch_record_grads(const SweepBwdParams& bp, int64_t blocks, cudaStream_t stream) {
+void launch_record_grads(const SweepBwdParams& bp, cudaStream_t stream) {
   constexpr size_t kSmem = sizeof(GradSmem<D>);
   static_assert(kSmem <= 227 * 1024, "over the per-block shared memory of sm_90");
   static_assert(kGradBlocksPerSm<D> * (kSmem + 1024) <= 228 * 1024, "the blocks an SM of __launch_bounds__");
-  auto* kernel = record_grads_kernel<D, kDoutFp32>;
-  C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(kSmem)));
-  C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout, cudaSharedmemCarveoutMaxShared));
-  TORCH_CHECK(blocks <= INT32_MAX / kVParts<D>, "kda.bwd: ", std::to_string(bp.fwd.slot_end - bp.fwd.slot_begin),
-              " chunks x ", std::to_string(bp.fwd.H), " heads is more blocks than one launch takes");
-  const auto grid = static_cast<unsigned int>(blocks * kVParts<D>);
-  if constexpr (kPair<D>) {
-    cudaLaunchConfig_t config = {};
-    config.gridDim = dim3(grid);
-    config.blockDim = dim3(kGradThreads<D>);
-    config.dynamicSmemBytes = kSmem;
-    config.stream = stream;
-    cudaLaunchAttribute cluster = {};
-    cluster.id = cudaLaunchAttributeClusterDimension;
-    cluster.val.clusterDim.x = kVParts<D>;
-    cluster.val.clusterDim.y = 1;
-    cluster.val.clusterDim.z = 1;
-    config.attrs = &cluster;
-    config.numAttrs = 1;
-    C10_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, bp));
-  } else {
-    kernel<<<grid, kGradThreads<D>, kSmem, stream>>>(bp);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
-  }
+  launch_chunk_heads(record_grads_kernel<D, kDoutFp32>, bp, bp.fwd, kBlocksOf<D>, kGradThreads<D>, kSmem, stream);
 }
 
 }  // namespace
 
 void launch_record_gradients(const SweepBwdParams& bp, cudaStream_t stream) {
-  const int64_t blocks = (bp.fwd.slot_end - bp.fwd.slot_begin) * bp.fwd.H;
-  if (bp.fwd.N == 0 || blocks == 0) {
+  if (bp.fwd.N == 0 || bp.fwd.slot_end <= bp.fwd.slot_begin || bp.fwd.H == 0) {
     return;
   }
   ChunkedHeadSizes::dispatch(bp.fwd.head_size, [&](auto head_size) {
     constexpr int D = decltype(head_size)::value;
     if (bp.grad_out_fp32) {
-      launch_record_grads<D, true>(bp, blocks, stream);
+      launch_record_grads<D, true>(bp, stream);
     } else {
-      launch_record_grads<D, false>(bp, blocks, stream);
+      launch_record_grads<D, false>(bp, stream);
     }
   });
 }

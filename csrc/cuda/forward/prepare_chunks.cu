@@ -838,7 +838,7 @@ __global__ void __launch_bounds__(32 * kK1Warps<D>, (kMinBlocksPerSm<D, kWKdLoPl
   }
 
   ChunkPlace c;
-  if (!place_chunk(p, c)) {
+  if (!place_chunk(p, c, blockIdx.x)) {
     return;
   }
   const B b(st);
