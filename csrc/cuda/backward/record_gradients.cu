@@ -361,13 +361,7 @@ __global__ void __launch_bounds__(kGradThreads<D>, kGradBlocksPerSm<D>) record_g
     // [i][j], i = g + 8 (e / 2), j = 8 nt + 2 t4 + e % 2; where kPairOf block 1 stores it.
     slice_sums<false>(aa, own_a);
     if (!kPairOf<D> || part == 0) {
-      float* to = kPairOf<D> ? partner_recv + Recv<D>::kAqk : dr + DR::kAqk;
-#pragma unroll
-      for (int nt = 0; nt < 2; ++nt) {
-        const int j = 8 * nt + 2 * t4;
-        *reinterpret_cast<float2*>(to + g * C + j) = make_float2(own_a[nt][0], own_a[nt][1]);
-        *reinterpret_cast<float2*>(to + (g + 8) * C + j) = make_float2(own_a[nt][2], own_a[nt][3]);
-      }
+      store_slice<C>(kPairOf<D> ? partner_recv + Recv<D>::kAqk : dr + DR::kAqk, own_a, 0, g, t4);
     }
   }
   cp_async_wait<0>();
@@ -446,15 +440,7 @@ __global__ void __launch_bounds__(kGradThreads<D>, kGradBlocksPerSm<D>) record_g
         store_slice<D, Recv<D>::kPitch>(dr + DR::kKd, own_k[ks], v0 + Dv * ks, g, t4, sm.recv + Recv<D>::kKd);
       }
       if (warp == kWarps - 1) {
-        const float* other = sm.recv + Recv<D>::kAqk;
-#pragma unroll
-        for (int nt = 0; nt < 2; ++nt) {
-#pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            const int at = (g + 8 * (e / 2)) * C + 8 * nt + 2 * t4 + e % 2;
-            dr[DR::kAqk + at] = own_a[nt][e] + other[at];
-          }
-        }
+        store_slice<C>(dr + DR::kAqk, own_a, 0, g, t4, sm.recv + Recv<D>::kAqk);
       }
       if (tid < D) {
         dr[DR::kGl + tid] = own_gl + sm.recv[Recv<D>::kGl + tid];
