@@ -26,13 +26,14 @@ namespace {
 
 constexpr int C = kChunk;
 
-// At head size 256 one block of 256 threads takes 130 KB of shared memory and
-// 235 registers a thread: it runs alone on its SM, eight warps, bound by
-// latency (ncu: 6.5 cycles an issued instruction). There a (chunk slot, head)
-// takes two blocks of 128 channels as a cluster (block_pair.cuh), each laid
-// out as the 128-wide block (three an SM), which add each other's partial sums
-// over the channels: in each block own + partner's, the same bits in both, as
-// IEEE addition commutes, so that both hold the same P, T and dA.
+// At head size 256 one block of 256 threads would take 130 KB of shared memory
+// and 235 registers a thread, alone on its SM. A (chunk slot, head) takes two
+// blocks of 128 channels as a cluster instead (block_pair.cuh), each laid out
+// as the 128-wide block, three an SM, so that the 256-wide kernel is the
+// 128-wide code and its launches' tails are half as coarse (measured in
+// docs/performance-notes.md). The blocks add each other's partial sums over the
+// channels: in each block own + partner's, the same bits in both, as IEEE
+// addition commutes, so that both hold the same P, T and dA.
 // A block's channels and threads: thread d owns channel W r + d of block r.
 template <int D>
 constexpr int kWidthOf = D / kBlocksOf<D>;
