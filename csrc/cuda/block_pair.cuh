@@ -1,7 +1,8 @@
 // Two blocks that share a (chunk slot, head) at head size 256, where one block
-// of the 128-wide layout would not fit an SM (the record gradients split the
-// value rows, K1's backward the key channels): a cluster of two, whose blocks
-// meet at cluster barriers and read each other's shared memory.
+// would not fit an SM (the record gradients, which split the value rows) or
+// would run alone on it (K1's backward, which splits the key channels): a
+// cluster of two, whose blocks meet at cluster barriers and read each other's
+// shared memory.
 #pragma once
 
 #include <c10/cuda/CUDAException.h>
