@@ -114,6 +114,28 @@ def test_ds_block_by_row_groups_an_sm(D, lengths, H, expected):
     assert ds == expected and k2 == plan(lengths, H, bf16_state=False, D=D)[0]
 
 
+@pytest.mark.parametrize("lengths, H, expected", [
+    # (window in slots, segments a window); measured on an H100 (docs/performance-notes.md,
+    # "The backward's segments"): near 32 pairs after the cut, 32 chunks a segment for
+    # every head, windows of at least 1,024 chunks; the backward's ms one pass -> cut
+    ([1048576], 2, (4228, 16)),   # 16 windows, 16 segments: 60.6 -> 25.1
+    ([131072], 4, (2114, 8)),     # 9.46 -> 6.08
+    ([262144], 8, (1057, 4)),     # case 13: 24.2 -> 22.0
+    ([131072], 8, (1057, 4)),     # 12.3 -> 11.2
+    ([32768], 8, (1057, 4)),      # 3.35 -> 3.13
+    ([16384], 2, (1024, 16)),     # 1.39 -> 0.98
+    ([8192], 4, (512, 1)),        # one pass of 512 chunks: cut into 4, 0.80 -> 0.94
+    ([65536], 16, (528, 1)),      # 16 heads: 9.23 -> 10.88 at P = 2
+    ([32768] * 2, 4, (4098, 1)),  # several sequences: never cut
+])
+def test_backward_segments_for_a_lone_sequence_on_few_heads(lengths, H, expected):
+    got = torch.ops.kda_testing.backward_plan(len(lengths), sum(lengths), len(lengths) > 1, H, SMS, False, 128,
+                                              80 << 30)
+    assert tuple(got[2:]) == expected
+    with forced(segments=1):
+        assert torch.ops.kda_testing.backward_plan(1, lengths[0], False, H, SMS, False, 128, 80 << 30)[3] == 1
+
+
 def test_plans_refuse_unserved_head_sizes():
     for D in (0, 100, 512, (1 << 32) + 128):
         with pytest.raises(RuntimeError, match=rf"head_size must be a size the chunked kernels serve .* got {D}"):

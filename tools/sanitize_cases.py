@@ -16,7 +16,8 @@ backward runs the 256- and 64-wide kernels on the padded problem, with each of
 the dS recurrence's block shapes there and with a precomputed gate.
 backward: forward + backward steps of both gates, of grouped value heads and of a
 precomputed gate (fp32 and bf16 g) on varlen sequences (an empty one, odd lengths, a partial last chunk),
-and K1's backward alone (the private test op).
+the backward of a lone sequence over segments (with and without windows), and K1's
+backward alone (the private test op).
 Each result is checked finite; a sanitizer's report is the test.
 """
 import sys
@@ -216,6 +217,17 @@ def backward():
         (out.float().square().sum() + final.square().sum()).backward()
         for t in (q, k, v, lam, beta, h0):
             assert torch.isfinite(t.grad).all()
+    # The dS recurrence of a lone sequence over segments (the passes, the scan,
+    # the recurrence proper), in windows of 2 chunks cut 3 ways, and in one pass
+    # cut 3 ways; an fp32 grad_out
+    q, k, v, g, beta = inputs(83, H, gen)
+    grad_out = torch.randn(*v.shape, device="cuda", generator=gen)
+    h0 = torch.randn(1, H, D, D, device="cuda", generator=gen)
+    for window in (2, 0):
+        with forced(segments=3, window_slots=window):
+            got = torch.ops.kda.bwd(grad_out, h0, q, k, v, g, beta, A_log.detach(), dt_bias.detach(), lower_bound=-5.0,
+                                    initial_state=h0)
+        assert all(torch.isfinite(t).all() for t in got)
     q, k, v, g, beta = inputs(37, H, gen)
     d_record = torch.randn(3, H, RECORD_GRAD_FLOATS, device="cuda", generator=gen)
     got = torch.ops.kda_testing.prepare_bwd(q, k, v, g, beta, A_log.detach(), dt_bias.detach(), d_record, None, -5.0)

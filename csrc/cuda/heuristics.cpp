@@ -201,6 +201,29 @@ DsBlock automatic_ds_block(const FwdParams& p) {
   return warps_per_sm > 1 ? DsBlock::k4x2 : DsBlock::k2x2;
 }
 
+// The backward's segments (a lone sequence's windows, backward/schedule.cpp):
+// its dS recurrence is one chain a head, as K2 is; the segments' passes cost
+// about 1.5x its work on top (one launch for both halves, then the recurrence
+// proper), so they pay only where a window runs few heads. Measured on an H100
+// (docs/performance-notes.md, "The backward's segments"): best near 32 pairs
+// after the cut; at 8 heads 7-9 % off the backward, at 16 slower at every P;
+// each segment at least 32 chunks for every head; windows of 512 chunks lost
+// to the cut's fixed costs (about fifteen small launches), 1,024 gained.
+constexpr int64_t kBackwardSegmentMaxHeads = 8;
+constexpr int64_t kBackwardSegmentTargetPairs = 32;
+constexpr int64_t kBackwardSegmentMinWindow = 1024;
+
+int64_t automatic_backward_segments(const FwdParams& p, int64_t window) {
+  if (p.N != 1 || p.H > kBackwardSegmentMaxHeads || window < kBackwardSegmentMinWindow) {
+    return 1;
+  }
+  const int64_t H = std::max<int64_t>(p.H, 1);
+  const int64_t wanted = pow2_ceil((kBackwardSegmentTargetPairs + H - 1) / H);
+  const int64_t by_length = window / (kSegmentChunksPerPair * H);
+  const int64_t segments = std::min({wanted, by_length >= 1 ? pow2_floor(by_length) : 1, kMaxSegments});
+  return std::max<int64_t>(segments, 1);
+}
+
 // The backward's windows when the call is long enough to need them: as few
 // slots as hold kWindowScratch of scratch, for H heads of D channels.
 int64_t backward_window_floor(int64_t H, int64_t D) {
@@ -265,6 +288,12 @@ BackwardPlan backward_plan(const FwdParams& p, int64_t device_memory, bool saved
   plan.ds_block = forced_or("ds_block", f.ds_block, p.head_size, kDsBlocks, automatic_ds_block(p));
   plan.window = f.window_slots.has_value() ? forced_window(*f.window_slots, p.num_slots)
                                            : backward_window(p, device_memory, saved_states, saved_records);
+  plan.segments = p.N == 1 ? f.segments.value_or(automatic_backward_segments(p, plan.window)) : 1;
+  if (plan.segments > 1) {
+    FwdParams cut = p;
+    cut.N = plan.segments;
+    plan.ds_block = forced_or("ds_block", f.ds_block, p.head_size, kDsBlocks, automatic_ds_block(cut));
+  }
   return plan;
 }
 

@@ -1,10 +1,12 @@
 // Every automatic choice of the CUDA path, in one place: K2's and the dS
 // recurrence's block shapes, the 4x1w forward's copy point, the windows of
 // chunk slots that bound the forward's workspace and the backward's scratch,
-// and the segments a long sequence is cut into (segments.h). None of them
-// changes a result's meaning; the block shapes and the segments change its
-// low bits (they sum in different orders), the windows none. The testing hook
-// (testing/hook.h) overrides each of them for the whole process.
+// and the segments a long sequence is cut into (segments.h; in the backward,
+// a lone sequence's windows). None of them changes a result's meaning; the
+// block shapes and the segments change its low bits (they sum in different
+// orders), the windows none but where the backward cuts them into segments,
+// which follow the window. The testing hook (testing/hook.h) overrides each
+// of them for the whole process.
 #pragma once
 
 #include <cstdint>
@@ -33,13 +35,16 @@ struct ForwardPlan {
 ForwardPlan forward_plan(const FwdParams& params, bool kept_records);
 
 // What one backward call runs: K2's shape (its passes without output), the dS
-// recurrence's, and the chunk slots per window. device_memory: the device's
-// total, in bytes; saved_states, saved_records: the forward's chunk-start
-// states, and its records, are given.
+// recurrence's, the chunk slots per window, and for a lone sequence the
+// segments each window's dS recurrence is cut into (backward/schedule.cpp;
+// the dS recurrence's shape then chosen for the segments). device_memory: the
+// device's total, in bytes; saved_states, saved_records: the forward's
+// chunk-start states, and its records, are given.
 struct BackwardPlan {
   RecurrenceShape recurrence;
   DsBlock ds_block = DsBlock::k4x1;
   int64_t window = 0;
+  int64_t segments = 1;
 };
 BackwardPlan backward_plan(const FwdParams& params, int64_t device_memory, bool saved_states, bool saved_records);
 

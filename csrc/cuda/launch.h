@@ -125,8 +125,10 @@ constexpr bool has_kernels(DsBlock block, int D) {
 // (backward/ds_recurrence.cu: row groups of each (sequence, head) spread over
 // blocks, backward over its chunks; dU, dS at each chunk's end, the initial
 // state's gradient), then the record gradients (backward/record_gradients.cu:
-// one block per (chunk slot, head)).
-void launch_ds_recurrence(const SweepBwdParams& params, cudaStream_t stream, DsBlock block);
+// one block per (chunk slot, head)). ends_only: the segmented dS recurrence's
+// passes (backward/schedule.cpp): only each sequence's d_initial (and, with
+// params.d_maps, its map), no dU or dS per chunk.
+void launch_ds_recurrence(const SweepBwdParams& params, cudaStream_t stream, DsBlock block, bool ends_only = false);
 void launch_record_gradients(const SweepBwdParams& params, cudaStream_t stream);
 
 // The segmented forward's scan (forward/segment_scan.cu; segments.h

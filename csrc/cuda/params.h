@@ -249,6 +249,10 @@ struct SweepBwdParams {
   float* d_record = nullptr;     // [window slots, H, record_grad_floats(head_size)]
   float* d_carry = nullptr;      // [N, H, V, K] fp32: dS between windows; null with one window
   float* d_initial = nullptr;    // [N, H, V, K] fp32, or null (not wanted)
+  // The segments' passes (launch_ds_recurrence's ends_only): each sequence's
+  // dS at its start from the identity at its end with dO = 0, [N, H, K, K]
+  // fp32, or null (not wanted).
+  float* d_maps = nullptr;
 };
 
 // The state pool's kernels (pool.cu): kda::fwd_pool_'s decode, one block per

@@ -4,8 +4,9 @@
 // the CUDA path's, kda_testing::force_segments the segments
 // (torch_kda.testing.forced wraps both). None changes a result's meaning: the
 // block shapes and the segments change its low bits (they sum in different
-// orders), the windows none. An op reads the settings once per call, before
-// it enqueues the kernels whose shapes they set.
+// orders), the windows none (but a backward's in segments, which follow the
+// window: heuristics.h). An op reads the settings once per call, before it
+// enqueues the kernels whose shapes they set.
 #pragma once
 
 #include <cstdint>
@@ -26,7 +27,9 @@ struct Forced {
   std::optional<cuda::RecurrenceBlock> recurrence_block;  // K2's block shape
   std::optional<cuda::DsBlock> ds_block;                  // the dS recurrence's
   std::optional<int64_t> window_slots;  // CUDA: 0 one pass; n > 0 windows of n chunk slots
-  std::optional<int64_t> segments;      // both devices: P >= 1 segments a sequence (segments.h)
+  // Both devices: P >= 1 segments a sequence (segments.h); on CUDA also a lone
+  // sequence's backward windows (backward/schedule.cpp).
+  std::optional<int64_t> segments;
 };
 
 // The settings now (a copy).

@@ -159,7 +159,12 @@ __device__ __forceinline__ void ds_update(const St& st, const float (&du)[2][4],
   }
 }
 
-template <int D, int kWarps, int kSplit, bool kDoutFp32>
+// kEndsOnly: the segments' passes (segments.h, run backward: a window's
+// segments as sequences): only each sequence's dS at its start, nothing per
+// chunk. The grid's first half gives it from grad_final and dO into
+// d_initial; with d_maps, a second half of as many blocks gives it from the
+// identity with dO = 0 into d_maps (each segment's map), at the same time.
+template <int D, int kWarps, int kSplit, bool kDoutFp32, bool kEndsOnly>
 __global__ void __launch_bounds__(kWarps * 32) ds_recurrence_kernel(const SweepBwdParams bp) {
   using Cfg = DsConfig<D, kWarps, kSplit, kDoutFp32>;
   using St = DsStageOf<Cfg>;
@@ -176,9 +181,12 @@ __global__ void __launch_bounds__(kWarps * 32) ds_recurrence_kernel(const SweepB
 
   constexpr int kGroups = D / Cfg::kCols;
   const int64_t H = p.H;
-  const int group = blockIdx.x % kGroups;
-  const int64_t h = (blockIdx.x / kGroups) % H;
-  const int64_t n = sequence_of_block_group(p, blockIdx.x / (kGroups * H));
+  const int64_t pass_blocks = p.N * H * kGroups;
+  const bool map_pass = kEndsOnly && blockIdx.x >= pass_blocks;
+  const int64_t block = map_pass ? blockIdx.x - pass_blocks : blockIdx.x;
+  const int group = block % kGroups;
+  const int64_t h = (block / kGroups) % H;
+  const int64_t n = sequence_of_block_group(p, block / (kGroups * H));
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   const int g = lane / 4, t4 = lane % 4;
   const int mi = lane / 8, mr = lane % 8;  // ldmatrix: lane l addresses row l % 8 of matrix l / 8
@@ -199,7 +207,7 @@ __global__ void __launch_bounds__(kWarps * 32) ds_recurrence_kernel(const SweepB
     return;  // the whole block: nothing of this sequence here
   }
   const unsigned char* records = reinterpret_cast<const unsigned char*>(p.workspace);
-  const unsigned char* gout = static_cast<const unsigned char*>(bp.grad_out);
+  const unsigned char* gout = map_pass ? nullptr : static_cast<const unsigned char*>(bp.grad_out);
 
   // Step c (from 0) handles slot hi - 1 - c: the sequence backward. Per-slot
   // buffers are indexed from the window's first slot.
@@ -227,7 +235,7 @@ __global__ void __launch_bounds__(kWarps * 32) ds_recurrence_kernel(const SweepB
       const int e = tid + it * kThreads;
       if (kDoutPieces % kThreads == 0 || e < kDoutPieces) {
         const int t = e / Cfg::kRowPieces, piece = e % Cfg::kRowPieces;
-        const bool valid = bos + t < seq_eos;
+        const bool valid = (!kEndsOnly || !map_pass) && bos + t < seq_eos;
         const unsigned char* src =
             valid ? gout + (((bos + t) * H + h) * D + vcol0) * Cfg::kDoutBytes + piece * 16 : gout;
         cp_async_16_or_zero(smem_u32(st.dout + t * Cfg::kDoutPitch + piece * 16), src, valid);
@@ -250,7 +258,10 @@ __global__ void __launch_bounds__(kWarps * 32) ds_recurrence_kernel(const SweepB
 #pragma unroll
   for (int j = 0; j < kNt; ++j) {
     const int64_t i0 = state_base + (v0 + g) * D + 8 * (j0 + j) + 2 * t4;
-    if (ds_in != nullptr) {
+    if (map_pass) {  // the identity: rows v0 + g (+ 8), columns 8 (j0 + j) + 2 t4 (+ 1)
+      const int row = v0 + g, col = 8 * (j0 + j) + 2 * t4;
+      ds[j][0] = row == col, ds[j][1] = row == col + 1, ds[j][2] = row + 8 == col, ds[j][3] = row + 8 == col + 1;
+    } else if (ds_in != nullptr) {
       const float2 a = *reinterpret_cast<const float2*>(ds_in + i0);
       const float2 b = *reinterpret_cast<const float2*>(ds_in + i0 + 8 * D);
       ds[j][0] = a.x, ds[j][1] = a.y, ds[j][2] = b.x, ds[j][3] = b.y;
@@ -278,7 +289,7 @@ __global__ void __launch_bounds__(kWarps * 32) ds_recurrence_kernel(const SweepB
       store_tile_pair_bf16<true>(out + 16 * jj, D, ds[2 * jj], ds[2 * jj + 1], odd);
     }
   };
-  if (nchunks > 0) {
+  if (!kEndsOnly && nchunks > 0) {
     store_ds1(hi - 1 - p.slot_begin);
   }
 
@@ -388,7 +399,7 @@ __global__ void __launch_bounds__(kWarps * 32) ds_recurrence_kernel(const SweepB
     float* dr = bp.d_record + (wslot * H + h) * DR::kFloats;
 #pragma unroll
     for (int nt = 0; nt < 2; ++nt) {
-      if (kSplit == 1 || nt == ks) {
+      if (!kEndsOnly && (kSplit == 1 || nt == ks)) {
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           const int t = 8 * nt + 2 * t4 + (e & 1), v = v0 + g + 8 * (e >> 1);
@@ -398,12 +409,12 @@ __global__ void __launch_bounds__(kWarps * 32) ds_recurrence_kernel(const SweepB
     }
 
     ds_update<kDoutFp32>(st, du, oh, ol, mi, mr, j0, t4, ds);
-    if (c + 1 < nchunks) {
+    if (!kEndsOnly && c + 1 < nchunks) {
       store_ds1(wslot - 1);
     }
   }
 
-  float* ds_out = starts_here ? bp.d_initial : bp.d_carry;
+  float* ds_out = map_pass ? bp.d_maps : starts_here ? bp.d_initial : bp.d_carry;
   if (ds_out != nullptr) {
 #pragma unroll
     for (int j = 0; j < kNt; ++j) {
@@ -414,41 +425,41 @@ __global__ void __launch_bounds__(kWarps * 32) ds_recurrence_kernel(const SweepB
   }
 }
 
-template <int D, int kWarps, int kSplit, bool kDoutFp32>
+template <int D, int kWarps, int kSplit, bool kDoutFp32, bool kEndsOnly>
 void launch_ds(const SweepBwdParams& bp, cudaStream_t stream) {
   using Cfg = DsConfig<D, kWarps, kSplit, kDoutFp32>;
   constexpr size_t kSmem = ds_smem_bytes<Cfg>();
   static_assert(kSmem <= 227 * 1024, "over the per-block shared memory of sm_90");
-  auto* kernel = ds_recurrence_kernel<D, kWarps, kSplit, kDoutFp32>;
+  auto* kernel = ds_recurrence_kernel<D, kWarps, kSplit, kDoutFp32, kEndsOnly>;
   C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(kSmem)));
-  const int64_t blocks = bp.fwd.N * bp.fwd.H * (D / Cfg::kCols);
+  const int64_t blocks = bp.fwd.N * bp.fwd.H * (D / Cfg::kCols) * (kEndsOnly && bp.d_maps != nullptr ? 2 : 1);
   TORCH_CHECK(blocks <= INT32_MAX, "kda.bwd: ", std::to_string(bp.fwd.N), " sequences x ",
               std::to_string(bp.fwd.H), " heads is more blocks than one launch takes");
   kernel<<<static_cast<unsigned int>(blocks), Cfg::kThreads, kSmem, stream>>>(bp);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-template <int D, bool kDoutFp32>
+template <int D, bool kDoutFp32, bool kEndsOnly>
 void launch_ds_for(const SweepBwdParams& bp, cudaStream_t stream, DsBlock block) {
   switch (block) {
     case DsBlock::k4x1:
       if constexpr (has_kernels(DsBlock::k4x1, D)) {
-        return launch_ds<D, 4, 1, kDoutFp32>(bp, stream);
+        return launch_ds<D, 4, 1, kDoutFp32, kEndsOnly>(bp, stream);
       }
       break;
     case DsBlock::k4x2:
       if constexpr (has_kernels(DsBlock::k4x2, D)) {
-        return launch_ds<D, 4, 2, kDoutFp32>(bp, stream);
+        return launch_ds<D, 4, 2, kDoutFp32, kEndsOnly>(bp, stream);
       }
       break;
     case DsBlock::k2x2:
       if constexpr (has_kernels(DsBlock::k2x2, D)) {
-        return launch_ds<D, 2, 2, kDoutFp32>(bp, stream);
+        return launch_ds<D, 2, 2, kDoutFp32, kEndsOnly>(bp, stream);
       }
       break;
     case DsBlock::k8x2:  // four split row groups sharing a block's stages: eight warps of 255 registers
       if constexpr (has_kernels(DsBlock::k8x2, D)) {
-        return launch_ds<D, 8, 2, kDoutFp32>(bp, stream);
+        return launch_ds<D, 8, 2, kDoutFp32, kEndsOnly>(bp, stream);
       }
       break;
   }
@@ -457,16 +468,22 @@ void launch_ds_for(const SweepBwdParams& bp, cudaStream_t stream, DsBlock block)
 
 }  // namespace
 
-void launch_ds_recurrence(const SweepBwdParams& bp, cudaStream_t stream, DsBlock block) {
+void launch_ds_recurrence(const SweepBwdParams& bp, cudaStream_t stream, DsBlock block, bool ends_only) {
   if (bp.fwd.N == 0 || bp.fwd.H == 0) {
     return;
   }
   ChunkedHeadSizes::dispatch(bp.fwd.head_size, [&](auto head_size) {
     constexpr int D = decltype(head_size)::value;
-    if (bp.grad_out_fp32) {
-      launch_ds_for<D, true>(bp, stream, block);
+    if (ends_only) {
+      if (bp.grad_out_fp32) {
+        launch_ds_for<D, true, true>(bp, stream, block);
+      } else {
+        launch_ds_for<D, false, true>(bp, stream, block);
+      }
+    } else if (bp.grad_out_fp32) {
+      launch_ds_for<D, true, false>(bp, stream, block);
     } else {
-      launch_ds_for<D, false>(bp, stream, block);
+      launch_ds_for<D, false, false>(bp, stream, block);
     }
   });
 }

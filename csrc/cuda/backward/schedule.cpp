@@ -1,6 +1,6 @@
 #include "cuda/backward/schedule.h"
 
-#include <ATen/ops/empty.h>
+#include <ATen/ATen.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAStream.h>
 
@@ -9,6 +9,67 @@
 #include "cuda/launch.h"
 
 namespace kda::cuda {
+namespace {
+
+// The dS recurrence over one window of a lone sequence, cut into P segments
+// of whole chunks that run at once: segments.h's algebra run backward, as dS
+// at a stretch's start is dS at its end times a K x K map, plus the dS that
+// the stretch's dO gives from a zero end. One launch takes each segment both
+// from a zero end (the last from the window's end, `carry`) and, as many
+// blocks again, from the identity with dO = 0, keeping only each segment's dS
+// at its start; the scan, given the segments last to first, makes every
+// segment's dS at its end; then the recurrence proper runs every segment at
+// once from there and leaves dU and dS per chunk as one pass does.
+// seq: the sequence's token offsets [2] (int64, on the device). carry
+// [1, H, D, D] fp32: dS at the window's end; on return, at its start.
+void segmented_ds_recurrence(const SweepBwdParams& sp, const at::Tensor& seq, int64_t P, DsBlock block,
+                             const at::Tensor& carry, cudaStream_t stream) {
+  const FwdParams& p = sp.fwd;
+  const int64_t H = p.H, D = p.head_size, b = p.slot_begin, chunks = p.slot_end - p.slot_begin;
+  const auto f32 = carry.options();
+  const auto i64 = f32.dtype(at::kLong);
+  // Segment j: chunks [b + j chunks / P, b + (j + 1) chunks / P), none empty (P <= chunks).
+  const at::Tensor first_chunks = at::div(at::arange(P + 1, i64) * chunks, P, "floor") + b;
+  const at::Tensor cut = at::minimum(seq.narrow(0, 0, 1) + first_chunks * kChunk, seq.narrow(0, 1, 1));
+  const at::Tensor offsets = at::empty({3, P + 1}, i64);
+  int64_t* o = offsets.data_ptr<int64_t>();
+  const int64_t tokens = p.seq_offsets != nullptr ? p.T : p.N * p.T;
+  launch_boundaries(cut.data_ptr(), /*cu_int32=*/false, P, tokens, o, o + (P + 1), o + 2 * (P + 1), stream);
+  offsets[1].add_(b);  // the segments' chunk slots are the call's
+  SweepBwdParams proper = sp;
+  proper.fwd.N = P;
+  proper.fwd.seq_offsets = o;
+  proper.fwd.chunk_offsets = o + (P + 1);
+  proper.fwd.seq_order = o + 2 * (P + 1);
+  proper.d_carry = nullptr;
+  const at::Tensor ends = at::empty({P, H, D, D}, f32);
+  if (P > 1) {
+    SweepBwdParams pass = proper;
+    pass.d_states = nullptr;
+    pass.d_record = nullptr;
+    const at::Tensor from_zero_ends = at::zeros({P, H, D, D}, f32);
+    from_zero_ends[P - 1].copy_(carry[0]);
+    const at::Tensor from_zero = at::empty({P, H, D, D}, f32), maps = at::empty({P, H, D, D}, f32);
+    pass.grad_final = from_zero_ends.data_ptr<float>();
+    pass.d_initial = from_zero.data_ptr<float>();
+    pass.d_maps = maps.data_ptr<float>();
+    launch_ds_recurrence(pass, stream, block, /*ends_only=*/true);
+    const at::Tensor maps_back = maps.flip(0).contiguous(), from_zero_back = from_zero.flip(0).contiguous();
+    const at::Tensor ends_back = at::empty({P, H, D, D}, f32);
+    launch_segment_scan(maps_back.data_ptr<float>(), from_zero_back.data_ptr<float>(), carry.data_ptr(),
+                        /*initial_fp32=*/true, ends_back.data_ptr<float>(), 1, P, H, D, stream);
+    ends.copy_(ends_back.flip(0));
+  } else {
+    ends.copy_(carry);
+  }
+  const at::Tensor starts = at::empty({P, H, D, D}, f32);
+  proper.grad_final = ends.data_ptr<float>();
+  proper.d_initial = starts.data_ptr<float>();
+  launch_ds_recurrence(proper, stream, block);
+  carry.copy_(starts.narrow(0, 0, 1));
+}
+
+}  // namespace
 
 void run_backward(const BackwardCall& call, const at::Tensor& like, const BackwardPlan& plan,
                   const void* saved_states, const float* saved_records) {
@@ -38,7 +99,18 @@ void run_backward(const BackwardCall& call, const at::Tensor& like, const Backwa
   p.workspace = workspace.defined() ? workspace.data_ptr<float>() : nullptr;
 
   at::Tensor carry, d_carry, checkpoints;
-  if (windows > 1) {
+  // Segments (a lone sequence, plan.segments): dS between windows in seg_carry.
+  const bool segmented = plan.segments > 1;
+  TORCH_INTERNAL_ASSERT(!segmented || N == 1, "the backward's segments: one sequence");
+  at::Tensor seq, seg_carry;
+  if (segmented) {
+    const auto i64 = like.options().dtype(at::kLong);
+    seq = p.seq_offsets != nullptr ? at::from_blob(const_cast<int64_t*>(p.seq_offsets), {2}, i64)
+                                   : at::arange(2, i64) * p.T;
+    seg_carry = call.grad_final != nullptr
+                    ? at::from_blob(const_cast<float*>(call.grad_final), {1, H, D, D}, f32).clone()
+                    : at::zeros({1, H, D, D}, f32);
+  } else if (windows > 1) {
     d_carry = at::empty({N, H, D, D}, f32);
   }
   if (windows > 1 && recur) {
@@ -91,7 +163,16 @@ void run_backward(const BackwardCall& call, const at::Tensor& like, const Backwa
     sp.d_record = d_record.data_ptr<float>();
     sp.d_carry = d_carry.defined() ? d_carry.data_ptr<float>() : nullptr;
     sp.d_initial = call.d_initial;
-    launch_ds_recurrence(sp, stream, plan.ds_block);
+    if (segmented) {
+      const int64_t P = std::max<int64_t>(1, std::min(plan.segments, p.slot_end - p.slot_begin));
+      segmented_ds_recurrence(sp, seq, P, plan.ds_block, seg_carry, stream);
+      if (w == 0 && call.d_initial != nullptr) {
+        C10_CUDA_CHECK(cudaMemcpyAsync(call.d_initial, seg_carry.data_ptr(), H * fp32_state_bytes(D),
+                                       cudaMemcpyDeviceToDevice, stream));
+      }
+    } else {
+      launch_ds_recurrence(sp, stream, plan.ds_block);
+    }
     launch_record_gradients(sp, stream);
 
     // K1's backward recomputes what it needs of the records from the inputs.

@@ -17,7 +17,9 @@
 // the gradients. The carries are fp32 and every kernel computes what it
 // computes in one pass, so the gradients are bitwise those of one pass, with or
 // without the forward's states and records (the forward's K1 is the backward's:
-// the same records, bit for bit).
+// the same records, bit for bit). The exception: a lone sequence on few heads
+// (plan.segments) runs each window's dS recurrence over segments of that
+// window, whose sums follow the window's edges.
 #pragma once
 
 #include <ATen/core/Tensor.h>

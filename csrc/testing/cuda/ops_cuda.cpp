@@ -112,16 +112,17 @@ std::tuple<std::string, bool, int64_t, int64_t> forward_plan_for(int64_t N, int6
 // The backward's plan under the hook's settings, on a device of device_memory
 // bytes, given the forward's chunk-start states and records or not (torch_kda.kda
 // keeps both by default): K2's block shape, the dS recurrence's, the window in
-// slots.
-std::tuple<std::string, std::string, int64_t> backward_plan_for(int64_t N, int64_t tokens, bool varlen, int64_t H,
-                                                                int64_t num_sms, bool bf16_products,
-                                                                int64_t head_size, int64_t device_memory,
-                                                                bool saved_states, bool saved_records) {
+// slots, the segments a window's dS recurrence is cut into.
+std::tuple<std::string, std::string, int64_t, int64_t> backward_plan_for(int64_t N, int64_t tokens, bool varlen,
+                                                                         int64_t H, int64_t num_sms,
+                                                                         bool bf16_products, int64_t head_size,
+                                                                         int64_t device_memory, bool saved_states,
+                                                                         bool saved_records) {
   const FwdParams p =
       plan_params("kda_testing.backward_plan", N, tokens, varlen, H, num_sms, bf16_products, head_size);
   const BackwardPlan plan = backward_plan(p, device_memory, saved_states, saved_records);
   return {name_of(std::optional<RecurrenceBlock>(plan.recurrence.block), kRecurrenceBlocks),
-          name_of(std::optional<DsBlock>(plan.ds_block), kDsBlocks), plan.window};
+          name_of(std::optional<DsBlock>(plan.ds_block), kDsBlocks), plan.window, plan.segments};
 }
 
 // An intermediate that a private test op takes in (what the backward's kernels
@@ -236,7 +237,7 @@ TORCH_LIBRARY_FRAGMENT(kda_testing, m) {
         &forward_plan_for);
   m.def("backward_plan(int N, int tokens, bool varlen, int H, int num_sms, bool bf16_products, int head_size, "
         "int device_memory, bool saved_states=True, bool saved_records=True) -> "
-        "(str recurrence_block, str ds_block, int window)", &backward_plan_for);
+        "(str recurrence_block, str ds_block, int window, int segments)", &backward_plan_for);
 }
 
 TORCH_LIBRARY_IMPL(kda_testing, CUDA, m) {

@@ -1,0 +1,126 @@
+"""The CUDA backward's dS recurrence over segments (backward/schedule.cpp,
+segmented_ds_recurrence): each window of a lone sequence cut into P segments,
+one launch that keeps only each segment's dS at its start from a zero end and
+its map from the identity, the scan, then the recurrence proper from every
+segment's end at once. Against float64 autograd
+with poisoned scratch, both gates, with windows, hard decays, odd lengths,
+more segments than a window's chunks; deterministic and capturable. Skipped
+where CUDA is absent.
+"""
+import pytest
+import torch
+
+from conftest import capture_graph, nan_filled_empty, positional, rel
+from cuda_helpers import CUDA_MARKS, DEV, GRAD_NAMES, check_grads, cuda_inputs, float64_grads, hard_case, launched_kernels
+from torch_kda.testing import forced
+
+pytestmark = CUDA_MARKS
+
+GATES = pytest.mark.parametrize("lower_bound", [-5.0, None], ids=["bounded", "softplus"])
+
+
+def segmented_bwd(g, grad_out, grad_final, lower_bound, P, window=None):
+    with forced(segments=P, window_slots=window), nan_filled_empty():
+        return torch.ops.kda.bwd(grad_out, grad_final, *positional(g), lower_bound=lower_bound,
+                                 initial_state=g["initial_state"], cu_seqlens=g["cu_seqlens"])
+
+
+def ds_launches(fn):
+    result, names = launched_kernels(fn)
+    return result, sum("ds_recurrence_kernel" in n for n in names)
+
+
+@GATES
+@pytest.mark.parametrize("P, window", [(2, None), (5, None), (16, None), (4, 24), (3, 40)])
+def test_matches_float64(P, window, lower_bound):
+    """One sequence of 1,003 tokens (63 chunks, the last partial), fixed length; the
+    gradient of the final state given; with and without windows."""
+    _, g = cuda_inputs(B=1, T=1003, H=2, state_dtype=torch.float32)
+    grad_out = torch.randn(*g["v"].shape, device=DEV).to(torch.bfloat16)
+    gf = torch.randn(*g["initial_state"].shape, device=DEV)
+    got, launches = ds_launches(lambda: segmented_bwd(g, grad_out, gf, lower_bound, P, window))
+    windows = 1 if window is None else -(-63 // window)
+    assert launches == 2 * windows  # the passes and the recurrence proper, a window each
+    check_grads(f"P={P} window={window}", got, float64_grads(g, grad_out, gf, lower_bound))
+
+
+@GATES
+@pytest.mark.parametrize("case", ["weak_decay", "strong_decay", "small_beta"])
+def test_hard_cases(case, lower_bound):
+    """Weak decay carries dS across every segment edge; strong decay and tiny beta
+    leave the maps near zero or near diag(gl)."""
+    d, g = cuda_inputs(seqlens=[777], H=2, state_dtype=torch.float32)
+    hard_case(case, d, g)
+    grad_out = torch.randn(*g["v"].shape, device=DEV).to(torch.bfloat16)
+    got = segmented_bwd(g, grad_out, None, lower_bound, 8)
+    check_grads(case, got, float64_grads(g, grad_out, None, lower_bound))
+
+
+def test_fp32_grad_out_and_no_initial_state():
+    """An fp32 grad_out reaches the passes as it reaches one pass: the same bits as
+    its bf16 values; no initial state (no d_initial written)."""
+    _, g = cuda_inputs(B=1, T=500, H=2, state_dtype=None)
+    grad_out = torch.randn(*g["v"].shape, device=DEV).to(torch.bfloat16)
+    want = segmented_bwd(g, grad_out, None, -5.0, 4)
+    got = segmented_bwd(g, grad_out.float(), None, -5.0, 4)
+    for name, x, y in zip(GRAD_NAMES, got, want):
+        assert torch.equal(x, y), name
+    check_grads("no state", got, float64_grads(g, grad_out, None, -5.0))
+
+
+def test_more_segments_than_chunks():
+    """Windows of 3 chunks cut 16 ways take 3 segments each (none empty); a sequence
+    of one partial chunk takes one."""
+    for T, window in ((100, 3), (9, None)):
+        _, g = cuda_inputs(B=1, T=T, H=2, state_dtype=torch.float32)
+        grad_out = torch.randn(*g["v"].shape, device=DEV).to(torch.bfloat16)
+        gf = torch.randn(*g["initial_state"].shape, device=DEV)
+        got = segmented_bwd(g, grad_out, gf, -5.0, 16, window)
+        check_grads(f"T={T}", got, float64_grads(g, grad_out, gf, -5.0))
+
+
+def test_agrees_with_one_pass_and_is_deterministic():
+    """The segments change only the low bits of what the dS recurrence sums; run
+    twice, the same bits."""
+    _, g = cuda_inputs(B=1, T=2000, H=2, state_dtype=torch.float32)
+    grad_out = torch.randn(*g["v"].shape, device=DEV).to(torch.bfloat16)
+    gf = torch.randn(*g["initial_state"].shape, device=DEV)
+    a = segmented_bwd(g, grad_out, gf, None, 6, 50)
+    b = segmented_bwd(g, grad_out, gf, None, 6, 50)
+    whole = segmented_bwd(g, grad_out, gf, None, 1)
+    for name, x, y, z in zip(GRAD_NAMES, a, b, whole):
+        assert torch.equal(x, y), name
+        assert rel(x, z) <= 2e-3, name
+
+
+def test_graph_replay_with_new_inputs():
+    """Captured with segments and windows, replayed on new inputs: bitwise the eager call."""
+    _, g = cuda_inputs(B=1, T=700, H=2, state_dtype=torch.float32)
+    grad_out = torch.randn(*g["v"].shape, device=DEV).to(torch.bfloat16)
+    gf = torch.randn(*g["initial_state"].shape, device=DEV)
+
+    def step():
+        with forced(segments=4, window_slots=20):
+            return torch.ops.kda.bwd(grad_out, gf, *positional(g), lower_bound=-5.0,
+                                     initial_state=g["initial_state"], cu_seqlens=g["cu_seqlens"])
+
+    graph, outs = capture_graph(step)
+    _, fresh = cuda_inputs(B=1, T=700, H=2, state_dtype=torch.float32)
+    for name in ("q", "k", "v", "g", "beta", "A_log", "dt_bias", "initial_state"):
+        g[name].copy_(fresh[name])
+    grad_out.copy_(torch.randn_like(grad_out.float()).to(torch.bfloat16))
+    gf.copy_(torch.randn_like(gf))
+    graph.replay()
+    torch.cuda.synchronize()
+    for name, x, y in zip(GRAD_NAMES, outs, step()):
+        assert torch.equal(x, y), name
+
+
+def test_several_sequences_stay_whole():
+    """Segments cut the backward of a lone sequence only: a varlen batch of two runs
+    one dS recurrence a window."""
+    _, g = cuda_inputs(seqlens=[300, 500], H=2, state_dtype=torch.float32)
+    grad_out = torch.randn(*g["v"].shape, device=DEV).to(torch.bfloat16)
+    got, launches = ds_launches(lambda: segmented_bwd(g, grad_out, None, -5.0, 4))
+    assert launches == 1
+    check_grads("two sequences", got, float64_grads(g, grad_out, None, -5.0))
