@@ -134,9 +134,9 @@ void launch_record_gradients(const SweepBwdParams& params, cudaStream_t stream);
 // The segmented forward's scan (forward/segment_scan.cu; segments.h
 // segment_start_states on the device): starts [N * P, H, V, K] fp32 from
 // pass 1's ends, pass 2's maps (both fp32) and the initial states (fp32 or bf16,
-// or null for zeros).
+// or null for zeros). reverse: each sequence's segments taken last to first.
 void launch_segment_scan(const float* maps, const float* ends, const void* initial, bool initial_fp32, float* starts,
-                         int64_t N, int64_t P, int64_t H, int head_size, cudaStream_t stream);
+                         int64_t N, int64_t P, int64_t H, int head_size, cudaStream_t stream, bool reverse = false);
 
 // The state pool (pool.cu): the decode, for requests of a few tokens; and the
 // copies around the chunked forward for long ones: params.states from the

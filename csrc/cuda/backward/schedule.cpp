@@ -54,11 +54,8 @@ void segmented_ds_recurrence(const SweepBwdParams& sp, const at::Tensor& seq, in
     pass.d_initial = from_zero.data_ptr<float>();
     pass.d_maps = maps.data_ptr<float>();
     launch_ds_recurrence(pass, stream, block, /*ends_only=*/true);
-    const at::Tensor maps_back = maps.flip(0).contiguous(), from_zero_back = from_zero.flip(0).contiguous();
-    const at::Tensor ends_back = at::empty({P, H, D, D}, f32);
-    launch_segment_scan(maps_back.data_ptr<float>(), from_zero_back.data_ptr<float>(), carry.data_ptr(),
-                        /*initial_fp32=*/true, ends_back.data_ptr<float>(), 1, P, H, D, stream);
-    ends.copy_(ends_back.flip(0));
+    launch_segment_scan(maps.data_ptr<float>(), from_zero.data_ptr<float>(), carry.data_ptr(), /*initial_fp32=*/true,
+                        ends.data_ptr<float>(), 1, P, H, D, stream, /*reverse=*/true);
   } else {
     ends.copy_(carry);
   }

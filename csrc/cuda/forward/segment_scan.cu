@@ -17,11 +17,13 @@ namespace {
 constexpr int kRows = 16;
 
 // maps [N * P, H, K, K], ends and starts [N * P, H, V, K] fp32; initial
-// [N, H, V, K] in the state's dtype, or null (zeros); K = V = D.
+// [N, H, V, K] in the state's dtype, or null (zeros); K = V = D. reverse: the
+// scan takes each sequence's segments last to first (the backward's dS runs
+// from a sequence's end), so that none of the three is copied flipped.
 template <int D>
 __global__ void __launch_bounds__(D)
     segment_scan_kernel(const float* maps, const float* ends, const void* initial, bool initial_fp32,
-                        float* starts, int64_t P, int64_t H) {
+                        float* starts, int64_t P, int64_t H, bool reverse) {
   constexpr int kRowGroups = D / kRows;
   __shared__ double x[kRows][D];
   const int64_t pair = blockIdx.x / kRowGroups;  // n * H + h
@@ -29,7 +31,9 @@ __global__ void __launch_bounds__(D)
   const int64_t n = pair / H, h = pair % H;
   const int c = threadIdx.x;
   constexpr int64_t kState = int64_t{D} * D;
-  const auto at = [&](int64_t j, int row) { return ((n * P + j) * H + h) * kState + int64_t{r0 + row} * D + c; };
+  // The scan's j-th segment, as the tensors lie.
+  const auto seg = [&](int64_t j) { return ((n * P + (reverse ? P - 1 - j : j)) * H + h) * kState; };
+  const auto at = [&](int64_t j, int row) { return seg(j) + int64_t{r0 + row} * D + c; };
 
   for (int i = 0; i < kRows; ++i) {
     float s = 0.f;
@@ -52,7 +56,7 @@ __global__ void __launch_bounds__(D)
       acc[i] = ends[at(j, i)];
     }
     __syncthreads();  // every column of x written
-    const float* a = maps + ((n * P + j) * H + h) * kState + c;
+    const float* a = maps + seg(j) + c;
     for (int k = 0; k < D; ++k) {
       const double a_kc = a[int64_t{k} * D];
 #pragma unroll
@@ -70,7 +74,7 @@ __global__ void __launch_bounds__(D)
 }  // namespace
 
 void launch_segment_scan(const float* maps, const float* ends, const void* initial, bool initial_fp32, float* starts,
-                         int64_t N, int64_t P, int64_t H, int head_size, cudaStream_t stream) {
+                         int64_t N, int64_t P, int64_t H, int head_size, cudaStream_t stream, bool reverse) {
   ChunkedHeadSizes::dispatch(head_size, [&](auto size) {
     constexpr int D = decltype(size)::value;
     const int64_t blocks = N * H * (D / kRows);
@@ -80,7 +84,8 @@ void launch_segment_scan(const float* maps, const float* ends, const void* initi
     TORCH_CHECK(blocks <= INT32_MAX, "kda.fwd: ", std::to_string(N), " sequences x ", std::to_string(H),
                 " heads is more blocks than one launch takes");
     segment_scan_kernel<D>
-        <<<static_cast<unsigned int>(blocks), D, 0, stream>>>(maps, ends, initial, initial_fp32, starts, P, H);
+        <<<static_cast<unsigned int>(blocks), D, 0, stream>>>(maps, ends, initial, initial_fp32, starts, P, H,
+                                                              reverse);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
 }
