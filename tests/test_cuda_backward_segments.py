@@ -1,11 +1,11 @@
 """The CUDA backward's dS recurrence over segments (backward/schedule.cpp,
-segmented_ds_recurrence): each window of a lone sequence cut into P segments,
-one launch that keeps only each segment's dS at its start from a zero end and
-its map from the identity, the scan, then the recurrence proper from every
-segment's end at once. Against float64 autograd
-with poisoned scratch, both gates, with windows, hard decays, odd lengths,
-more segments than a window's chunks; deterministic and capturable. Skipped
-where CUDA is absent.
+segmented_ds_recurrence): each window of a lone sequence, or every sequence of a
+batch in one pass, cut into P segments; one launch that keeps only each
+segment's dS at its start from a zero end and its map from the identity, the
+scan, then the recurrence proper from every segment's end at once. Against
+float64 autograd with poisoned scratch, both gates, with windows, hard decays,
+odd lengths, empty sequences, more segments than a window's chunks;
+deterministic and capturable. Skipped where CUDA is absent.
 """
 import pytest
 import torch
@@ -116,14 +116,28 @@ def test_graph_replay_with_new_inputs():
         assert torch.equal(x, y), name
 
 
-def test_several_sequences_stay_whole():
-    """Segments cut the backward of a lone sequence only: a varlen batch of two runs
-    one dS recurrence a window."""
+@GATES
+@pytest.mark.parametrize("P", [3, 16])
+def test_several_sequences_in_one_pass(P, lower_bound):
+    """A varlen batch in one pass: every sequence cut as the forward cuts it (empty
+    and single-token sequences, short ones with empty trailing segments), the grid
+    of every segment of every sequence at once; the gradient of each final state given."""
+    _, g = cuda_inputs(seqlens=[0, 15, 300, 0, 777, 1, 64], H=2, state_dtype=torch.float32)
+    grad_out = torch.randn(*g["v"].shape, device=DEV).to(torch.bfloat16)
+    gf = torch.randn(*g["initial_state"].shape, device=DEV)
+    got, launches = ds_launches(lambda: segmented_bwd(g, grad_out, gf, lower_bound, P, 0))
+    assert launches == 2
+    check_grads(f"varlen P={P}", got, float64_grads(g, grad_out, gf, lower_bound))
+
+
+def test_several_sequences_in_windows_stay_whole():
+    """Windows cut from a batch's slots hold parts of several sequences: their dS
+    recurrence runs whole, one launch a window."""
     _, g = cuda_inputs(seqlens=[300, 500], H=2, state_dtype=torch.float32)
     grad_out = torch.randn(*g["v"].shape, device=DEV).to(torch.bfloat16)
-    got, launches = ds_launches(lambda: segmented_bwd(g, grad_out, None, -5.0, 4))
-    assert launches == 1
-    check_grads("two sequences", got, float64_grads(g, grad_out, None, -5.0))
+    got, launches = ds_launches(lambda: segmented_bwd(g, grad_out, None, -5.0, 4, 20))
+    assert launches == -(-51 // 20)
+    check_grads("two sequences in windows", got, float64_grads(g, grad_out, None, -5.0))
 
 
 @pytest.mark.parametrize("layout", ["fixed", "varlen"])

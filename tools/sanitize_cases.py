@@ -16,8 +16,8 @@ backward runs the 256- and 64-wide kernels on the padded problem, with each of
 the dS recurrence's block shapes there and with a precomputed gate.
 backward: forward + backward steps of both gates, of grouped value heads and of a
 precomputed gate (fp32 and bf16 g) on varlen sequences (an empty one, odd lengths, a partial last chunk),
-the backward of a lone sequence over segments (with and without windows), and K1's
-backward alone (the private test op).
+the backward over segments (a lone sequence with and without windows, a varlen
+batch in one pass), and K1's backward alone (the private test op).
 Each result is checked finite; a sanitizer's report is the test.
 """
 import sys
@@ -228,6 +228,13 @@ def backward():
             got = torch.ops.kda.bwd(grad_out, h0, q, k, v, g, beta, A_log.detach(), dt_bias.detach(), lower_bound=-5.0,
                                     initial_state=h0)
         assert all(torch.isfinite(t).all() for t in got)
+    # ... and every sequence of a varlen batch in one pass (an empty one, short ones)
+    cu = torch.tensor([0, 37, 37, 54, 83], device="cuda")
+    h0 = torch.randn(4, H, D, D, device="cuda", generator=gen)
+    with forced(segments=3, window_slots=0):
+        got = torch.ops.kda.bwd(grad_out, h0, q, k, v, g, beta, A_log.detach(), dt_bias.detach(), lower_bound=None,
+                                initial_state=h0, cu_seqlens=cu)
+    assert all(torch.isfinite(t).all() for t in got)
     q, k, v, g, beta = inputs(37, H, gen)
     d_record = torch.randn(3, H, RECORD_GRAD_FLOATS, device="cuda", generator=gen)
     got = torch.ops.kda_testing.prepare_bwd(q, k, v, g, beta, A_log.detach(), dt_bias.detach(), d_record, None, -5.0)

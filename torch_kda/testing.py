@@ -53,8 +53,9 @@ def forced(recurrence_block="auto", ds_block="auto", window_slots=None, segments
     and 128, "8x2" at 256.
     window_slots: 0 runs one pass; n > 0 windows of n chunk slots (CUDA; the same bits).
     segments: P >= 1 cuts every sequence of a forward into P segments (both devices),
-    and each backward window of a lone sequence (CUDA: its dS recurrence, into at
-    most P segments of whole chunks); 1 runs none.
+    and in the backward (CUDA: its dS recurrence) each window of a lone sequence
+    into at most P segments of whole chunks, or every sequence of a batch run in
+    one pass into P; 1 runs none.
     "auto" or None leaves a choice automatic. A bad value raises before anything is set.
     """
     wants_cuda = recurrence_block not in ("auto", None) or ds_block not in ("auto", None) or window_slots is not None

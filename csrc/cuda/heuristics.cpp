@@ -288,10 +288,15 @@ BackwardPlan backward_plan(const FwdParams& p, int64_t device_memory, bool saved
   plan.ds_block = forced_or("ds_block", f.ds_block, p.head_size, kDsBlocks, automatic_ds_block(p));
   plan.window = f.window_slots.has_value() ? forced_window(*f.window_slots, p.num_slots)
                                            : backward_window(p, device_memory, saved_states, saved_records);
-  plan.segments = p.N == 1 ? f.segments.value_or(automatic_backward_segments(p, plan.window)) : 1;
+  // Segments cut a lone sequence's windows, or every sequence of one pass
+  // (the latter only forced: not measured).
+  const bool one_pass = plan.window >= p.num_slots;
+  plan.segments = p.N == 1 ? f.segments.value_or(automatic_backward_segments(p, plan.window))
+                  : one_pass ? f.segments.value_or(1)
+                             : 1;
   if (plan.segments > 1) {
     FwdParams cut = p;
-    cut.N = plan.segments;
+    cut.N = p.N * plan.segments;
     plan.ds_block = forced_or("ds_block", f.ds_block, p.head_size, kDsBlocks, automatic_ds_block(cut));
   }
   return plan;

@@ -35,9 +35,10 @@ struct ForwardPlan {
 ForwardPlan forward_plan(const FwdParams& params, bool kept_records);
 
 // What one backward call runs: K2's shape (its passes without output), the dS
-// recurrence's, the chunk slots per window, and for a lone sequence the
-// segments each window's dS recurrence is cut into (backward/schedule.cpp;
-// the dS recurrence's shape then chosen for the segments). device_memory: the
+// recurrence's, the chunk slots per window, and the segments each window's
+// dS recurrence is cut into (backward/schedule.cpp: a lone sequence's
+// windows, or every sequence of one pass; the dS recurrence's shape then
+// chosen for the segments). device_memory: the
 // device's total, in bytes; saved_states, saved_records: the forward's
 // chunk-start states, and its records, are given.
 struct BackwardPlan {

@@ -27,8 +27,8 @@ struct Forced {
   std::optional<cuda::RecurrenceBlock> recurrence_block;  // K2's block shape
   std::optional<cuda::DsBlock> ds_block;                  // the dS recurrence's
   std::optional<int64_t> window_slots;  // CUDA: 0 one pass; n > 0 windows of n chunk slots
-  // Both devices: P >= 1 segments a sequence (segments.h); on CUDA also a lone
-  // sequence's backward windows (backward/schedule.cpp).
+  // Both devices: P >= 1 segments a sequence (segments.h); on CUDA also the
+  // backward's dS recurrence (backward/schedule.cpp).
   std::optional<int64_t> segments;
 };
 

@@ -7,63 +7,71 @@
 #include <algorithm>
 
 #include "cuda/launch.h"
+#include "segments.h"
 
 namespace kda::cuda {
 namespace {
 
-// The dS recurrence over one window of a lone sequence, cut into P segments
-// of whole chunks that run at once: segments.h's algebra run backward, as dS
-// at a stretch's start is dS at its end times a K x K map, plus the dS that
-// the stretch's dO gives from a zero end. One launch takes each segment both
-// from a zero end (the last from the window's end, `carry`) and, as many
+// The dS recurrence over one window cut into segments of whole chunks that
+// run at once: segments.h's algebra run backward, as dS at a stretch's start
+// is dS at its end times a K x K map, plus the dS that the stretch's dO gives
+// from a zero end. One launch takes each segment both from a zero end (each
+// sequence's last from its dS at the window's end, `carry`) and, as many
 // blocks again, from the identity with dO = 0, keeping only each segment's dS
-// at its start; the scan, given the segments last to first, makes every
-// segment's dS at its end; then the recurrence proper runs every segment at
-// once from there and leaves dU and dS per chunk as one pass does.
-// seq: the sequence's token offsets [2] (int64, on the device). carry
-// [1, H, D, D] fp32: dS at the window's end; on return, at its start.
-void segmented_ds_recurrence(const SweepBwdParams& sp, const at::Tensor& seq, int64_t P, DsBlock block,
+// at its start; the scan, given each sequence's segments last to first, makes
+// every segment's dS at its end; then the recurrence proper runs every segment
+// at once from there and leaves dU and dS per chunk as one pass does.
+// cut: the segments' token offsets [N * P + 1] (int64, on the device), P a
+// sequence, tiling the window's chunk slots from its first. carry [N, H, D, D]
+// fp32: each sequence's dS at the window's end; on return, at its start.
+void segmented_ds_recurrence(const SweepBwdParams& sp, const at::Tensor& cut, int64_t P, DsBlock block,
                              const at::Tensor& carry, cudaStream_t stream) {
   const FwdParams& p = sp.fwd;
-  const int64_t H = p.H, D = p.head_size, b = p.slot_begin, chunks = p.slot_end - p.slot_begin;
+  const int64_t N = p.N, S = N * P, H = p.H, D = p.head_size;
   const auto f32 = carry.options();
-  const auto i64 = f32.dtype(at::kLong);
-  // Segment j: chunks [b + j chunks / P, b + (j + 1) chunks / P), none empty (P <= chunks).
-  const at::Tensor first_chunks = at::div(at::arange(P + 1, i64) * chunks, P, "floor") + b;
-  const at::Tensor cut = at::minimum(seq.narrow(0, 0, 1) + first_chunks * kChunk, seq.narrow(0, 1, 1));
-  const at::Tensor offsets = at::empty({3, P + 1}, i64);
+  const at::Tensor offsets = at::empty({3, S + 1}, f32.dtype(at::kLong));
   int64_t* o = offsets.data_ptr<int64_t>();
   const int64_t tokens = p.seq_offsets != nullptr ? p.T : p.N * p.T;
-  launch_boundaries(cut.data_ptr(), /*cu_int32=*/false, P, tokens, o, o + (P + 1), o + 2 * (P + 1), stream);
-  offsets[1].add_(b);  // the segments' chunk slots are the call's
+  launch_boundaries(cut.data_ptr(), /*cu_int32=*/false, S, tokens, o, o + (S + 1), o + 2 * (S + 1), stream);
+  if (p.slot_begin != 0) {
+    offsets[1].add_(p.slot_begin);  // the segments' chunk slots are the call's
+  }
   SweepBwdParams proper = sp;
-  proper.fwd.N = P;
+  proper.fwd.N = S;
   proper.fwd.seq_offsets = o;
-  proper.fwd.chunk_offsets = o + (P + 1);
-  proper.fwd.seq_order = o + 2 * (P + 1);
+  proper.fwd.chunk_offsets = o + (S + 1);
+  proper.fwd.seq_order = o + 2 * (S + 1);
   proper.d_carry = nullptr;
-  const at::Tensor ends = at::empty({P, H, D, D}, f32);
+  const at::Tensor ends = at::empty({N, P, H, D, D}, f32);
   if (P > 1) {
     SweepBwdParams pass = proper;
     pass.d_states = nullptr;
     pass.d_record = nullptr;
-    const at::Tensor from_zero_ends = at::zeros({P, H, D, D}, f32);
-    from_zero_ends[P - 1].copy_(carry[0]);
-    const at::Tensor from_zero = at::empty({P, H, D, D}, f32), maps = at::empty({P, H, D, D}, f32);
+    const at::Tensor from_zero_ends = at::zeros({N, P, H, D, D}, f32);
+    from_zero_ends.select(1, P - 1).copy_(carry);
+    const at::Tensor from_zero = at::empty({N, P, H, D, D}, f32), maps = at::empty({N, P, H, D, D}, f32);
     pass.grad_final = from_zero_ends.data_ptr<float>();
     pass.d_initial = from_zero.data_ptr<float>();
     pass.d_maps = maps.data_ptr<float>();
     launch_ds_recurrence(pass, stream, block, /*ends_only=*/true);
     launch_segment_scan(maps.data_ptr<float>(), from_zero.data_ptr<float>(), carry.data_ptr(), /*initial_fp32=*/true,
-                        ends.data_ptr<float>(), 1, P, H, D, stream, /*reverse=*/true);
+                        ends.data_ptr<float>(), N, P, H, D, stream, /*reverse=*/true);
   } else {
-    ends.copy_(carry);
+    ends.select(1, 0).copy_(carry);
   }
-  const at::Tensor starts = at::empty({P, H, D, D}, f32);
+  const at::Tensor starts = at::empty({N, P, H, D, D}, f32);
   proper.grad_final = ends.data_ptr<float>();
   proper.d_initial = starts.data_ptr<float>();
   launch_ds_recurrence(proper, stream, block);
-  carry.copy_(starts.narrow(0, 0, 1));
+  carry.copy_(starts.select(1, 0));
+}
+
+// A lone sequence's window [b, e) cut into P segments of whole chunks, none
+// empty (P <= e - b): segment j's chunks [b + j (e - b) / P, b + (j + 1) (e - b) / P).
+// seq: its token offsets [2] (int64, on the device).
+at::Tensor window_cut(const at::Tensor& seq, int64_t b, int64_t e, int64_t P) {
+  const at::Tensor first_chunks = at::div(at::arange(P + 1, seq.options()) * (e - b), P, "floor") + b;
+  return at::minimum(seq.narrow(0, 0, 1) + first_chunks * kChunk, seq.narrow(0, 1, 1));
 }
 
 }  // namespace
@@ -96,17 +104,18 @@ void run_backward(const BackwardCall& call, const at::Tensor& like, const Backwa
   p.workspace = workspace.defined() ? workspace.data_ptr<float>() : nullptr;
 
   at::Tensor carry, d_carry, checkpoints;
-  // Segments (a lone sequence, plan.segments): dS between windows in seg_carry.
+  // Segments (plan.segments; a lone sequence's windows, or every sequence of
+  // one pass): each sequence's dS between windows in seg_carry.
   const bool segmented = plan.segments > 1;
-  TORCH_INTERNAL_ASSERT(!segmented || N == 1, "the backward's segments: one sequence");
+  TORCH_INTERNAL_ASSERT(!segmented || N == 1 || windows == 1, "the backward's segments: one sequence, or one pass");
   at::Tensor seq, seg_carry;
   if (segmented) {
     const auto i64 = like.options().dtype(at::kLong);
-    seq = p.seq_offsets != nullptr ? at::from_blob(const_cast<int64_t*>(p.seq_offsets), {2}, i64)
-                                   : at::arange(2, i64) * p.T;
+    seq = p.seq_offsets != nullptr ? at::from_blob(const_cast<int64_t*>(p.seq_offsets), {N + 1}, i64)
+                                   : at::arange(N + 1, i64) * p.T;
     seg_carry = call.grad_final != nullptr
-                    ? at::from_blob(const_cast<float*>(call.grad_final), {1, H, D, D}, f32).clone()
-                    : at::zeros({1, H, D, D}, f32);
+                    ? at::from_blob(const_cast<float*>(call.grad_final), {N, H, D, D}, f32).clone()
+                    : at::zeros({N, H, D, D}, f32);
   } else if (windows > 1) {
     d_carry = at::empty({N, H, D, D}, f32);
   }
@@ -161,10 +170,15 @@ void run_backward(const BackwardCall& call, const at::Tensor& like, const Backwa
     sp.d_carry = d_carry.defined() ? d_carry.data_ptr<float>() : nullptr;
     sp.d_initial = call.d_initial;
     if (segmented) {
-      const int64_t P = std::max<int64_t>(1, std::min(plan.segments, p.slot_end - p.slot_begin));
-      segmented_ds_recurrence(sp, seq, P, plan.ds_block, seg_carry, stream);
+      // A lone sequence's window cut evenly (every segment in it); one pass's
+      // sequences as the forward cuts them (segments.h: empty trailing segments
+      // of short ones pass dS through).
+      const int64_t P =
+          N == 1 ? std::max<int64_t>(1, std::min(plan.segments, p.slot_end - p.slot_begin)) : plan.segments;
+      const at::Tensor cut = N == 1 ? window_cut(seq, p.slot_begin, p.slot_end, P) : segment_offsets(seq, P);
+      segmented_ds_recurrence(sp, cut, P, plan.ds_block, seg_carry, stream);
       if (w == 0 && call.d_initial != nullptr) {
-        C10_CUDA_CHECK(cudaMemcpyAsync(call.d_initial, seg_carry.data_ptr(), H * fp32_state_bytes(D),
+        C10_CUDA_CHECK(cudaMemcpyAsync(call.d_initial, seg_carry.data_ptr(), N * H * fp32_state_bytes(D),
                                        cudaMemcpyDeviceToDevice, stream));
       }
     } else {
