@@ -116,8 +116,9 @@ def test_ds_block_by_row_groups_an_sm(D, lengths, H, expected):
 
 @pytest.mark.parametrize("lengths, H, expected", [
     # (window in slots, segments a window); measured on an H100 (docs/performance-notes.md,
-    # "The backward's segments"): near 32 pairs after the cut, 32 chunks a segment for
-    # every head, windows of at least 1,024 chunks; the backward's ms one pass -> cut
+    # "The backward's segments"): near 32 chains (sequences x heads) after the cut, 32
+    # chunks a segment for every head, windows of at least 1,024 chunks; a lone
+    # sequence, the backward's ms one pass -> cut
     ([1048576], 2, (4228, 16)),   # 16 windows, 16 segments: 60.6 -> 25.1
     ([131072], 4, (2114, 8)),     # 9.46 -> 6.08
     ([262144], 8, (1057, 4)),     # case 13: 24.2 -> 22.0
@@ -126,14 +127,23 @@ def test_ds_block_by_row_groups_an_sm(D, lengths, H, expected):
     ([16384], 2, (1024, 16)),     # 1.39 -> 0.98
     ([8192], 4, (512, 1)),        # one pass of 512 chunks: cut into 4, 0.80 -> 0.94
     ([65536], 16, (528, 1)),      # 16 heads: 9.23 -> 10.88 at P = 2
-    ([32768] * 2, 4, (4098, 1)),  # several sequences: never cut
+    # A batch in one pass: every sequence cut, by the chains (sequences x heads) and the
+    # sequences' average length; the backward's ms one pass -> cut.
+    ([65536] * 2, 2, (8194, 8)),        # 5.01 -> 3.20
+    ([65536] * 4, 2, (16388, 4)),       # 6.36 -> 5.52
+    ([131072] * 2, 4, (16386, 4)),      # 12.37 -> 10.28
+    ([32768] * 2, 4, (4098, 4)),        # 3.40 -> 3.20
+    ([16384] * 4, 2, (4100, 4)),        # 1.90 -> 1.84
+    ([8192] * 2, 4, (1026, 1)),         # 512 chunks a sequence
+    ([65536] * 2, 8, (8194, 1)),        # 16 chains: 9.05 -> 10.47 at P = 2
 ])
-def test_backward_segments_for_a_lone_sequence_on_few_heads(lengths, H, expected):
+def test_backward_segments_for_few_chains(lengths, H, expected):
     got = torch.ops.kda_testing.backward_plan(len(lengths), sum(lengths), len(lengths) > 1, H, SMS, False, 128,
                                               80 << 30)
     assert tuple(got[2:]) == expected
     with forced(segments=1):
-        assert torch.ops.kda_testing.backward_plan(1, lengths[0], False, H, SMS, False, 128, 80 << 30)[3] == 1
+        assert torch.ops.kda_testing.backward_plan(len(lengths), sum(lengths), len(lengths) > 1, H, SMS, False, 128,
+                                                   80 << 30)[3] == 1
 
 
 def test_plans_refuse_unserved_head_sizes():

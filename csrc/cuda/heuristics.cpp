@@ -201,25 +201,32 @@ DsBlock automatic_ds_block(const FwdParams& p) {
   return warps_per_sm > 1 ? DsBlock::k4x2 : DsBlock::k2x2;
 }
 
-// The backward's segments (a lone sequence's windows, backward/schedule.cpp):
-// its dS recurrence is one chain a head, as K2 is; the segments' passes cost
-// about 1.5x its work on top (one launch for both halves, then the recurrence
-// proper), so they pay only where a window runs few heads. Measured on an H100
-// (docs/performance-notes.md, "The backward's segments"): best near 32 pairs
-// after the cut; at 8 heads 7-9 % off the backward, at 16 slower at every P;
-// each segment at least 32 chunks for every head; windows of 512 chunks lost
-// to the cut's fixed costs (about fifteen small launches), 1,024 gained.
-constexpr int64_t kBackwardSegmentMaxHeads = 8;
-constexpr int64_t kBackwardSegmentTargetPairs = 32;
-constexpr int64_t kBackwardSegmentMinWindow = 1024;
+// The backward's segments (a lone sequence's windows, or a batch's sequences
+// in one pass: backward/schedule.cpp): the dS recurrence is one chain a
+// (sequence, head), as K2 is; the segments' passes cost about 1.5x its work on
+// top (one launch for both halves, then the recurrence proper), so they pay
+// only where a window runs few such chains. Measured on an H100
+// (docs/performance-notes.md, "The backward's segments"): best near 32 chains
+// after the cut; at 8 chains 3-20 % off the backward, at 16 slower at every P;
+// each segment at least 32 chunks for every head; a window (or a batch's
+// sequence, on average) of 512 chunks lost to the cut's fixed costs (about
+// fifteen small launches), 1,024 gained.
+constexpr int64_t kBackwardSegmentMaxChains = 8;
+constexpr int64_t kBackwardSegmentTargetChains = 32;
+constexpr int64_t kBackwardSegmentMinChunks = 1024;
 
 int64_t automatic_backward_segments(const FwdParams& p, int64_t window) {
-  if (p.N != 1 || p.H > kBackwardSegmentMaxHeads || window < kBackwardSegmentMinWindow) {
+  const int64_t chains = p.N * p.H;
+  // Windows cut from a batch's slots hold parts of its sequences: no cut there.
+  if (p.N < 1 || chains > kBackwardSegmentMaxChains || (p.N > 1 && window < p.num_slots)) {
     return 1;
   }
-  const int64_t H = std::max<int64_t>(p.H, 1);
-  const int64_t wanted = pow2_ceil((kBackwardSegmentTargetPairs + H - 1) / H);
-  const int64_t by_length = window / (kSegmentChunksPerPair * H);
+  const int64_t chunks = p.N == 1 ? window : p.num_slots / p.N;  // a sequence's, on average
+  if (chunks < kBackwardSegmentMinChunks) {
+    return 1;
+  }
+  const int64_t wanted = pow2_ceil((kBackwardSegmentTargetChains + chains - 1) / chains);
+  const int64_t by_length = chunks / (kSegmentChunksPerPair * p.H);
   const int64_t segments = std::min({wanted, by_length >= 1 ? pow2_floor(by_length) : 1, kMaxSegments});
   return std::max<int64_t>(segments, 1);
 }
@@ -288,12 +295,10 @@ BackwardPlan backward_plan(const FwdParams& p, int64_t device_memory, bool saved
   plan.ds_block = forced_or("ds_block", f.ds_block, p.head_size, kDsBlocks, automatic_ds_block(p));
   plan.window = f.window_slots.has_value() ? forced_window(*f.window_slots, p.num_slots)
                                            : backward_window(p, device_memory, saved_states, saved_records);
-  // Segments cut a lone sequence's windows, or every sequence of one pass
-  // (the latter only forced: not measured).
-  const bool one_pass = plan.window >= p.num_slots;
-  plan.segments = p.N == 1 ? f.segments.value_or(automatic_backward_segments(p, plan.window))
-                  : one_pass ? f.segments.value_or(1)
-                             : 1;
+  // Segments cut a lone sequence's windows, or every sequence of one pass.
+  plan.segments = p.N == 1 || plan.window >= p.num_slots
+                      ? f.segments.value_or(automatic_backward_segments(p, plan.window))
+                      : 1;
   if (plan.segments > 1) {
     FwdParams cut = p;
     cut.N = p.N * plan.segments;
