@@ -130,6 +130,31 @@ def test_several_sequences_in_one_pass(P, lower_bound):
     check_grads(f"varlen P={P}", got, float64_grads(g, grad_out, gf, lower_bound))
 
 
+def test_automatic_cut_of_a_batch_of_few_long_sequences():
+    """Two sequences of ~16k tokens on two heads (four chains, 1,024 chunks each):
+    the rule cuts every sequence in one pass without being forced; the gradients
+    within the segments' rounding of one pass's, which the tests above hold to float64."""
+    _, g = cuda_inputs(seqlens=[16384, 16390], H=2, state_dtype=torch.float32)
+    props = torch.cuda.get_device_properties(0)
+    plan = torch.ops.kda_testing.backward_plan(2, 32774, True, 2, props.multi_processor_count, False, 128,
+                                               props.total_memory, saved_states=False, saved_records=False)
+    assert plan[3] > 1
+    grad_out = torch.randn(*g["v"].shape, device=DEV).to(torch.bfloat16)
+    gf = torch.randn(*g["initial_state"].shape, device=DEV)
+
+    def bwd():
+        with nan_filled_empty():
+            return torch.ops.kda.bwd(grad_out, gf, *positional(g), lower_bound=-5.0,
+                                     initial_state=g["initial_state"], cu_seqlens=g["cu_seqlens"])
+
+    got, launches = ds_launches(bwd)
+    assert launches == 2
+    with forced(segments=1):
+        whole = bwd()
+    for name, x, y in zip(GRAD_NAMES, got, whole):
+        assert torch.isfinite(x).all() and rel(x, y) <= 1e-3, name
+
+
 def test_several_sequences_in_windows_stay_whole():
     """Windows cut from a batch's slots hold parts of several sequences: their dS
     recurrence runs whole, one launch a window."""
