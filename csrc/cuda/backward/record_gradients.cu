@@ -365,11 +365,12 @@ __global__ void __launch_bounds__(kGradThreads<D>, kGradBlocksPerSm<D>) record_g
     }
   }
   cp_async_wait<0>();
-  if constexpr (kPairOf<D>) {
-    pair_sync();  // dS1's plane complete; block 1's dQs and dW in block 0's (stored after the next)
-  } else {
-    __syncthreads();  // dS1's plane complete
-  }
+  // dS1's plane complete. Where kPairOf, the sums sent so far are read only
+  // after the pair's one meeting below, which orders every write before it,
+  // and no block writes a part of the other's memory that the other reads
+  // before then: a cluster barrier here (its memory barrier and its wait for
+  // the partner) would order nothing more.
+  __syncthreads();
 
   // dgl, then dKd = U dS1.
   {
@@ -426,7 +427,10 @@ __global__ void __launch_bounds__(kGradThreads<D>, kGradBlocksPerSm<D>) record_g
     }
   }
   if constexpr (kPairOf<D>) {
-    pair_sync();  // block 0's dKd, dAqk and dgl in block 1's; block 0 is done with block 1's memory
+    // Each block's sums from the other in its memory (block 1's dQs and dW in
+    // block 0's; block 0's dKd, dAqk and dgl in block 1's), and neither writes
+    // the other's again: both may read theirs and exit.
+    pair_sync();
     if (part == 0) {
 #pragma unroll
       for (int ks = 0; ks < kKeySlices; ++ks) {
