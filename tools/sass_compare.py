@@ -44,15 +44,19 @@ def tool(name):
     sys.exit(f"sass_compare: {name} not found")
 
 
-def compile_kernels(tree, path, workdir):
-    """{kernel: (sass lines, registers, spill bytes)} of one .cu file of a tree."""
+def nvcc_command(tree, path, obj, *extra):
+    """nvcc compiling one .cu file of a tree for sm_90a into obj (the tools' flags)."""
     includes = [f"-I{p}" for p in cpp_extension.include_paths()] + [f"-I{os.path.join(tree, 'csrc')}"]
     includes += [f"-I{p}" for p in glob.glob(os.path.join(sys.prefix, "lib", "python3*", "site-packages", "nvidia", "cu*", "include"))]
+    return [tool("nvcc"), "-std=c++17", "-O3", "--expt-relaxed-constexpr", "-gencode", "arch=compute_90a,code=sm_90a",
+            "-DTORCH_KDA_WITH_CUDA", "-D_GLIBCXX_USE_CXX11_ABI=1", *extra, *includes, "-c", os.path.join(tree, path),
+            "-o", obj]
+
+
+def compile_kernels(tree, path, workdir):
+    """{kernel: (sass lines, registers, spill bytes)} of one .cu file of a tree."""
     obj = os.path.join(workdir, "k.o")
-    cmd = [tool("nvcc"), "-std=c++17", "-O3", "--expt-relaxed-constexpr", "-gencode", "arch=compute_90a,code=sm_90a",
-           "-DTORCH_KDA_WITH_CUDA", "-D_GLIBCXX_USE_CXX11_ABI=1", "-Xptxas", "-v", *includes, "-c",
-           os.path.join(tree, path), "-o", obj]
-    run = subprocess.run(cmd, capture_output=True, text=True)
+    run = subprocess.run(nvcc_command(tree, path, obj, "-Xptxas", "-v"), capture_output=True, text=True)
     if run.returncode != 0:
         sys.exit(f"sass_compare: {path} does not compile in {tree}:\n{run.stderr[-3000:]}")
     usage, current = {}, None

@@ -21,9 +21,7 @@ import sys
 import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from sass_compare import ROOT, demangle, tool  # noqa: E402
-
-import torch.utils.cpp_extension as cpp_extension  # noqa: E402
+from sass_compare import ROOT, demangle, nvcc_command, tool  # noqa: E402
 
 CLASSES = [
     ("int", re.compile(r"^(IMAD|IADD3|IADD|SHF|LEA|LOP3|ISETP|VIADD|SEL|MOV|PRMT|IABS|IMNMX|VIMNMX|P2R|R2P|CS2R|S2R|"
@@ -40,13 +38,8 @@ CLASSES = [
 
 
 def compile_cubin(path, workdir):
-    includes = [f"-I{p}" for p in cpp_extension.include_paths()] + [f"-I{os.path.join(ROOT, 'csrc')}"]
-    includes += [f"-I{p}" for p in glob.glob(os.path.join(sys.prefix, "lib", "python3*", "site-packages", "nvidia", "cu*", "include"))]
     obj = os.path.join(workdir, "k.o")
-    cmd = [tool("nvcc"), "-std=c++17", "-O3", "-lineinfo", "--expt-relaxed-constexpr", "-gencode",
-           "arch=compute_90a,code=sm_90a", "-DTORCH_KDA_WITH_CUDA", "-D_GLIBCXX_USE_CXX11_ABI=1", *includes, "-c",
-           os.path.join(ROOT, path), "-o", obj]
-    run = subprocess.run(cmd, capture_output=True, text=True)
+    run = subprocess.run(nvcc_command(ROOT, path, obj, "-lineinfo"), capture_output=True, text=True)
     if run.returncode != 0:
         sys.exit(f"sass_lines: {path} does not compile:\n{run.stderr[-3000:]}")
     subprocess.run([tool("cuobjdump"), "-xelf", "all", obj], cwd=workdir, capture_output=True, check=True)

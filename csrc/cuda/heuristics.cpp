@@ -215,10 +215,11 @@ constexpr int64_t kBackwardSegmentMaxChains = 8;
 constexpr int64_t kBackwardSegmentTargetChains = 32;
 constexpr int64_t kBackwardSegmentMinChunks = 1024;
 
+// window: a lone sequence's window, or for a batch one pass (backward_plan
+// cuts a batch in one pass only).
 int64_t automatic_backward_segments(const FwdParams& p, int64_t window) {
   const int64_t chains = p.N * p.H;
-  // Windows cut from a batch's slots hold parts of its sequences: no cut there.
-  if (p.N < 1 || chains > kBackwardSegmentMaxChains || (p.N > 1 && window < p.num_slots)) {
+  if (p.N < 1 || chains > kBackwardSegmentMaxChains) {
     return 1;
   }
   const int64_t chunks = p.N == 1 ? window : p.num_slots / p.N;  // a sequence's, on average
@@ -295,7 +296,8 @@ BackwardPlan backward_plan(const FwdParams& p, int64_t device_memory, bool saved
   plan.ds_block = forced_or("ds_block", f.ds_block, p.head_size, kDsBlocks, automatic_ds_block(p));
   plan.window = f.window_slots.has_value() ? forced_window(*f.window_slots, p.num_slots)
                                            : backward_window(p, device_memory, saved_states, saved_records);
-  // Segments cut a lone sequence's windows, or every sequence of one pass.
+  // Segments cut a lone sequence's windows, or every sequence of one pass:
+  // windows cut from a batch's slots hold parts of its sequences.
   plan.segments = p.N == 1 || plan.window >= p.num_slots
                       ? f.segments.value_or(automatic_backward_segments(p, plan.window))
                       : 1;

@@ -2,11 +2,11 @@
 // recurrence's block shapes, the 4x1w forward's copy point, the windows of
 // chunk slots that bound the forward's workspace and the backward's scratch,
 // and the segments a long sequence is cut into (segments.h; in the backward,
-// a lone sequence's windows). None of them changes a result's meaning; the
-// block shapes and the segments change its low bits (they sum in different
-// orders), the windows none but where the backward cuts them into segments,
-// which follow the window. The testing hook (testing/hook.h) overrides each
-// of them for the whole process.
+// a lone sequence's windows or a batch's sequences in one pass). None of them
+// changes a result's meaning; the block shapes and the segments change its low
+// bits (they sum in different orders), the windows none but where the
+// backward cuts them into segments, which follow the window. The testing hook
+// (testing/hook.h) overrides each of them for the whole process.
 #pragma once
 
 #include <cstdint>
