@@ -93,44 +93,23 @@ def test_agrees_with_one_pass_and_is_deterministic():
         assert rel(x, z) <= 2e-3, name
 
 
-def test_graph_replay_with_new_inputs():
-    """Captured with segments and windows, replayed on new inputs: bitwise the eager call."""
-    _, g = cuda_inputs(B=1, T=700, H=2, state_dtype=torch.float32)
+@pytest.mark.parametrize("shape, window, lower_bound", [
+    (dict(B=1, T=700), 20, -5.0),                 # a lone sequence, with windows
+    (dict(seqlens=[300, 0, 450, 17]), 0, None),   # a varlen batch in one pass, an empty sequence among them
+], ids=["lone", "batch"])
+def test_graph_replay_with_new_inputs(shape, window, lower_bound):
+    """Captured with segments, replayed on new inputs: bitwise the eager call."""
+    _, g = cuda_inputs(H=2, state_dtype=torch.float32, **shape)
     grad_out = torch.randn(*g["v"].shape, device=DEV).to(torch.bfloat16)
     gf = torch.randn(*g["initial_state"].shape, device=DEV)
 
     def step():
-        with forced(segments=4, window_slots=20):
-            return torch.ops.kda.bwd(grad_out, gf, *positional(g), lower_bound=-5.0,
+        with forced(segments=4, window_slots=window):
+            return torch.ops.kda.bwd(grad_out, gf, *positional(g), lower_bound=lower_bound,
                                      initial_state=g["initial_state"], cu_seqlens=g["cu_seqlens"])
 
     graph, outs = capture_graph(step)
-    _, fresh = cuda_inputs(B=1, T=700, H=2, state_dtype=torch.float32)
-    for name in ("q", "k", "v", "g", "beta", "A_log", "dt_bias", "initial_state"):
-        g[name].copy_(fresh[name])
-    grad_out.copy_(torch.randn_like(grad_out.float()).to(torch.bfloat16))
-    gf.copy_(torch.randn_like(gf))
-    graph.replay()
-    torch.cuda.synchronize()
-    for name, x, y in zip(GRAD_NAMES, outs, step()):
-        assert torch.equal(x, y), name
-
-
-def test_graph_replay_of_a_batch_in_one_pass():
-    """A varlen batch (an empty sequence among them) captured with every sequence cut,
-    replayed on new inputs: bitwise the eager call."""
-    seqlens = [300, 0, 450, 17]
-    _, g = cuda_inputs(seqlens=seqlens, H=2, state_dtype=torch.float32)
-    grad_out = torch.randn(*g["v"].shape, device=DEV).to(torch.bfloat16)
-    gf = torch.randn(*g["initial_state"].shape, device=DEV)
-
-    def step():
-        with forced(segments=4, window_slots=0):
-            return torch.ops.kda.bwd(grad_out, gf, *positional(g), lower_bound=None,
-                                     initial_state=g["initial_state"], cu_seqlens=g["cu_seqlens"])
-
-    graph, outs = capture_graph(step)
-    _, fresh = cuda_inputs(seqlens=seqlens, H=2, state_dtype=torch.float32)
+    _, fresh = cuda_inputs(H=2, state_dtype=torch.float32, **shape)
     for name in ("q", "k", "v", "g", "beta", "A_log", "dt_bias", "initial_state"):
         g[name].copy_(fresh[name])
     grad_out.copy_(torch.randn_like(grad_out.float()).to(torch.bfloat16))
