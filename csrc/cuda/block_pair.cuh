@@ -19,7 +19,7 @@ namespace kda::cuda {
 // The blocks of a (chunk slot, head) at head size D in the kernels that split
 // it: two past 128, one below.
 template <int D>
-constexpr int kBlocksOf = D > kHeadDim ? 2 : 1;
+constexpr int kBlocksOf = blocks_of_head_size(D);
 template <int D>
 constexpr bool kPairOf = kBlocksOf<D> > 1;
 

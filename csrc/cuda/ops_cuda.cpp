@@ -302,7 +302,7 @@ BackwardTuple backward_by_kernels(const Problem& p, const Tensor& grad_out, cons
   // their part. A precomputed gate has neither parameter.
   const bool gate_params = !p.precomputed_gate;
   Tensor ddt_part = gate_params ? at::zeros({bounds.num_slots, H, D}, f32) : Tensor();
-  Tensor dA_part = gate_params ? at::zeros({bounds.num_slots, H}, f32) : Tensor();
+  Tensor dA_part = gate_params ? at::zeros({blocks_of_head_size(D) * bounds.num_slots, H}, f32) : Tensor();
 
   BackwardCall call;
   call.fwd = in.params;

@@ -196,6 +196,12 @@ constexpr int64_t bwd_slot_scratch_bytes(int64_t D) {
   return record_bytes(static_cast<int>(D)) + 2 * bwd_state_bytes(D) + record_grad_floats(D) * 4;
 }
 
+// The blocks that share a (chunk slot, head) in the backward kernels that
+// split one (block_pair.cuh): two past 128, one below.
+constexpr int blocks_of_head_size(int64_t D) {
+  return D > kHeadDim ? 2 : 1;
+}
+
 struct PrepareBwdParams {
   FwdParams fwd;  // the inputs, sizes, offsets and slot window, as K1 reads them
   // [slot_end - slot_begin, H, record_grad_floats(head_size)]: indexed from the window's first slot.
@@ -214,8 +220,9 @@ struct PrepareBwdParams {
   // the host sums over the group)
   // (dg fp32 with fwd.g_fp32) and dbeta [tokens, H], written for the chunks'
   // real tokens, and per chunk slot the parts of ddt_bias [slots, H, 128] and
-  // dA_log [slots, H] (fp32; none for a precomputed gate), which the host then
-  // sums over the slots with one ATen reduction each (deterministic).
+  // dA_log [blocks_of_head_size(D) * slots, H] (a plane a block of a pair;
+  // fp32; none for a precomputed gate), which the host then sums over the
+  // rows with one ATen reduction each (deterministic).
   struct Grads {
     void* dq = nullptr;
     void* dk = nullptr;

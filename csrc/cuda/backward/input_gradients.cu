@@ -383,9 +383,9 @@ __device__ __forceinline__ void softplus_column_sums(const FwdParams& p, int d, 
 // ddt_bias and dA_log) or to those of lambda and sigmoid(beta) (the private
 // test op). dq, dk of every row wait in sDq, sDk and their products with qn,
 // kn in sT0, sT1 (the tiles' last use). Thread d owns channel ch; in a pair,
-// block `rank` 0 stores what sums over all channels (dA_log's part and dbeta,
-// from sDA_part and sDb of both blocks), and the partner's shared memory is
-// released here (pair_arrive; the kernel waits for the partner at its end).
+// block `rank` 0 stores dbeta (from sDb of both blocks), each block its part
+// of dA_log, and the partner's shared memory is released here (pair_arrive;
+// the kernel waits for the partner at its end).
 template <int D, bool kChain, bool kSoftplus, bool kGiven, int W = kWidthOf<D>>
 __device__ __forceinline__ void activation_gradients(const PrepareBwdParams& bp, const ChunkPlace& c, int d, int ch,
                                                      int rank, const float (&dG)[C], const float (&lam2)[C],
@@ -399,107 +399,133 @@ __device__ __forceinline__ void activation_gradients(const PrepareBwdParams& bp,
   const int64_t H = p.H;
   // G = cumsum(lambda): dlambda_i = sum over j >= i of dG_j.
   if constexpr (kChain) {
+    const int64_t part = (c.slot - p.slot_begin) * H + c.h;
     // Bounded: lambda = lower_bound * sigmoid(x), x = exp(A_log) (g + dt_bias):
     // with dx = dlambda lower_bound s (1 - s), dg = A dx, ddt_bias sums A dx
     // over the tokens and dA_log sums dx x. Softplus: lambda = -A softplus(x),
     // x = g + dt_bias: dg = dlambda (-A) sigmoid(x), ddt_bias sums dg and
-    // dA_log sums dlambda lambda. A precomputed gate: dg = dlambda.
-    float tail = 0.f, ddt = 0.f, dA = 0.f;
-    const ChunkColumn<D> dg(bp.grads.dg, c, H, ch);
-    if constexpr (kGiven) {
-      const ChunkColumn<D, float> dg32(bp.grads.dg, c, H, ch);
+    // dA_log sums dlambda lambda. A precomputed gate: dg = dlambda. Stores dg
+    // and this channel's part of ddt_bias, and leaves the warps' parts of
+    // dA_log in sDA_part.
+    auto gate_rows = [&] {
+      float tail = 0.f, ddt = 0.f, dA = 0.f;
+      const ChunkColumn<D> dg(bp.grads.dg, c, H, ch);
+      if constexpr (kGiven) {
+        const ChunkColumn<D, float> dg32(bp.grads.dg, c, H, ch);
 #pragma unroll
-      for (int i = C - 1; i >= 0; --i) {
-        tail += dG[i];
-        if (i < c.len) {
-          // As below: a decay that underflows leaves dlambda only rounding.
-          const float dlam = kSoftplus && lam2[i] < -126.f ? 0.f : tail;
-          if (p.g_fp32) {
-            dg32.store(i, dlam);
-          } else {
-            dg.store(i, dlam);
+        for (int i = C - 1; i >= 0; --i) {
+          tail += dG[i];
+          if (i < c.len) {
+            // As below: a decay that underflows leaves dlambda only rounding.
+            const float dlam = kSoftplus && lam2[i] < -126.f ? 0.f : tail;
+            if (p.g_fp32) {
+              dg32.store(i, dlam);
+            } else {
+              dg.store(i, dlam);
+            }
+          }
+        }
+      } else {
+        const float A = expf(p.A_log[c.h]);
+        const float bias = p.dt_bias[c.h * D + ch];
+#pragma unroll
+        for (int i = C - 1; i >= 0; --i) {
+          tail += dG[i];
+          if (i < c.len) {
+            if constexpr (kSoftplus) {
+              // Every term of dlambda_i holds the token's own decay as a factor,
+              // so a decay that underflows to zero (lambda < -87) has dlambda_i = 0
+              // exactly; the suffix sum leaves there only the rounding of terms
+              // that cancel, which dA_log's lambda_i (up to -1e30) would amplify.
+              const float dlam = lam2[i] < -126.f ? 0.f : tail;
+              const float x = sG[i][d] + bias;
+              const float dx = -A * dlam * fast_rcp(1.f + fast_exp2(-kLog2e * x));
+              dg.store(i, dx);
+              ddt += dx;
+              dA += dlam * lam2[i] * kLn2;
+            } else {
+              const float x = A * (sG[i][d] + bias);
+              const float s = fast_rcp(1.f + fast_exp2(-kLog2e * x));
+              const float darg = tail * p.lower_bound * s * (1.f - s);
+              dg.store(i, darg * A);
+              ddt += darg * A;
+              dA += darg * x;
+            }
           }
         }
       }
-    } else {
-      const float A = expf(p.A_log[c.h]);
-      const float bias = p.dt_bias[c.h * D + ch];
-#pragma unroll
-      for (int i = C - 1; i >= 0; --i) {
-        tail += dG[i];
-        if (i < c.len) {
-          if constexpr (kSoftplus) {
-            // Every term of dlambda_i holds the token's own decay as a factor,
-            // so a decay that underflows to zero (lambda < -87) has dlambda_i = 0
-            // exactly; the suffix sum leaves there only the rounding of terms
-            // that cancel, which dA_log's lambda_i (up to -1e30) would amplify.
-            const float dlam = lam2[i] < -126.f ? 0.f : tail;
-            const float x = sG[i][d] + bias;
-            const float dx = -A * dlam * fast_rcp(1.f + fast_exp2(-kLog2e * x));
-            dg.store(i, dx);
-            ddt += dx;
-            dA += dlam * lam2[i] * kLn2;
-          } else {
-            const float x = A * (sG[i][d] + bias);
-            const float s = fast_rcp(1.f + fast_exp2(-kLog2e * x));
-            const float darg = tail * p.lower_bound * s * (1.f - s);
-            dg.store(i, darg * A);
-            ddt += darg * A;
-            dA += darg * x;
-          }
+      if constexpr (!kGiven) {
+        bp.grads.ddt_bias_part[part * D + ch] = ddt;
+        dA = warp_sum(dA);
+        if (d % 32 == 0) {
+          sDA_part[d / 32] = dA;
         }
       }
-    }
-    const int64_t part = (c.slot - p.slot_begin) * H + c.h;
-    if constexpr (!kGiven) {
-      bp.grads.ddt_bias_part[part * D + ch] = ddt;
-      dA = warp_sum(dA);
-      if (d % 32 == 0) {
-        sDA_part[d / 32] = dA;
-      }
-    }
-    __syncthreads();
-    channel_sums32<D, W, kPadOf<W>>(
-        sT0, sT1, [](float4 x) { return x.x + x.y + x.z + x.w; }, [](float s) { return s; }, sDot, sDotPart);
-    if (rank == 0) {
-      auto sum_warps = [](const float* parts) {
+    };
+    // This block's part of dA_log, from its warps' (after a barrier).
+    auto store_dA_log = [&](float* dst) {
+      if (d == 0 && !kGiven) {
         float a = 0.f;
 #pragma unroll
         for (int w = 0; w < W / 32; ++w) {
-          a += parts[w];
+          a += sDA_part[w];
         }
-        return a;
-      };
-      if (d == 0 && !kGiven) {
-        bp.grads.dA_log_part[part] =
-            kPairOf<D> ? sum_warps(sDA_part) + sum_warps(partner_of(sDA_part)) : sum_warps(sDA_part);
+        *dst = a;
       }
+    };
+    auto dbeta_rows = [&] {
       if (d < c.len) {
         const float db = kPairOf<D> ? sDb[d] + partner_of(sDb)[d] : sDb[d];
         store_bf16(bp.grads.dbeta, (c.bos + d) * H + c.h, db * sBeta[d] * (1.f - sBeta[d]));
       }
-    }
-    if constexpr (kPairOf<D>) {
-      pair_arrive();
-    }
-    __syncthreads();
+    };
+    auto dot_sums = [&] {
+      channel_sums32<D, W, kPadOf<W>>(
+          sT0, sT1, [](float4 x) { return x.x + x.y + x.z + x.w; }, [](float s) { return s; }, sDot, sDotPart);
+    };
     // The L2 norm's backward: dx = (dxn - xn (xn . dxn)) / ||x||. With grouped
     // value heads, this value head's part in fp32 (the host sums the group's).
-    const ChunkColumn<D> dq(bp.grads.dq, c, H, ch), dk(bp.grads.dk, c, H, ch);
-    const ChunkColumn<D, float> dq32(bp.grads.dq, c, H, ch), dk32(bp.grads.dk, c, H, ch);
+    auto norm_rows = [&] {
+      const ChunkColumn<D> dq(bp.grads.dq, c, H, ch), dk(bp.grads.dk, c, H, ch);
+      const ChunkColumn<D, float> dq32(bp.grads.dq, c, H, ch), dk32(bp.grads.dk, c, H, ch);
 #pragma unroll
-    for (int i = 0; i < C; ++i) {
-      if (i < c.len) {
-        const float dqi = (sDq[i][d] - qn[i] * sDot[0][i]) * sInvNorm[0][i];
-        const float dki = (sDk[i][d] - kn[i] * sDot[1][i]) * sInvNorm[1][i];
-        if (p.group > 1) {
-          dq32.store(i, dqi);
-          dk32.store(i, dki);
-        } else {
-          dq.store(i, dqi);
-          dk.store(i, dki);
+      for (int i = 0; i < C; ++i) {
+        if (i < c.len) {
+          const float dqi = (sDq[i][d] - qn[i] * sDot[0][i]) * sInvNorm[0][i];
+          const float dki = (sDk[i][d] - kn[i] * sDot[1][i]) * sInvNorm[1][i];
+          if (p.group > 1) {
+            dq32.store(i, dqi);
+            dk32.store(i, dki);
+          } else {
+            dq.store(i, dqi);
+            dk.store(i, dki);
+          }
         }
       }
+    };
+    if constexpr (!kPairOf<D>) {
+      gate_rows();
+      __syncthreads();
+      dot_sums();
+      store_dA_log(bp.grads.dA_log_part + part);
+      dbeta_rows();
+      __syncthreads();
+      norm_rows();
+    } else {
+      // In a pair each meeting's release is a memory barrier, which waits for
+      // the thread's stores in flight: the gate's rows (16 stores a thread) go
+      // after the last meeting, and each block stores its own part of dA_log,
+      // in a plane of its own (num_slots rows apart), which the host sums.
+      __syncthreads();
+      dot_sums();
+      if (rank == 0) {
+        dbeta_rows();
+      }
+      pair_arrive();
+      gate_rows();
+      __syncthreads();
+      store_dA_log(bp.grads.dA_log_part + part + rank * p.num_slots * H);
+      norm_rows();
     }
   } else {
     float tail = 0.f;
@@ -614,11 +640,18 @@ __global__ void __launch_bounds__(kWidthOf<D>, kMinBlocks<D>) prepare_backward_k
   const int d = threadIdx.x, ch0 = W * rank, ch = ch0 + d;
   float G2[C], lam2[C], v[C];
   // The record gradients are read from the products on; the inputs first.
+  // In a pair they are asked for after the norms' meeting, whose release
+  // (a memory barrier) would otherwise wait for all of them to land.
+  const float* const d_record = bp.d_record + ((c.slot - p.slot_begin) * H + c.h) * RecordGradLayout<D>::kFloats;
   load_chunk_inputs<D, W, kPadOf<W>, kSoftplus, kGiven>(
       p, c, ch, sm.T0, sm.T1, sm.Beta, sm.InvNorm, sm.NormPart, G2, lam2, v, kChain ? sm.G : nullptr, [&] {
-        copy_record_gradients(bp.d_record + ((c.slot - p.slot_begin) * H + c.h) * RecordGradLayout<D>::kFloats, sm,
-                              d, ch0);
+        if constexpr (!kPairOf<D>) {
+          copy_record_gradients(d_record, sm, d, ch0);
+        }
       });
+  if constexpr (kPairOf<D>) {
+    copy_record_gradients(d_record, sm, d, ch0);
+  }
 
   float qn[C], kn[C], E[C];
 #pragma unroll
