@@ -228,8 +228,7 @@ int64_t automatic_backward_segments(const FwdParams& p, int64_t window) {
   }
   const int64_t wanted = pow2_ceil((kBackwardSegmentTargetChains + chains - 1) / chains);
   const int64_t by_length = chunks / (kSegmentChunksPerPair * p.H);
-  const int64_t segments = std::min({wanted, by_length >= 1 ? pow2_floor(by_length) : 1, kMaxSegments});
-  return std::max<int64_t>(segments, 1);
+  return std::min({wanted, by_length >= 1 ? pow2_floor(by_length) : 1, kMaxSegments});
 }
 
 // The backward's windows when the call is long enough to need them: as few
@@ -293,7 +292,6 @@ BackwardPlan backward_plan(const FwdParams& p, int64_t device_memory, bool saved
   const Forced f = forced();
   BackwardPlan plan;
   plan.recurrence = recurrence_shape(p, f);
-  plan.ds_block = forced_or("ds_block", f.ds_block, p.head_size, kDsBlocks, automatic_ds_block(p));
   plan.window = f.window_slots.has_value() ? forced_window(*f.window_slots, p.num_slots)
                                            : backward_window(p, device_memory, saved_states, saved_records);
   // Segments cut a lone sequence's windows, or every sequence of one pass:
@@ -301,11 +299,10 @@ BackwardPlan backward_plan(const FwdParams& p, int64_t device_memory, bool saved
   plan.segments = p.N == 1 || plan.window >= p.num_slots
                       ? f.segments.value_or(automatic_backward_segments(p, plan.window))
                       : 1;
-  if (plan.segments > 1) {
-    FwdParams cut = p;
-    cut.N = p.N * plan.segments;
-    plan.ds_block = forced_or("ds_block", f.ds_block, p.head_size, kDsBlocks, automatic_ds_block(cut));
-  }
+  // The dS recurrence's shape for the chains it runs: every segment one.
+  FwdParams chains = p;
+  chains.N = p.N * plan.segments;
+  plan.ds_block = forced_or("ds_block", f.ds_block, p.head_size, kDsBlocks, automatic_ds_block(chains));
   return plan;
 }
 

@@ -235,7 +235,7 @@ __global__ void __launch_bounds__(kWarps * 32) ds_recurrence_kernel(const SweepB
       const int e = tid + it * kThreads;
       if (kDoutPieces % kThreads == 0 || e < kDoutPieces) {
         const int t = e / Cfg::kRowPieces, piece = e % Cfg::kRowPieces;
-        const bool valid = (!kEndsOnly || !map_pass) && bos + t < seq_eos;
+        const bool valid = !map_pass && bos + t < seq_eos;
         const unsigned char* src =
             valid ? gout + (((bos + t) * H + h) * D + vcol0) * Cfg::kDoutBytes + piece * 16 : gout;
         cp_async_16_or_zero(smem_u32(st.dout + t * Cfg::kDoutPitch + piece * 16), src, valid);
