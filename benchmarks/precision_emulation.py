@@ -134,11 +134,18 @@ def backward_table(T, D):
 
 
 def rounded(x, dtype):
+    """x rounded to dtype (None: kept), or, for "bf16+8", to bf16 and an extension
+    byte: the remainder in 1/128ths of the bf16 value's ulp (15 significant bits)."""
+    if dtype == "bf16+8":
+        hi = x.to(BF16).double()
+        e = torch.floor(torch.log2(hi.abs().clamp_min(1e-300)))
+        scale = torch.exp2(e - 14)  # ulp(hi) / 128
+        return torch.where(hi == 0, hi, hi + torch.round((x - hi) / scale) * scale)
     return x.to(dtype).double() if dtype is not None else x
 
 
 def kept_state_grads(qn, kn, v, lam, b, h0, dout, dfinal, every, dtype, exact_du=False, ds_every=None,
-                     ds_dtype="as S", ds1_dtype=None, inner_dtype=None):
+                     ds_dtype="as S", ds1_dtype=None, inner_dtype=None, walk_dtype=None):
     """One sequence, one head, float64, as backward_grads, but each chunk's gradient
     reads S and dS as a backward that keeps them every `every` tokens in `dtype`
     (None: exact) would have them: the stored ones rounded, the inner ones
@@ -148,8 +155,9 @@ def kept_state_grads(qn, kn, v, lam, b, h0, dout, dfinal, every, dtype, exact_du
     kernel that walks dS in fp32 but multiplies by it in bf16). exact_du: dU, and
     dW = -dU S from it, come from the exact dS, as the dS recurrence hands dU to
     the record gradients in fp32. inner_dtype rounds each inner S again as it is
-    recomputed (a walk that keeps S in a bf16 plane between its chunks). Also returns
-    the initial state's gradient."""
+    recomputed (a walk that keeps S in a bf16 plane between its chunks); walk_dtype
+    keeps the stored S otherwise for the walk than for the products (which read it
+    in `dtype`, with U formed from that). Also returns the initial state's gradient."""
     ds_every = ds_every or every
     ds_dtype = dtype if ds_dtype == "as S" else ds_dtype
     scale = qn.shape[-1] ** -0.5
@@ -171,11 +179,11 @@ def kept_state_grads(qn, kn, v, lam, b, h0, dout, dfinal, every, dtype, exact_du
 
     kept_s, kept_u = [None] * len(chunks), [None] * len(chunks)
     for block in blocks(every // C):
-        S = rounded(states[block[0]], dtype)
-        for i in block:
-            kept_s[i] = S
-            _, S, kept_u[i] = chunk_step(S, recs[i])
-            S = rounded(S, inner_dtype)
+        S = rounded(states[block[0]], walk_dtype or dtype)
+        for n, i in enumerate(block):
+            kept_s[i] = rounded(S, dtype) if n == 0 or walk_dtype else S
+            kept_u[i] = chunk_step(kept_s[i], recs[i])[2]
+            S = rounded(chunk_step(S, recs[i])[1], inner_dtype)
     kept_ds1 = [None] * len(chunks)
     for block in blocks(ds_every // C):
         dS = rounded(dstates[block[-1]], ds_dtype)
@@ -213,6 +221,11 @@ def states_table(T, D):
          dict(every=32, dtype=BF16, exact_du=True, ds_every=16, inner_dtype=BF16)),
         ("S every 64, bf16, inner rounded to bf16; dS every 16, bf16; dU fp32",
          dict(every=64, dtype=BF16, exact_du=True, ds_every=16, inner_dtype=BF16)),
+        # ... the stored S with an extension byte a value for the walk.
+        ("S every 32, bf16 + extension byte, inner rounded to bf16; dS every 16, bf16; dU fp32",
+         dict(every=32, dtype=BF16, walk_dtype="bf16+8", exact_du=True, ds_every=16, inner_dtype=BF16)),
+        ("S every 64, bf16 + extension byte, walked with it; dS every 16, bf16; dU fp32",
+         dict(every=64, dtype=BF16, walk_dtype="bf16+8", exact_du=True, ds_every=16, inner_dtype="bf16+8")),
     )
     print("| case | states kept | dq^ | dk^ | dv | dlam | dbeta |")
     print("|---|---|---|---|---|---|---|")
