@@ -16,8 +16,7 @@
 
 namespace kda::cuda {
 
-// The blocks of a (chunk slot, head) at head size D in the kernels that split
-// it: two past 128, one below.
+// blocks_of_head_size (params.h) as a constant of the kernels' head size.
 template <int D>
 constexpr int kBlocksOf = blocks_of_head_size(D);
 template <int D>
