@@ -2,16 +2,19 @@
 64, 128 and 256 at 1 x 8192 and 8 x 1024 tokens with 32 heads, and grouped value heads
 (HV = 2 H) at 8192 tokens, 96 value heads:
 
-    python3 benchmarks/bench_configs.py [--no-fla] [--fla-backward] [--only D256 ...] [--stages]
+    python3 benchmarks/bench_configs.py [--no-fla] [--fla-backward] [--warm-fla N] [--only D256 ...] [--stages]
 
 Bounded gate (lower_bound = -5), bf16 inputs, an fp32 initial state and the final
 state returned; medians of CUDA events (ms), eager calls. Forward: torch_kda.kda
 without gradients; step: forward + backward of every input, its gradients new tensors
 each step (bench_bwd.fresh_step), not added into the last step's. fla's first backward at
-each new shape autotunes for minutes, so its step runs only with --fla-backward.
+each new shape autotunes for minutes, so its step runs only with --fla-backward;
+--warm-fla N first compiles fla's kernels for the chosen configs in N processes
+(fla_warm.py), so that its autotuning finds them compiled.
 --stages prints torch_kda's step time per kernel (the profiler's) under each row.
 """
 import argparse
+import functools
 import os
 import sys
 
@@ -20,6 +23,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_bwd import fresh_step, print_stages  # noqa: E402
 from bench_fwd import fla_gate_args, time_ms, usable  # noqa: E402
+from fla_warm import warm  # noqa: E402
 
 import torch_kda  # noqa: E402
 
@@ -78,6 +82,16 @@ def fla_call(x):
                      **fla_gate_args(LOWER_BOUND))
 
 
+def fla_once(label, backward=True):
+    """One forward of fla's chunk_kda (and with backward one step) at the config
+    labelled so: what fla_warm's processes run."""
+    (_, N, T, H, HV, D), = [cfg for cfg in CONFIGS if cfg[0] == label]
+    fwd, step = forward_and_step(fla_call, inputs(N, T, H, HV, D))
+    fwd()
+    if backward:
+        step()
+
+
 def timed(fn, repeats, label):
     """Median ms, or None where the library refused the configuration."""
     fn = usable(fn, label)
@@ -96,15 +110,18 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--no-fla", action="store_true")
     ap.add_argument("--fla-backward", action="store_true", help="also fla's step (autotunes at each new shape)")
+    ap.add_argument("--warm-fla", type=int, default=0, metavar="N",
+                    help="compile fla's kernels for the chosen configs in N processes first")
     ap.add_argument("--repeats", type=int, default=10)
     ap.add_argument("--only", nargs="+", default=[], help="the configs whose labels contain one of these")
     ap.add_argument("--stages", action="store_true", help="print torch_kda's step time per kernel")
     args = ap.parse_args()
+    chosen = [cfg for cfg in CONFIGS if not args.only or any(part in cfg[0] for part in args.only)]
+    if args.warm_fla and not args.no_fla:
+        warm(functools.partial(fla_once, backward=args.fla_backward), [cfg[0] for cfg in chosen], args.warm_fla)
     print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}")
     print(f"{'config':<22} {'fwd ms':>8} {'fla fwd':>8} {'speedup':>7} {'step ms':>8} {'fla step':>8} {'speedup':>7}")
-    for label, N, T, H, HV, D in CONFIGS:
-        if args.only and not any(part in label for part in args.only):
-            continue
+    for label, N, T, H, HV, D in chosen:
         c = inputs(N, T, H, HV, D)
         fwd, step = forward_and_step(torch_kda_call, c)
         ours = timed(fwd, 2 * args.repeats, f"torch_kda {label}"), timed(step, args.repeats, f"torch_kda {label}")
