@@ -21,25 +21,26 @@ import traceback
 def _size(config):
     """How much a configuration asks of an SM, roughly: its stages, warps and tile sizes."""
     tiles = 1
-    for value in getattr(config, "kwargs", {}).values():
+    for value in config.kwargs.values():
         if isinstance(value, int):
             tiles *= value
-    return (getattr(config, "num_stages", 0), getattr(config, "num_warps", 0), tiles)
+    return (config.num_stages, config.num_warps, tiles)
 
 
 def _narrowed(index, workers):
     """Triton's autotuner, from now on in this process, trying only this worker's
-    share of each kernel's configurations (every one if it has fewer than workers),
-    plus the smallest one: a share whose own configurations all need more shared
-    memory than an SM has would otherwise leave the call nothing to run, and the
-    rest of the worker's calls uncompiled."""
+    share of each kernel's configurations plus the smallest one: a share whose
+    own configurations all need more shared memory than an SM has (or an empty
+    share, where a kernel has fewer configurations than there are workers)
+    would otherwise leave the call nothing to run, and the rest of the worker's
+    calls uncompiled."""
     from triton.runtime.autotuner import Autotuner
 
     prune = Autotuner.prune_configs
 
     def prune_share(self, *args, **kwargs):
         configs = prune(self, *args, **kwargs)
-        share = configs[index::workers] or configs[index % len(configs):][:1]
+        share = configs[index::workers]
         smallest = min(configs, key=_size)
         return share if smallest in share else share + [smallest]
 

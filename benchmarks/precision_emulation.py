@@ -180,10 +180,12 @@ def kept_state_grads(qn, kn, v, lam, b, h0, dout, dfinal, every, dtype, exact_du
     kept_s, kept_u = [None] * len(chunks), [None] * len(chunks)
     for block in blocks(every // C):
         S = rounded(states[block[0]], walk_dtype or dtype)
-        for n, i in enumerate(block):
-            kept_s[i] = rounded(S, dtype) if n == 0 or walk_dtype else S
-            kept_u[i] = chunk_step(kept_s[i], recs[i])[2]
-            S = rounded(chunk_step(S, recs[i])[1], inner_dtype)
+        for i in block:
+            kept_s[i] = rounded(S, dtype) if walk_dtype else S
+            _, after, kept_u[i] = chunk_step(kept_s[i], recs[i])
+            if walk_dtype:  # the walk steps its own S, not the products' rounding of it
+                after = chunk_step(S, recs[i])[1]
+            S = rounded(after, inner_dtype)
     kept_ds1 = [None] * len(chunks)
     for block in blocks(ds_every // C):
         dS = rounded(dstates[block[-1]], ds_dtype)
